@@ -1,0 +1,1 @@
+"""What the user runs: CLI, topology, process supervisor, dashboard, client."""

@@ -1,0 +1,191 @@
+"""The `disagg` command: launch, status, submit, stop.
+
+Exit codes: 0 success, 1 a request failed, 2 usage error, 3 cannot reach the orchestrator.
+Heavy imports (torch, diffusers) never happen here: only role processes load them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+import msgspec
+from rich.console import Console
+
+from launcher.client import Client, Unreachable, default_endpoint
+from launcher.dashboard import status_view
+from launcher.prompts import PromptError, load_prompts
+from launcher.topology import ConfigError, load_config, validate
+from orchestrator.dispatch import POLICIES
+from transport.selection import CHOICES as TRANSFER_CHOICES
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+endpoint_option = click.option(
+    "--endpoint", default=default_endpoint, show_default="$DISAGG_ENDPOINT or tcp://127.0.0.1:5555",
+    help="The orchestrator's client endpoint.",
+)
+
+
+def _console() -> Console:
+    return Console(stderr=False)
+
+
+def _unreachable(exc: Exception) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(EXIT_UNREACHABLE)
+
+
+def _int_list(text: str | None, name: str, length: int | None = None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
+    if length is not None and len(values) != length:
+        raise click.BadParameter(f"expected {length} comma-separated integers, got {text!r}", param_hint=name)
+    if any(v < 0 for v in values):
+        raise click.BadParameter("values must not be negative", param_hint=name)
+    return values
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log the launcher's own steps.")
+def cli(verbose: bool) -> None:
+    """disagg: diffusion serving with encoders, denoisers and decoders as separate pools."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in tiny deployment, as in configs/tiny.yaml).")
+@click.option("--model", help="Model to serve: 'tiny' (embedded default).")
+@click.option("-e", "--encoders", type=click.IntRange(1, 256), help="Number of encoder instances.")
+@click.option("-d", "--denoisers", type=click.IntRange(1, 256), help="Number of denoiser instances.")
+@click.option("-k", "--decoders", type=click.IntRange(1, 256), help="Number of decoder instances.")
+@click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
+@click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
+@click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65534), help="Client port; roles use PORT+1 (default 5555).")
+@click.option("--transfer", type=click.Choice(TRANSFER_CHOICES), help="Transfer engine between stages (default auto).")
+@click.option("--dispatch", type=click.Choice(sorted(POLICIES)), help="Dispatch policy (default max-free-slots).")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Where per-process logs go (default $TMPDIR/disagg/RUN_ID).")
+@click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
+@click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
+@click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
+def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, host, port, transfer, dispatch,
+           run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
+    """Start the orchestrator and every role process, and show them live.
+
+    Flags override the config file, which overrides the built-in defaults. Ctrl-C (or SIGTERM)
+    stops every process and removes the run's shared memory.
+    """
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from None
+    for key, value in (("model", model), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch)):
+        if value is not None:
+            setattr(config, key, value)
+    for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):
+        if count is not None:
+            getattr(config, role_key).count = count
+    caps = _int_list(capacity, "--capacity", 3)
+    if caps:
+        if min(caps) < 1:
+            raise click.BadParameter("every capacity must be at least 1", param_hint="--capacity")
+        config.encoders.capacity, config.denoisers.capacity, config.decoders.capacity = caps
+    gpu_list = _int_list(gpus, "--gpus")
+    if gpu_list is not None:
+        config.gpus = gpu_list
+    try:
+        validate(config)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    prompts = None
+    if submit_path:
+        try:
+            prompts = load_prompts(submit_path)
+        except PromptError as exc:
+            raise click.BadParameter(str(exc), param_hint="--submit") from None
+    from launcher.run import run_deployment
+
+    sys.exit(run_deployment(config, _console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency))
+
+
+@cli.command()
+@endpoint_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
+def status(endpoint: str, as_json: bool, watch: bool) -> None:
+    """Show every instance's state, free slots and queues."""
+    console = _console()
+    with Client(endpoint) as client:
+        try:
+            report = client.status()
+        except Unreachable as exc:
+            _unreachable(exc)
+        if as_json:
+            click.echo(json.dumps(msgspec.to_builtins(report), indent=2))
+            return
+        if not watch:
+            console.print(status_view(report, title=f"disagg at {endpoint}"))
+            return
+        from rich.live import Live
+
+        try:
+            with Live(status_view(report), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(0.5)
+                    try:
+                        live.update(status_view(client.status(), title=f"disagg at {endpoint}"))
+                    except Unreachable as exc:
+                        _unreachable(exc)
+        except KeyboardInterrupt:
+            pass
+
+
+@cli.command()
+@click.argument("prompts", type=click.Path(dir_okay=False))
+@endpoint_option
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Where images go, named by request id.")
+@click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Requests in flight at once.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), help="Per-request deadline in seconds (default: the deployment's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every request's outcome and stage timings.")
+def submit(prompts: str, endpoint: str, out_dir: str, concurrency: int, timeout_s, as_json: bool) -> None:
+    """Run the prompts in PROMPTS (a JSON object, a list, or JSON Lines) and save the images."""
+    try:
+        params = load_prompts(prompts)
+    except PromptError as exc:
+        raise click.BadParameter(str(exc), param_hint="PROMPTS") from None
+    from launcher.batch import run_prompts
+
+    with Client(endpoint) as client:
+        try:
+            code = run_prompts(client, params, Path(out_dir), concurrency, _console(), as_json, timeout_s)
+        except Unreachable as exc:
+            _unreachable(exc)
+    sys.exit(code)
+
+
+@cli.command()
+@endpoint_option
+def stop(endpoint: str) -> None:
+    """Shut the deployment down: the orchestrator stops every role, then the launcher exits."""
+    with Client(endpoint) as client:
+        try:
+            client.stop()
+        except Unreachable as exc:
+            _unreachable(exc)
+    click.echo(f"stopping the deployment at {endpoint}")
+
+
+def main() -> None:
+    cli(prog_name="disagg")
+
+

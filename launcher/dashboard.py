@@ -1,0 +1,60 @@
+"""The live table of every instance, and the plain one-line-per-event log used without it."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from transport.messages import StatusReport
+
+STATE_STYLE = {"ready": "green", "starting": "yellow", "draining": "cyan", "dead": "bold red"}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def status_view(report: StatusReport, title: str = "disagg") -> Group:
+    """A Rich renderable of one snapshot: the instance table and a line of totals."""
+    table = Table(title=title, title_justify="left", expand=False)
+    for col, justify in [
+        ("role", "left"), ("id", "left"), ("pid", "right"), ("device", "left"), ("state", "left"),
+        ("free/cap", "right"), ("in flight", "right"), ("done", "right"), ("failed", "right"),
+        ("engine", "left"), ("pool MiB used/total", "right"),
+    ]:
+        table.add_column(col, justify=justify, no_wrap=True)
+    for i in report.instances:
+        table.add_row(
+            i.role, i.id, str(i.pid), i.device, Text(i.state, style=STATE_STYLE.get(i.state, "")),
+            f"{i.free_slots}/{i.capacity}", str(i.in_flight), str(i.completed), str(i.failed),
+            i.engine, f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
+        )
+    q = report.queues
+    r = report.requests
+    totals = Text.assemble(
+        ("queues ", "bold"), f"encoder {q.get('encoder', 0)}  denoiser {q.get('denoiser', 0)}  decoder {q.get('decoder', 0)}   ",
+        ("requests ", "bold"), f"in flight {r.in_flight}  completed {r.completed}  failed {r.failed}   ",
+        ("throughput ", "bold"), f"{report.throughput_rps:.2f} req/s",
+    )
+    orch = report.orchestrator
+    head = Text(f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s", style="dim")
+    return Group(table, totals, head)
+
+
+def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
+    """Plain log lines for what changed between two snapshots (the --no-dashboard output)."""
+    lines = []
+    before = {i.id: i for i in prev.instances} if prev else {}
+    for i in cur.instances:
+        old = before.get(i.id)
+        if old is None or old.state != i.state:
+            lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
+    if prev is None or (prev.requests.completed, prev.requests.failed) != (cur.requests.completed, cur.requests.failed):
+        r = cur.requests
+        if r.completed or r.failed:
+            lines.append(
+                f"requests: {r.completed} completed, {r.failed} failed, {r.in_flight} in flight "
+                f"({cur.throughput_rps:.2f} req/s)"
+            )
+    return lines

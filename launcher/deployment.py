@@ -1,0 +1,167 @@
+"""One running deployment: the orchestrator and every role process, started, watched and stopped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+
+from launcher.client import Client, Unreachable
+from launcher.supervisor import Child, Supervisor
+from launcher.topology import DeploymentConfig, Placement, place
+from transport.messages import StatusReport
+from transport.shm import SHM_PREFIX, remove_segments
+
+log = logging.getLogger("disagg.launcher")
+
+POLL_S = 0.2
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class BootError(RuntimeError):
+    """A process of the deployment failed before it was ready."""
+
+
+class Deployment:
+    """Starts the orchestrator and N:M:K roles, waits for them, and tears everything down."""
+
+    def __init__(self, config: DeploymentConfig, run_dir: str | Path | None = None):
+        self.config = config
+        self.run_id = uuid.uuid4().hex[:8]
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.gettempdir()) / "disagg" / self.run_id
+        self.supervisor = Supervisor(self.run_dir)
+        self.placements: list[Placement] = place(config)
+        self.endpoint = f"tcp://{config.host}:{config.port}"
+        self.host_id = socket.gethostname()
+        self.shm_prefix = f"{SHM_PREFIX}{self.run_id}-"
+        self.interrupted = False
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame):
+            self.interrupted = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def start(self) -> None:
+        """Spawn everything; return once every instance is ready. Raises BootError."""
+        self.start_processes()
+        self.wait_ready()
+
+    def start_processes(self) -> None:
+        """Spawn the orchestrator, wait until it answers, then spawn every role."""
+        c = self.config
+        self.supervisor.spawn(
+            "orchestrator",
+            self.supervisor.python(
+                "orchestrator",
+                "--host", c.host, "--port", str(c.port),
+                "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--request-timeout", str(c.request_timeout_s),
+                "--dispatch", c.dispatch, "--transfer", c.transfer,
+            ),
+            env=self._env(),
+        )
+        self._wait_reachable()
+        for p in self.placements:
+            self.spawn_role(p)
+
+    def spawn_role(self, p: Placement) -> Child:
+        spec = {
+            "role": p.role,
+            "instance_id": p.instance_id,
+            "endpoint": f"tcp://{self.config.host}:{self.config.port + 1}",
+            "model": self.config.model,
+            "device": p.device,
+            "capacity": p.capacity,
+            "pool_bytes": p.pool_bytes,
+            "pool_name": f"{self.shm_prefix}{p.instance_id}",
+            "host_id": self.host_id,
+            "threads": len(p.cpus),
+        }
+        env = self._env()
+        env["CUDA_VISIBLE_DEVICES"] = "" if p.gpu is None else str(p.gpu)
+        env["OMP_NUM_THREADS"] = str(max(1, len(p.cpus)))
+        return self.supervisor.spawn(
+            p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus
+        )
+
+    def _env(self) -> dict[str, str]:
+        path = os.environ.get("PYTHONPATH")
+        return {
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else ""),
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+            "DISAGG_RUN_ID": self.run_id,
+        }
+
+    def _check_children(self) -> None:
+        for child in self.supervisor.reap_children():
+            why = "failed to start" if child.boot_error else f"exited with status {child.returncode}"
+            raise BootError(f"{child.name} {why} before the deployment was ready; last log lines "
+                            f"({child.log_path}):\n{child.log_tail()}")
+
+    def _wait_reachable(self) -> None:
+        deadline = time.monotonic() + 30
+        with Client(self.endpoint) as client:
+            while True:
+                self._check_children()
+                if self.interrupted:
+                    raise KeyboardInterrupt
+                try:
+                    client.status(timeout_s=0.5)
+                    return
+                except Unreachable:
+                    if time.monotonic() > deadline:
+                        raise BootError(f"the orchestrator did not answer at {self.endpoint} within 30 s") from None
+
+    def wait_ready(self, on_status=None) -> StatusReport:
+        expected = {p.instance_id for p in self.placements}
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        with Client(self.endpoint) as client:
+            while True:
+                self._check_children()
+                if self.interrupted:
+                    raise KeyboardInterrupt
+                report = client.status(timeout_s=5)
+                if on_status:
+                    on_status(report)
+                ready = {i.id for i in report.instances if i.state == "ready"}
+                if expected <= ready:
+                    return report
+                if time.monotonic() > deadline:
+                    missing = ", ".join(sorted(expected - ready))
+                    raise BootError(f"not ready after {self.config.ready_timeout_s:g} s: {missing}")
+                time.sleep(POLL_S)
+
+    def status(self, client: Client) -> StatusReport | None:
+        try:
+            return client.status(timeout_s=2)
+        except Unreachable:
+            return None
+
+    def shutdown(self) -> None:
+        """Ask the orchestrator to stop the roles, then make sure every process and segment is gone."""
+        if self.supervisor.children.get("orchestrator") and self.supervisor.running():
+            try:
+                with Client(self.endpoint) as client:
+                    client.stop(timeout_s=1)
+                deadline = time.monotonic() + 3
+                while self.supervisor.running() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except (Unreachable, RuntimeError):
+                pass
+        self.supervisor.stop_all()
+        leftover = remove_segments(self.shm_prefix)
+        if leftover:
+            log.info("removed %d shared-memory segments left by killed processes", len(leftover))

@@ -1,0 +1,113 @@
+"""The deployment: config file + flags -> the list of processes to start and where they run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from transport.selection import CHOICES as TRANSFER_CHOICES
+
+ROLE_KEYS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
+
+
+class ConfigError(ValueError):
+    """A config file or flag combination that cannot describe a deployment."""
+
+
+class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One role's pool of instances."""
+
+    count: Annotated[int, Meta(ge=0, le=256)] = 1
+    capacity: Annotated[int, Meta(ge=1, le=1024)] = 1
+    pool_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 64
+    gpus: list[Annotated[int, Meta(ge=0)]] | None = None
+
+
+class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything `disagg launch` needs; configs/tiny.yaml holds these defaults, commented."""
+
+    model: str = "tiny"
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65534)] = 5555
+    transfer: str = "auto"
+    dispatch: str = "max-free-slots"
+    gpus: list[Annotated[int, Meta(ge=0)]] = []
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
+    request_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+    ready_timeout_s: Annotated[float, Meta(gt=0)] = 180.0
+    encoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
+    denoisers: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=2))
+    decoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
+
+    def role(self, role: str) -> RoleConfig:
+        return getattr(self, ROLE_KEYS[role])
+
+
+def load_config(path: str | Path | None) -> DeploymentConfig:
+    """Built-in defaults, overridden by the YAML file at `path` if given."""
+    if path is None:
+        return DeploymentConfig()
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    try:
+        config = msgspec.convert(data, DeploymentConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
+    validate(config)
+    return config
+
+
+def validate(config: DeploymentConfig) -> None:
+    if config.transfer not in TRANSFER_CHOICES:
+        raise ConfigError(f"transfer must be one of {', '.join(TRANSFER_CHOICES)}, got {config.transfer!r}")
+    for role in ROLE_KEYS:
+        if config.role(role).count < 1:
+            raise ConfigError(f"{ROLE_KEYS[role]}.count must be at least 1")
+
+
+@dataclass
+class Placement:
+    """One role instance and where it runs."""
+
+    role: str
+    instance_id: str
+    capacity: int
+    pool_bytes: int
+    gpu: int | None
+    cpus: list[int]
+
+    @property
+    def device(self) -> str:
+        # CUDA_VISIBLE_DEVICES shows the child only its own GPU, which it then sees as cuda:0
+        return "cpu" if self.gpu is None else "cuda:0"
+
+
+def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Placement]:
+    """Every role instance, with its GPU (round-robin over the role's or the global list) and CPUs."""
+    cpu_ids = cpu_ids if cpu_ids is not None else sorted(os.sched_getaffinity(0))
+    placements: list[Placement] = []
+    for role in ROLE_KEYS:
+        rc = config.role(role)
+        gpus = rc.gpus if rc.gpus is not None else config.gpus
+        for i in range(rc.count):
+            gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
+            placements.append(Placement(role, f"{role}-{i}", rc.capacity, rc.pool_mib * 1024 * 1024, gpu, []))
+    # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
+    n, k = len(placements), len(cpu_ids)
+    for idx, p in enumerate(placements):
+        if n >= k:
+            p.cpus = [cpu_ids[idx % k]]
+        else:
+            share = k // n
+            p.cpus = cpu_ids[idx * share : (idx + 1) * share]
+    return placements

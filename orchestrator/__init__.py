@@ -1,0 +1,1 @@
+"""The central router: instance registry, request state machine, dispatch, stats."""

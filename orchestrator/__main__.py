@@ -1,0 +1,44 @@
+"""`python -m orchestrator`: the orchestrator process (the launcher starts it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from orchestrator.router import Router, RouterConfig
+from orchestrator.server import OrchestratorServer
+from transport.messages import BOOT_ERROR_EXIT
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator", description="disagg orchestrator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=5555)
+    ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--dispatch", default="max-free-slots")
+    ap.add_argument("--transfer", default="auto")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s [orchestrator] %(levelname)s %(message)s"
+    )
+    config = RouterConfig(
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        request_timeout_s=args.request_timeout,
+        dispatch=args.dispatch,
+        transfer=args.transfer,
+    )
+    try:
+        server = OrchestratorServer(Router(config, now=time.monotonic()), args.host, args.port)
+    except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
+        logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
+        return BOOT_ERROR_EXIT
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

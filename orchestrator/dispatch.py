@@ -1,0 +1,55 @@
+"""Dispatch policies: which ready instance of a role gets the next request."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from orchestrator.registry import Instance
+
+
+class DispatchPolicy(Protocol):
+    def pick(self, role: str, instances: list[Instance]) -> Instance | None: ...
+
+
+class RoundRobin:
+    """Next instance in turn, skipping full ones."""
+
+    def __init__(self):
+        self._cursor: dict[str, int] = {}
+
+    def pick(self, role: str, instances: list[Instance]) -> Instance | None:
+        n = len(instances)
+        start = self._cursor.get(role, 0)
+        for k in range(n):
+            inst = instances[(start + k) % n]
+            if inst.dispatchable:
+                self._cursor[role] = (start + k + 1) % n
+                return inst
+        return None
+
+
+class MaxFreeSlots:
+    """The instance with the most free slots; ties rotate so equal instances share work."""
+
+    def __init__(self):
+        self._turn: dict[str, int] = {}
+
+    def pick(self, role: str, instances: list[Instance]) -> Instance | None:
+        ready = [i for i in instances if i.dispatchable]
+        if not ready:
+            return None
+        most = max(i.free_slots for i in ready)
+        tied = [i for i in ready if i.free_slots == most]
+        turn = self._turn.get(role, 0)
+        self._turn[role] = turn + 1
+        return tied[turn % len(tied)]
+
+
+POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots}
+
+
+def make_policy(name: str) -> DispatchPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown dispatch policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -1,0 +1,94 @@
+"""The orchestrator's view of every role instance: capacity, free slots, pool use, liveness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transport.messages import InstanceStatus, PoolInfo, Register
+
+
+@dataclass
+class Instance:
+    """One registered role instance."""
+
+    id: str
+    role: str
+    pid: int
+    host: str
+    device: str
+    capacity: int
+    pool: PoolInfo
+    session: int
+    last_seen: float
+    state: str = "starting"
+    free_slots: int = 0
+    #: request id -> attempt of each request computing here (holds a compute slot)
+    running: dict[str, int] = field(default_factory=dict)
+    #: slot offset -> bytes, for outputs staged here that no consumer has fetched yet
+    staged: dict[int, int] = field(default_factory=dict)
+    completed: int = 0
+    failed: int = 0
+    engine: str = ""
+
+    @classmethod
+    def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
+        return cls(
+            id=msg.instance_id,
+            role=msg.role,
+            pid=msg.pid,
+            host=msg.host_id,
+            device=msg.device,
+            capacity=msg.capacity,
+            pool=msg.pool,
+            session=session,
+            last_seen=now,
+            state="ready" if msg.ready else "starting",
+            free_slots=msg.capacity,
+            engine=msg.pool.engines[0] if msg.pool.engines else "",
+        )
+
+    @property
+    def dispatchable(self) -> bool:
+        return self.state == "ready" and self.free_slots > 0
+
+    def status(self, now: float) -> InstanceStatus:
+        return InstanceStatus(
+            id=self.id,
+            role=self.role,
+            pid=self.pid,
+            host=self.host,
+            device=self.device,
+            state=self.state,
+            capacity=self.capacity,
+            free_slots=self.free_slots,
+            in_flight=len(self.running),
+            completed=self.completed,
+            failed=self.failed,
+            engine=self.engine,
+            pool_bytes=self.pool.pool_bytes,
+            pool_used_bytes=sum(self.staged.values()),
+            last_seen_s=round(max(0.0, now - self.last_seen), 3),
+        )
+
+
+class Registry:
+    """All instances by id, with per-role lists in registration order."""
+
+    def __init__(self):
+        self.by_id: dict[str, Instance] = {}
+        self._sessions = 0
+
+    def register(self, msg: Register, now: float) -> Instance:
+        self._sessions += 1
+        inst = Instance.from_register(msg, self._sessions, now)
+        self.by_id[inst.id] = inst
+        return inst
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self.by_id.get(instance_id)
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [i for i in self.by_id.values() if i.role == role]
+
+    def alive(self) -> list[Instance]:
+        return [i for i in self.by_id.values() if i.state != "dead"]

@@ -1,0 +1,46 @@
+"""A request's life in the orchestrator: stage, attempt, timestamps, and where its data lies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transport.messages import GenerationParams, Source
+
+STAGES = ("encoder", "denoiser", "decoder")
+
+
+def next_stage(role: str) -> str | None:
+    i = STAGES.index(role)
+    return STAGES[i + 1] if i + 1 < len(STAGES) else None
+
+
+@dataclass
+class Request:
+    """One submitted request, kept until it ends so it can always be retried."""
+
+    id: str
+    params: GenerationParams
+    client: bytes
+    submitted_at: float
+    deadline: float
+    attempt: int = 1
+    stage: str = "encoder"
+    #: queued | running | done | failed
+    state: str = "queued"
+    assigned: str | None = None
+    #: the previous stage's output, staged in its producer's pool, until the consumer fetched it
+    source: Source | None = None
+    source_frames: list[bytes] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("done", "failed")
+
+    def mark(self, name: str, now: float) -> None:
+        self.marks[name] = now
+
+    def span(self, name: str, start: str, end: str) -> None:
+        if start in self.marks and end in self.marks:
+            self.timings[name] = round(self.marks[end] - self.marks[start], 6)

@@ -1,0 +1,370 @@
+"""The orchestrator's brain: a plain object fed messages and the time, returning messages to send.
+
+No sockets and no clock of its own, so every scenario runs in a test in microseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+
+import msgspec
+
+from orchestrator.dispatch import make_policy
+from orchestrator.registry import Instance, Registry
+from orchestrator.requests import STAGES, Request, next_stage
+from transport.messages import (
+    Dead,
+    Done,
+    Failed,
+    Fetched,
+    Heartbeat,
+    Register,
+    Registered,
+    Rejected,
+    Release,
+    RequestCounts,
+    Result,
+    Run,
+    Shutdown,
+    Source,
+    Staged,
+    StatusQuery,
+    StatusReport,
+    Stop,
+    Stopping,
+    Submit,
+)
+from transport.selection import choose_engine
+
+log = logging.getLogger("disagg.orchestrator")
+
+HEARTBEAT_INTERVAL_S = 1.0
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class RouterConfig:
+    """Settings of the router (from the deployment config)."""
+
+    heartbeat_timeout_s: float = 3.0
+    request_timeout_s: float = 600.0
+    dispatch: str = "max-free-slots"
+    transfer: str = "auto"
+
+
+@dataclass
+class Out:
+    """One message to send: to a client (by socket identity) or to an instance (by id)."""
+
+    to_client: bytes | None
+    to_instance: str | None
+    msg: msgspec.Struct
+    frames: list[bytes] = field(default_factory=list)
+
+
+def to_client(identity: bytes, msg, frames=()) -> Out:
+    return Out(identity, None, msg, list(frames))
+
+
+def to_instance(instance_id: str, msg, frames=()) -> Out:
+    return Out(None, instance_id, msg, list(frames))
+
+
+class Router:
+    """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
+
+    def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
+        self.config = config or RouterConfig()
+        self.registry = Registry()
+        self.policy = make_policy(self.config.dispatch)
+        self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in STAGES}
+        self.requests: dict[str, Request] = {}
+        self.completed = 0
+        self.failed = 0
+        self.started_at = now
+        self.stopping = False
+        self._finish_times: collections.deque[float] = collections.deque()
+        self._warned_pairs: set[tuple[str, str]] = set()
+        self._handlers = {
+            Submit: self.handle_submit,
+            StatusQuery: self.handle_status_query,
+            Stop: self.handle_stop,
+            Register: self.handle_register,
+            Heartbeat: self.handle_heartbeat,
+            Staged: self.handle_staged,
+            Fetched: self.handle_fetched,
+            Done: self.handle_done,
+            Failed: self.handle_failed,
+            Dead: self.handle_dead,
+        }
+
+    # --- entry points -----------------------------------------------------------------------
+
+    def handle_client(self, identity: bytes, msg, frames: list[bytes], now: float) -> list[Out]:
+        out: list[Out] = []
+        self._handlers[type(msg)](identity, msg, frames, now, out)
+        self.dispatch_queued(now, out)
+        return out
+
+    def handle_instance(self, sender: str, msg, frames: list[bytes], now: float) -> list[Out]:
+        out: list[Out] = []
+        if not isinstance(msg, Register):
+            inst = self.registry.get(sender)
+            if inst is None:
+                log.warning("message %s from unregistered instance %r dropped", type(msg).__name__, sender)
+                return [to_instance(sender, Rejected(reason="not registered: send Register first"))]
+            inst.last_seen = now
+            if inst.state == "dead":
+                # it was given up on; its work went elsewhere. It must register again.
+                return [to_instance(sender, Rejected(reason="declared dead: register again"))]
+        self._handlers[type(msg)](sender, msg, frames, now, out)
+        self.dispatch_queued(now, out)
+        return out
+
+    def tick(self, now: float) -> list[Out]:
+        out: list[Out] = []
+        self.expire_instances(now, out)
+        self.expire_requests(now, out)
+        self.dispatch_queued(now, out)
+        return out
+
+    # --- client messages --------------------------------------------------------------------
+
+    def handle_submit(self, identity, msg: Submit, frames, now, out) -> None:
+        if self.stopping:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="shutting down")))
+            return
+        if msg.request_id in self.requests:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="duplicate request_id")))
+            return
+        params = msg.params
+        if params.seed is None:
+            # fixed here, so a retry of any stage reproduces the same image
+            params = msgspec.structs.replace(params, seed=random.randrange(2**31))
+        timeout = msg.timeout_s or self.config.request_timeout_s
+        req = Request(id=msg.request_id, params=params, client=identity, submitted_at=now, deadline=now + timeout)
+        self.requests[req.id] = req
+        self.enqueue(req, "encoder", now)
+
+    def handle_status_query(self, identity, msg, frames, now, out) -> None:
+        out.append(to_client(identity, self.snapshot(now)))
+
+    def handle_stop(self, identity, msg, frames, now, out) -> None:
+        self.stopping = True
+        for inst in self.registry.alive():
+            out.append(to_instance(inst.id, Shutdown()))
+        out.append(to_client(identity, Stopping()))
+
+    # --- role messages ----------------------------------------------------------------------
+
+    def handle_register(self, sender, msg: Register, frames, now, out) -> None:
+        if sender != msg.instance_id:
+            out.append(to_instance(sender, Rejected(reason=f"socket identity {sender!r} != instance_id")))
+            return
+        old = self.registry.get(msg.instance_id)
+        if old is not None and old.state != "dead":
+            self.lose_instance(old, "it registered again (restarted)", now, out)
+        inst = self.registry.register(msg, now)
+        log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
+        out.append(
+            to_instance(
+                inst.id,
+                Registered(
+                    session=inst.session,
+                    heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                    inline_staging=self.config.transfer == "inline",
+                ),
+            )
+        )
+
+    def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        if msg.ready and inst.state == "starting":
+            inst.state = "ready"
+            log.info("%s ready", inst.id)
+
+    def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
+        self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
+
+    def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        inst.staged[msg.slot.offset] = msg.slot.nbytes
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
+            inst.staged.pop(msg.slot.offset, None)
+            return
+        role = inst.role
+        req.mark(f"staged_{role}", now)
+        req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
+        req.timings[f"compute_{role}"] = msg.compute_s
+        req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
+        req.source_frames = list(frames)
+        self.enqueue(req, next_stage(role), now)
+
+    def handle_fetched(self, sender, msg: Fetched, frames, now, out) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.attempt != msg.attempt or req.assigned != sender:
+            return
+        inst = self.registry.get(sender)
+        req.timings[f"fetch_{inst.role}"] = msg.fetch_s
+        self.release_source(req, out)
+
+    def handle_done(self, sender, msg: Done, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            return
+        inst.completed += 1
+        req.mark("done", now)
+        req.span("stage_decoder", "run_decoder", "done")
+        req.timings["compute_decoder"] = msg.compute_s
+        req.timings["total"] = round(now - req.submitted_at, 6)
+        result = Result(
+            request_id=req.id,
+            ok=True,
+            image_format=msg.image_format,
+            num_images=msg.num_images,
+            seed=req.params.seed,
+            attempts=req.attempt,
+            timings=req.timings,
+        )
+        self.end(req, "done", now)
+        out.append(to_client(req.client, result, frames))
+
+    def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            return
+        inst.failed += 1
+        self.release_source(req, out)
+        self.fail(req, f"{inst.role} {inst.id} failed: {msg.error}", now, out)
+
+    # --- loop phases ------------------------------------------------------------------------
+
+    def dispatch_queued(self, now: float, out: list[Out]) -> None:
+        for role in STAGES:
+            queue = self.queues[role]
+            candidates = None
+            while queue:
+                req = self.requests.get(queue[0])
+                if req is None or req.ended or req.stage != role or req.state != "queued":
+                    queue.popleft()  # ended or moved on while waiting
+                    continue
+                if candidates is None:
+                    candidates = sorted(self.registry.of_role(role), key=lambda i: i.id)
+                inst = self.policy.pick(role, candidates)
+                if inst is None:
+                    break
+                queue.popleft()
+                self.assign(req, inst, now, out)
+
+    def expire_instances(self, now: float, out: list[Out]) -> None:
+        for inst in self.registry.alive():
+            silent = now - inst.last_seen
+            if silent > self.config.heartbeat_timeout_s:
+                self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
+
+    def expire_requests(self, now: float, out: list[Out]) -> None:
+        for req in [r for r in self.requests.values() if now > r.deadline]:
+            limit = req.deadline - req.submitted_at
+            self.release_source(req, out)
+            # a compute slot held for it stays taken until its instance reports back or dies
+            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out)
+
+    # --- state machine steps ----------------------------------------------------------------
+
+    def enqueue(self, req: Request, role: str, now: float) -> None:
+        req.stage, req.state, req.assigned = role, "queued", None
+        req.mark(f"queued_{role}", now)
+        self.queues[role].append(req.id)
+
+    def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
+        source, frames = None, []
+        if req.source is not None:
+            producer = self.registry.get(req.source.slot.instance_id)
+            engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
+            if engine == "inline" and not req.source_frames:
+                self.release_source(req, out)
+                self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
+                return
+            if warning and (producer.id, inst.id) not in self._warned_pairs:
+                self._warned_pairs.add((producer.id, inst.id))
+                log.warning("%s", warning)
+            inst.engine = engine
+            source = msgspec.structs.replace(req.source, engine=engine)
+            frames = req.source_frames if engine == "inline" else []
+        inst.free_slots -= 1
+        inst.running[req.id] = req.attempt
+        req.state, req.assigned = "running", inst.id
+        req.mark(f"run_{inst.role}", now)
+        req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
+        run = Run(request_id=req.id, attempt=req.attempt, params=req.params, source=source)
+        out.append(to_instance(inst.id, run, frames))
+
+    def finish_run(self, inst: Instance, request_id: str, attempt: int) -> Request | None:
+        """Free the compute slot a report closes; the request if the report is current."""
+        if inst.running.get(request_id) == attempt:
+            del inst.running[request_id]
+            inst.free_slots = min(inst.capacity, inst.free_slots + 1)
+        req = self.requests.get(request_id)
+        if req is None or req.ended or req.attempt != attempt or req.assigned != inst.id:
+            return None
+        return req
+
+    def release_source(self, req: Request, out: list[Out]) -> None:
+        if req.source is None:
+            return
+        slot = req.source.slot
+        producer = self.registry.get(slot.instance_id)
+        if producer is not None and producer.staged.pop(slot.offset, None) is not None:
+            out.append(to_instance(producer.id, Release(request_id=req.id, offset=slot.offset)))
+        req.source, req.source_frames = None, []
+
+    def fail(self, req: Request, error: str, now: float, out: list[Out]) -> None:
+        log.warning("request %s failed: %s", req.id, error)
+        req.timings["total"] = round(now - req.submitted_at, 6)
+        result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt, timings=req.timings)
+        self.end(req, "failed", now)
+        out.append(to_client(req.client, result))
+
+    def end(self, req: Request, state: str, now: float) -> None:
+        req.state = state
+        del self.requests[req.id]
+        if state == "done":
+            self.completed += 1
+            self._finish_times.append(now)
+        else:
+            self.failed += 1
+
+    def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
+        """Mark an instance dead; requests that depended on it fail (re-dispatch comes later)."""
+        log.warning("instance %s is dead: %s", inst.id, why)
+        inst.state, inst.free_slots = "dead", 0
+        for req in list(self.requests.values()):
+            held = req.assigned == inst.id and req.state == "running"
+            staged_here = req.source is not None and req.source.slot.instance_id == inst.id
+            if held or staged_here:
+                req.source, req.source_frames = None, []
+                self.fail(req, f"{inst.role} {inst.id} died ({why}) during stage {req.stage}", now, out)
+        inst.running.clear()
+        inst.staged.clear()
+
+    # --- stats ------------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> StatusReport:
+        while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
+            self._finish_times.popleft()
+        window = min(THROUGHPUT_WINDOW_S, max(now - self.started_at, 1e-9))
+        return StatusReport(
+            orchestrator={"pid": os.getpid(), "uptime_s": round(now - self.started_at, 3), "state": "draining" if self.stopping else "ready"},
+            instances=[i.status(now) for i in sorted(self.registry.by_id.values(), key=lambda i: (STAGES.index(i.role), i.id))],
+            queues={role: sum(1 for rid in q if rid in self.requests) for role, q in self.queues.items()},
+            requests=RequestCounts(in_flight=len(self.requests), completed=self.completed, failed=self.failed),
+            throughput_rps=round(len(self._finish_times) / window, 3),
+        )

@@ -1,0 +1,135 @@
+"""The orchestrator's IO shell: two ROUTER sockets, one poll loop, the Router does the thinking."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import zmq
+
+from orchestrator.router import Out, Router
+from transport.messages import (
+    MAX_FRAMES_BYTES,
+    MAX_MESSAGE_BYTES,
+    ClientMessage,
+    MessageError,
+    Rejected,
+    RoleMessage,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("disagg.orchestrator")
+
+TICK_S = 0.05
+#: how long a Stop waits for the Shutdown messages to leave before the sockets close
+STOP_LINGER_MS = 500
+
+
+class OrchestratorServer:
+    """Owns the sockets and the loop; every decision is the Router's."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555):
+        self.router = router
+        self.ctx = zmq.Context()
+        self.frontend = self.ctx.socket(zmq.ROUTER)
+        self.backend = self.ctx.socket(zmq.ROUTER)
+        # clients send only control messages; roles also send images and inline tensors
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.backend.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
+        # a restarted role reconnects under its old identity and must take it over
+        self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        for sock in (self.frontend, self.backend):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.frontend.bind(f"tcp://{host}:{port}")
+        self.backend.bind(f"tcp://{host}:{port + 1}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._stop_requested = False
+        self._dropped = 0
+
+    def request_stop(self, *_args) -> None:
+        self._stop_requested = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
+        next_tick = time.monotonic()
+        while not self._stop_requested:
+            events = dict(poller.poll(TICK_S * 1000))
+            if self.backend in events:
+                self.drain_inbox(self.backend, self.handle_backend_frames)
+            if self.frontend in events:
+                self.drain_inbox(self.frontend, self.handle_frontend_frames)
+            now = time.monotonic()
+            if now >= next_tick:
+                self.send(self.router.tick(now))
+                next_tick = now + TICK_S
+            if self.router.stopping:
+                break
+        if self.router.stopping:
+            time.sleep(STOP_LINGER_MS / 1000)
+        self.close()
+
+    def drain_inbox(self, sock: zmq.Socket, handler) -> None:
+        # bounded, so one busy socket cannot starve the other or the tick
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(frames)
+
+    def handle_frontend_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("frontend", "message without a payload frame")
+            return
+        identity, payload, rest = frames[0], frames[1], frames[2:]
+        try:
+            msg = decode(payload, ClientMessage)
+        except MessageError as exc:
+            self._drop("frontend", str(exc))
+            self.send([Out(identity, None, Rejected(reason=f"bad message: {exc}"))])
+            return
+        self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
+
+    def handle_backend_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("backend", "message without a payload frame")
+            return
+        identity, payload, rest = frames[0], frames[1], frames[2:]
+        try:
+            sender = identity.decode("ascii")
+            msg = decode(payload, RoleMessage)
+        except (MessageError, UnicodeDecodeError) as exc:
+            self._drop("backend", str(exc))
+            return
+        self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
+
+    def _drop(self, where: str, why: str) -> None:
+        self._dropped += 1
+        # bounded logging: a flood of garbage must not become a flood of log lines
+        if self._dropped <= 20 or self._dropped % 1000 == 0:
+            log.warning("dropped a bad message on the %s socket (%d so far): %s", where, self._dropped, why[:200])
+
+    def send(self, outs: list[Out]) -> None:
+        for out in outs:
+            if out.to_client is not None:
+                sock, identity = self.frontend, out.to_client
+            else:
+                sock, identity = self.backend, out.to_instance.encode()
+            try:
+                sock.send_multipart([identity, encode(out.msg), *out.frames], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                # the peer is gone (client quit, role died): nothing to deliver to
+                log.debug("could not send %s: %s", type(out.msg).__name__, exc)
+
+    def close(self) -> None:
+        self.frontend.close(linger=0)
+        self.backend.close(linger=STOP_LINGER_MS)
+        self.ctx.term()

@@ -1,0 +1,1 @@
+"""Role processes: the worker runtime and the model pipelines it runs."""

@@ -1,0 +1,52 @@
+"""`python -m roles SPEC_JSON`: one role process (the launcher starts it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from transport.messages import BOOT_ERROR_EXIT
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from roles.worker import Worker, install_signal_handlers, spec_from_json
+
+    try:
+        spec = spec_from_json(argv[0])
+    except Exception as exc:
+        print(f"bad role spec: {exc}", file=sys.stderr)
+        return BOOT_ERROR_EXIT
+    logging.basicConfig(
+        level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s [{spec.instance_id}] %(levelname)s %(message)s",
+    )
+    log = logging.getLogger("disagg.role")
+    try:
+        from transport.pool import Pool
+
+        pool = Pool(spec.pool_name, spec.pool_bytes)
+    except Exception as exc:
+        log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)
+        return BOOT_ERROR_EXIT
+
+    def load_stage():
+        import torch
+
+        from roles.pipelines import load_adapter
+        from roles.stage import Stage
+
+        torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
+        return Stage(spec.role, load_adapter(spec.model, spec.role, spec.device))
+
+    worker = Worker(spec, load_stage, pool)
+    install_signal_handlers(worker)
+    worker.connect()
+    worker.serve_forever()
+    return worker.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

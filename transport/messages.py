@@ -1,0 +1,308 @@
+"""Every message on every disagg socket: typed msgspec structs, encoded as msgpack.
+
+A message travels as the first ZeroMQ frame; raw byte frames (images, inline tensors) may
+follow it. Decoding validates types, ranges and unknown fields, so a peer that sends bytes can
+neither run code here nor smuggle in a malformed message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+#: Largest control message we decode; anything bigger is refused before parsing.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Largest total of the raw frames that may follow a message (images, inline tensors).
+MAX_FRAMES_BYTES = 512 * 1024 * 1024
+
+ROLES = ("encoder", "denoiser", "decoder")
+STATES = ("starting", "ready", "draining", "dead")
+
+Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder)$")]
+Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+Count = Annotated[int, Meta(ge=0)]
+Seconds = Annotated[float, Meta(ge=0)]
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """Base of all wire messages."""
+
+
+# --- request parameters -------------------------------------------------------------------
+
+
+class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One generation request, named as in diffusers; unset fields take the model's defaults."""
+
+    prompt: Annotated[str, Meta(min_length=1, max_length=20_000)]
+    negative_prompt: Annotated[str, Meta(max_length=20_000)] | None = None
+    width: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
+    height: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
+    num_inference_steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1
+
+
+# --- data plane descriptors ---------------------------------------------------------------
+
+
+class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """Where one tensor lies inside a slot: byte offset from the slot start."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=128)]
+    dtype: Annotated[str, Meta(max_length=32)]
+    shape: list[Annotated[int, Meta(ge=0)]]
+    offset: Count
+    nbytes: Count
+
+
+class PoolInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A role's buffer pool as its peers see it: enough to read from it."""
+
+    host_id: Annotated[str, Meta(max_length=256)]
+    engines: list[Annotated[str, Meta(max_length=32)]]
+    pool_name: Annotated[str, Meta(max_length=256)]
+    pool_bytes: Count
+    device: Annotated[str, Meta(max_length=64)] = "cpu"
+
+
+class SlotRef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A staged output: which slot of which instance's pool, and what it holds."""
+
+    instance_id: Id
+    offset: Count
+    nbytes: Count
+    tensors: list[TensorSpec]
+
+
+class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the consumer pulls its inputs from, and with which engine."""
+
+    slot: SlotRef
+    pool: PoolInfo
+    engine: Annotated[str, Meta(max_length=32)]
+
+
+# --- client <-> orchestrator ----------------------------------------------------------------
+
+
+class Submit(_Msg, tag="submit", kw_only=True):
+    """Client asks for one generation."""
+
+    request_id: Id
+    params: GenerationParams
+    timeout_s: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+
+
+class Result(_Msg, tag="result", kw_only=True):
+    """The end of a request: images (one raw frame each) on success, else an error."""
+
+    request_id: Id
+    ok: bool
+    error: str | None = None
+    image_format: str = "png"
+    num_images: Count = 0
+    seed: int | None = None
+    attempts: Count = 1
+    #: seconds per phase: queue_<role>, compute_<role>, fetch_<role>, total
+    timings: dict[str, float] = {}
+
+
+class Rejected(_Msg, tag="rejected", kw_only=True):
+    """A message the orchestrator would not take, with the reason."""
+
+    request_id: str | None = None
+    reason: str
+
+
+class StatusQuery(_Msg, tag="status_query", kw_only=True):
+    """Client asks for a stats snapshot."""
+
+
+class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One role instance as `disagg status` shows it."""
+
+    id: str
+    role: str
+    pid: int
+    host: str
+    device: str
+    state: str
+    capacity: int
+    free_slots: int
+    in_flight: int
+    completed: int
+    failed: int
+    engine: str = ""
+    pool_bytes: int = 0
+    pool_used_bytes: int = 0
+    last_seen_s: float = 0.0
+
+
+class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Request totals since the orchestrator started."""
+
+    in_flight: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class StatusReport(_Msg, tag="status_report", kw_only=True):
+    """The orchestrator's stats snapshot."""
+
+    orchestrator: dict[str, str | int | float]
+    instances: list[InstanceStatus]
+    queues: dict[str, int]
+    requests: RequestCounts
+    throughput_rps: float = 0.0
+
+
+class Stop(_Msg, tag="stop", kw_only=True):
+    """Client asks the deployment to shut down."""
+
+
+class Stopping(_Msg, tag="stopping", kw_only=True):
+    """Orchestrator acknowledges a Stop."""
+
+
+# --- role <-> orchestrator ----------------------------------------------------------------
+
+
+class Register(_Msg, tag="register", kw_only=True):
+    """A role instance introduces itself (again, after a restart)."""
+
+    role: Role
+    instance_id: Id
+    pid: Count
+    host_id: Annotated[str, Meta(max_length=256)]
+    device: Annotated[str, Meta(max_length=64)]
+    capacity: Annotated[int, Meta(ge=1, le=4096)]
+    pool: PoolInfo
+    ready: bool = False
+
+
+class Registered(_Msg, tag="registered", kw_only=True):
+    """Orchestrator accepts a registration."""
+
+    session: Count
+    heartbeat_interval_s: Seconds
+    #: stage outputs must ride along with Staged as raw frames (the inline engine)
+    inline_staging: bool = False
+
+
+class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
+    """A role is alive; `ready` turns true once its model is loaded."""
+
+    instance_id: Id
+    ready: bool = True
+    in_flight: Count = 0
+    pool_free_bytes: Count = 0
+
+
+class Run(_Msg, tag="run", kw_only=True):
+    """Orchestrator gives a role one stage of one request."""
+
+    request_id: Id
+    attempt: Count
+    params: GenerationParams
+    source: Source | None = None
+
+
+class Fetched(_Msg, tag="fetched", kw_only=True):
+    """The consumer has copied its inputs; the producer's slot may be released."""
+
+    request_id: Id
+    attempt: Count
+    fetch_s: Seconds = 0.0
+
+
+class Staged(_Msg, tag="staged", kw_only=True):
+    """A role's outputs for a request lie in a slot of its pool (raw frame follows if inline)."""
+
+    request_id: Id
+    attempt: Count
+    slot: SlotRef
+    compute_s: Seconds = 0.0
+
+
+class Release(_Msg, tag="release", kw_only=True):
+    """Orchestrator tells a producer that a slot of its pool may be reused."""
+
+    request_id: Id
+    offset: Count
+
+
+class Done(_Msg, tag="done", kw_only=True):
+    """The decoder finished a request; one raw frame per encoded image follows."""
+
+    request_id: Id
+    attempt: Count
+    num_images: Count
+    image_format: str = "png"
+    compute_s: Seconds = 0.0
+
+
+class Failed(_Msg, tag="failed", kw_only=True):
+    """A stage of a request failed on a role; the role keeps serving."""
+
+    request_id: Id
+    attempt: Count
+    error: Annotated[str, Meta(max_length=65_536)]
+
+
+class Shutdown(_Msg, tag="shutdown", kw_only=True):
+    """Orchestrator tells a role to exit."""
+
+
+class Dead(_Msg, tag="dead", kw_only=True):
+    """A role reports, best effort, that it is exiting on an error."""
+
+    instance_id: Id
+    reason: Annotated[str, Meta(max_length=65_536)]
+
+
+ClientMessage = Union[Submit, StatusQuery, Stop]
+ServerReply = Union[Result, Rejected, StatusReport, Stopping]
+RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
+OrchestratorCommand = Union[Registered, Run, Release, Shutdown, Rejected]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    kind: msgspec.msgpack.Decoder(kind)
+    for kind in (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)
+}
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid message of the expected kind."""
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """Serialise one message to msgpack bytes."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview, kind=ClientMessage):
+    """Parse and validate one message of `kind` (a union above); raise MessageError if bad."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return _decoders[kind].decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MessageError(str(exc)) from None
+
+
+def params_from_obj(obj: object) -> GenerationParams:
+    """Validate a decoded JSON object as request parameters; errors name the field."""
+    try:
+        return msgspec.convert(obj, GenerationParams)
+    except msgspec.ValidationError as exc:
+        raise MessageError(str(exc)) from None
+
+
+#: exit status of a process that failed before it was ready (bad config, missing model):
+#: the launcher stops with its error instead of restarting it
+BOOT_ERROR_EXIT = 78
