@@ -100,7 +100,8 @@ class InlineEngine(TransferEngine):
 def local_engines(device: str) -> list[str]:
     """Engines this process can serve and use, fastest first."""
     names = []
-    if device == "cpu" and os.path.isdir("/dev/shm"):
+    # pools live in host shared memory for every device today, so shm works for GPU roles too
+    if os.path.isdir("/dev/shm"):
         names.append("shm")
     names.append("inline")
     return names

@@ -39,7 +39,7 @@ VAE_CONFIG = dict(
     sample_size=128, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
 )
 VAE_SCALE_FACTOR = 2 ** (len(VAE_CONFIG["block_out_channels"]) - 1)
-# FLUX.1-dev's scheduler config; dynamic shifting is required because the pipeline passes `mu`.
+# FLUX.1-dev's scheduler config; without dynamic shifting the pipeline's resolution-dependent `mu` is ignored.
 SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
     base_image_seq_len=256, max_image_seq_len=4096,
@@ -165,8 +165,8 @@ class TinyFluxAdapter:
     def denoise(self, inputs: dict[str, torch.Tensor], params: dict) -> dict[str, torch.Tensor]:
         p = self._params(params)
         n = p["num_images_per_prompt"]
-        # encode_prompt does not repeat precomputed embeds, so expand here exactly as it would have
-        # (each prompt's copies adjacent); the latent noise shape (batch * n) is then unchanged.
+        # encode_prompt does not repeat precomputed embeds; batch-1 embeds would silently broadcast in the
+        # transformer (~3e-7 off, not bit-exact), so expand exactly as encode_prompt would (copies adjacent).
         embeds = inputs["prompt_embeds"].to(self.device).repeat_interleave(n, dim=0)
         pooled = inputs["pooled_prompt_embeds"].to(self.device).repeat_interleave(n, dim=0)
         with torch.inference_mode():

@@ -1,0 +1,124 @@
+"""Pools and transfer engines, including a pull across two real processes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+from transport.allocator import PoolFull
+from transport.engines import InlineEngine, ShmEngine, TransferError, local_engines, make_engine
+from transport.manifest import unpack
+from transport.messages import PoolInfo, Source
+from transport.pool import Pool
+from transport.selection import choose_engine
+from transport.shm import list_segments, remove_segments, shm_path
+
+
+@pytest.fixture
+def pool_name():
+    name = f"disagg-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    remove_segments(name)
+
+
+def info(pool: Pool, host="h") -> PoolInfo:
+    return PoolInfo(host_id=host, engines=local_engines("cpu"), pool_name=pool.name, pool_bytes=pool.nbytes)
+
+
+def test_stage_and_pull_in_process(pool_name):
+    src, dst = Pool(pool_name + "-a", 1 << 20), Pool(pool_name + "-b", 1 << 20)
+    try:
+        tensors = {"emb": torch.randn(2, 8, 16).to(torch.bfloat16), "pooled": torch.randn(2, 32)}
+        slot = src.stage("encoder-0", tensors)
+        for engine in (ShmEngine(), InlineEngine()):
+            off = dst.alloc(slot.nbytes)
+            frames = [bytes(src.view(slot.offset, slot.nbytes).numpy())]
+            engine.read(Source(slot=slot, pool=info(src), engine=engine.name), dst.view(off, slot.nbytes), frames)
+            out = unpack(dst.view(off, slot.nbytes), slot.tensors)
+            assert all(torch.equal(out[k], v) for k, v in tensors.items())
+            dst.free(off)
+        src.free(slot.offset)
+        assert src.free_bytes == src.nbytes and dst.free_bytes == dst.nbytes
+    finally:
+        src.close()
+        dst.close()
+    assert not os.path.exists(shm_path(pool_name + "-a"))
+
+
+def test_pool_full_is_clear(pool_name):
+    pool = Pool(pool_name, 4096)
+    try:
+        with pytest.raises(PoolFull, match="need"):
+            pool.stage("x", {"big": torch.zeros(10_000)})
+        assert pool.free_bytes == 4096
+    finally:
+        pool.close()
+
+
+def test_out_of_bounds_source_refused(pool_name):
+    pool = Pool(pool_name, 4096)
+    try:
+        slot = pool.stage("encoder-0", {"x": torch.ones(8)})
+        bad = Source(slot=slot, pool=PoolInfo(host_id="h", engines=["shm"], pool_name=pool.name, pool_bytes=16), engine="shm")
+        with pytest.raises(TransferError, match="outside"):
+            ShmEngine().read(bad, torch.empty(slot.nbytes, dtype=torch.uint8), [])
+        with pytest.raises(TransferError, match="inline payload"):
+            InlineEngine().read(Source(slot=slot, pool=info(pool), engine="inline"), torch.empty(slot.nbytes, dtype=torch.uint8), [b"x"])
+    finally:
+        pool.close()
+
+
+def test_missing_peer_pool_is_transfer_error(pool_name):
+    pool = Pool(pool_name, 4096)
+    slot = pool.stage("encoder-0", {"x": torch.ones(8)})
+    src = Source(slot=slot, pool=info(pool), engine="shm")
+    pool.close()
+    with pytest.raises(TransferError, match="cannot open"):
+        ShmEngine().read(src, torch.empty(slot.nbytes, dtype=torch.uint8), [])
+
+
+def test_pull_from_another_process(pool_name):
+    """A producer process stages tensors; this process pulls them through shm."""
+    code = textwrap.dedent(f"""
+        import sys, torch, msgspec
+        from transport.pool import Pool
+        torch.manual_seed(0)
+        pool = Pool({pool_name!r}, 1 << 20)
+        slot = pool.stage("encoder-0", {{"a": torch.randn(64, 32), "b": torch.arange(10)}})
+        sys.stdout.write(msgspec.json.encode(slot).decode() + "\\n"); sys.stdout.flush()
+        sys.stdin.readline()
+        pool.close()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        import msgspec
+
+        from transport.messages import SlotRef
+
+        slot = msgspec.json.decode(proc.stdout.readline(), type=SlotRef)
+        src = Source(slot=slot, pool=PoolInfo(host_id="h", engines=["shm"], pool_name=pool_name, pool_bytes=1 << 20), engine="shm")
+        dst = torch.empty(slot.nbytes, dtype=torch.uint8)
+        make_engine("shm").read(src, dst, [])
+        out = unpack(dst, slot.tensors)
+        torch.manual_seed(0)
+        assert torch.equal(out["a"], torch.randn(64, 32)) and out["b"].tolist() == list(range(10))
+    finally:
+        proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0
+    assert list_segments(pool_name) == []
+
+
+def test_auto_selection():
+    a = PoolInfo(host_id="h1", engines=["shm", "inline"], pool_name="a", pool_bytes=1)
+    b = PoolInfo(host_id="h1", engines=["shm", "inline"], pool_name="b", pool_bytes=1)
+    c = PoolInfo(host_id="h2", engines=["shm", "inline"], pool_name="c", pool_bytes=1)
+    assert choose_engine("auto", a, b) == ("shm", None)
+    engine, warning = choose_engine("auto", a, c)
+    assert engine == "inline" and "different hosts" in warning
+    assert choose_engine("inline", a, b) == ("inline", None)
+    engine, warning = choose_engine("shm", a, PoolInfo(host_id="h1", engines=["inline"], pool_name="d", pool_bytes=1))
+    assert engine == "inline" and "not supported" in warning

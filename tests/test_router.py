@@ -1,0 +1,287 @@
+"""The Router driven by scripted messages and a fake clock: no sockets, no processes."""
+
+import pytest
+
+from orchestrator.dispatch import MaxFreeSlots, RoundRobin
+from orchestrator.registry import Instance
+from orchestrator.router import Router, RouterConfig
+from transport.messages import (
+    Dead,
+    Done,
+    Failed,
+    Fetched,
+    GenerationParams,
+    Heartbeat,
+    PoolInfo,
+    Register,
+    Registered,
+    Rejected,
+    Release,
+    Result,
+    Run,
+    Shutdown,
+    SlotRef,
+    Staged,
+    StatusQuery,
+    StatusReport,
+    Stop,
+    Stopping,
+    Submit,
+    TensorSpec,
+)
+
+CLIENT = b"client-1"
+
+
+class Harness:
+    """A router plus a fake clock and helpers that speak for roles and clients."""
+
+    def __init__(self, **cfg):
+        self.now = 100.0
+        self.router = Router(RouterConfig(**cfg), now=self.now)
+
+    def add(self, role, n=1, capacity=1, host="h"):
+        ids = []
+        for i in range(n):
+            iid = f"{role}-{len(self.router.registry.of_role(role))}"
+            pool = PoolInfo(host_id=host, engines=["shm", "inline"], pool_name=f"p-{iid}", pool_bytes=1 << 20)
+            out = self.role(iid, Register(role=role, instance_id=iid, pid=1000 + i, host_id=host, device="cpu", capacity=capacity, pool=pool))
+            assert isinstance(out[0].msg, Registered)
+            self.role(iid, Heartbeat(instance_id=iid, ready=True))
+            ids.append(iid)
+        return ids
+
+    def submit(self, rid, timeout_s=None, **params):
+        params.setdefault("prompt", "a cat")
+        return self.router.handle_client(CLIENT, Submit(request_id=rid, params=GenerationParams(**params), timeout_s=timeout_s), [], self.now)
+
+    def role(self, iid, msg, frames=()):
+        return self.router.handle_instance(iid, msg, list(frames), self.now)
+
+    def tick(self, dt=0.0):
+        self.now += dt
+        return self.router.tick(self.now)
+
+    def beat_all(self):
+        for iid in self.router.registry.by_id:
+            self.role(iid, Heartbeat(instance_id=iid))
+
+
+def runs(outs):
+    return [(o.to_instance, o.msg) for o in outs if isinstance(o.msg, Run)]
+
+
+def staged(iid, rid, attempt=1, offset=0, nbytes=256):
+    slot = SlotRef(instance_id=iid, offset=offset, nbytes=nbytes, tensors=[TensorSpec("x", "float32", [64], 0, 256)])
+    return Staged(request_id=rid, attempt=attempt, slot=slot, compute_s=0.01)
+
+
+def drive_one(h, rid="r1"):
+    """Take a submitted request through all three stages; return the Result."""
+    [(enc, run)] = runs(h.submit(rid, seed=5))
+    assert run.source is None and run.params.seed == 5
+    [(den, run)] = runs(h.role(enc, staged(enc, rid)))
+    assert run.source.slot.instance_id == enc and run.source.engine == "shm"
+    out = h.role(den, Fetched(request_id=rid, attempt=1))
+    assert [(o.to_instance, type(o.msg)) for o in out] == [(enc, Release)]
+    [(dec, run)] = runs(h.role(den, staged(den, rid)))
+    h.role(dec, Fetched(request_id=rid, attempt=1))
+    out = h.role(dec, Done(request_id=rid, attempt=1, num_images=1), [b"png"])
+    [res] = [o for o in out if isinstance(o.msg, Result)]
+    assert res.to_client == CLIENT and res.frames == [b"png"]
+    return res.msg
+
+
+def test_full_flow_frees_everything():
+    h = Harness()
+    h.add("encoder"), h.add("denoiser", 2), h.add("decoder")
+    result = drive_one(h)
+    assert result.ok and result.seed == 5
+    for key in ("queue_encoder", "stage_encoder", "compute_encoder", "queue_denoiser", "fetch_denoiser", "total"):
+        assert key in result.timings
+    snap = h.router.snapshot(h.now)
+    assert snap.requests.completed == 1 and snap.requests.in_flight == 0
+    assert all(i.free_slots == i.capacity and i.pool_used_bytes == 0 for i in snap.instances)
+
+
+def test_queue_waits_for_free_slot_then_dispatches():
+    h = Harness()
+    [enc] = h.add("encoder")
+    assert len(runs(h.submit("a"))) == 1
+    assert runs(h.submit("b")) == []  # the only encoder is busy
+    assert h.router.snapshot(h.now).queues["encoder"] == 1
+    out = h.role(enc, staged(enc, "a"))
+    assert [r.request_id for _, r in runs(out)] == ["b"]  # freed slot goes to the queued one
+
+
+def test_no_dispatch_to_starting_instance():
+    h = Harness()
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
+    h.role("encoder-0", Register(role="encoder", instance_id="encoder-0", pid=1, host_id="h", device="cpu", capacity=1, pool=pool))
+    assert runs(h.submit("a")) == []
+    out = h.role("encoder-0", Heartbeat(instance_id="encoder-0", ready=True))
+    assert len(runs(out)) == 1
+
+
+def test_round_robin_policy_skips_full():
+    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 2, None, 1, 0.0, state="ready", free_slots=2) for i in range(3)]
+    rr = RoundRobin()
+    picks = [rr.pick("denoiser", insts).id for _ in range(4)]
+    assert picks == ["d-0", "d-1", "d-2", "d-0"]
+    insts[1].free_slots = 0
+    assert [rr.pick("denoiser", insts).id for _ in range(3)] == ["d-2", "d-0", "d-2"]
+    for i in insts:
+        i.free_slots = 0
+    assert rr.pick("denoiser", insts) is None
+
+
+def test_max_free_slots_policy_prefers_most_free_and_rotates_ties():
+    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 4, None, 1, 0.0, state="ready", free_slots=f) for i, f in enumerate([1, 3, 3])]
+    pol = MaxFreeSlots()
+    assert {pol.pick("denoiser", insts).id for _ in range(4)} == {"d-1", "d-2"}
+    insts[0].free_slots = 4
+    assert pol.pick("denoiser", insts).id == "d-0"
+    insts[0].state = "dead"
+    assert pol.pick("denoiser", insts).id in ("d-1", "d-2")
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "max-free-slots"])
+def test_policies_spread_load_across_denoisers(policy):
+    h = Harness(dispatch=policy)
+    [enc] = h.add("encoder", capacity=8)
+    dens = h.add("denoiser", 4, capacity=2)
+    h.add("decoder")
+    for k in range(8):
+        h.submit(f"r{k}")
+    used = []
+    for k in range(8):
+        [(den, run)] = runs(h.role(enc, staged(enc, f"r{k}", offset=k * 256)))
+        used.append(den)
+    assert sorted(used) == sorted(dens * 2)
+
+
+def test_heartbeat_timeout_marks_dead_and_fails_its_work():
+    h = Harness(heartbeat_timeout_s=3.0)
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    h.tick(2.0)
+    h.beat_all()
+    assert h.tick(2.0) == []  # heard from within the timeout
+    for iid in ("denoiser-0", "decoder-0"):
+        h.role(iid, Heartbeat(instance_id=iid))
+    out = h.tick(1.5)  # the encoder has now been silent 3.5 s
+    [res] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert not res.ok and "encoder-0" in res.error and "no heartbeat" in res.error
+    snap = {i.id: i for i in h.router.snapshot(h.now).instances}
+    assert snap[enc].state == "dead" and snap[enc].free_slots == 0
+    assert runs(h.submit("r2")) == []  # no new work for the dead one
+    # a message from the dead instance is refused until it registers again
+    out = h.role(enc, Heartbeat(instance_id=enc))
+    assert isinstance(out[0].msg, Rejected) and "register" in out[0].msg.reason
+
+
+def test_deadline_fails_request_and_quarantines_slot_until_report():
+    h = Harness(heartbeat_timeout_s=100.0)
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("slow", timeout_s=5.0)
+    h.beat_all()
+    out = h.tick(6.0)
+    [res] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert not res.ok and "timed out" in res.error and "encoder" in res.error
+    inst = h.router.registry.get(enc)
+    assert inst.free_slots == 0  # still computing for the dead request: quarantined
+    out = h.role(enc, staged(enc, "slow"))
+    assert [type(o.msg) for o in out] == [Release]  # output nobody wants is released at once
+    assert inst.free_slots == 1 and inst.staged == {}
+
+
+def test_old_attempt_and_foreign_reports_ignored():
+    h = Harness()
+    [enc] = h.add("encoder")
+    [den] = h.add("denoiser")
+    h.add("decoder")
+    h.submit("r1")
+    # a report for an attempt that does not exist changes nothing
+    assert runs(h.role(enc, staged(enc, "r1", attempt=7))) == []
+    # a report from an instance that does not hold the request changes nothing
+    assert h.role(den, Done(request_id="r1", attempt=1, num_images=1)) == []
+    assert h.router.requests["r1"].state == "running"
+
+
+def test_failed_stage_fails_request_with_stage_and_instance():
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    [(den, _)] = runs(h.role(enc, staged(enc, "r1")))
+    out = h.role(den, Failed(request_id="r1", attempt=1, error="TransferError: boom"))
+    res = [o.msg for o in out if isinstance(o.msg, Result)][0]
+    assert not res.ok and "denoiser denoiser-0" in res.error and "boom" in res.error
+    # the encoder's staged slot was never fetched: it is released
+    assert any(isinstance(o.msg, Release) and o.to_instance == enc for o in out)
+
+
+def test_dead_message_and_reregistration():
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.role(enc, Dead(instance_id=enc, reason="CUDA error"))
+    assert h.router.registry.get(enc).state == "dead"
+    h.add("encoder")  # encoder-1
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p2", pool_bytes=1 << 20)
+    out = h.role(enc, Register(role="encoder", instance_id=enc, pid=9, host_id="h", device="cpu", capacity=1, pool=pool, ready=True))
+    assert out[0].msg.session > 1 and h.router.registry.get(enc).state == "ready"
+
+
+def test_register_identity_must_match():
+    h = Harness()
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1)
+    out = h.role("encoder-9", Register(role="encoder", instance_id="encoder-0", pid=1, host_id="h", device="cpu", capacity=1, pool=pool))
+    assert isinstance(out[0].msg, Rejected)
+
+
+def test_unregistered_sender_rejected():
+    h = Harness()
+    out = h.role("ghost", Heartbeat(instance_id="ghost"))
+    assert isinstance(out[0].msg, Rejected)
+
+
+def test_duplicate_request_id_refused_and_seed_assigned():
+    h = Harness()
+    h.add("encoder")
+    [(_, run)] = runs(h.submit("r1"))
+    assert run.params.seed is not None
+    out = h.submit("r1")
+    assert isinstance(out[0].msg, Rejected) and "duplicate" in out[0].msg.reason
+
+
+def test_inline_transfer_carries_frames():
+    h = Harness(transfer="inline")
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    [out] = [o for o in h.role(enc, staged(enc, "r1"), [b"x" * 256]) if isinstance(o.msg, Run)]
+    assert out.msg.source.engine == "inline" and out.frames == [b"x" * 256]
+
+
+def test_cross_host_without_inline_bytes_fails_clearly():
+    h = Harness()
+    [enc] = h.add("encoder", host="h1")
+    h.add("denoiser", host="h2"), h.add("decoder", host="h2")
+    h.submit("r1")
+    out = h.role(enc, staged(enc, "r1"))
+    [res] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert not res.ok and "no transfer engine" in res.error and "different hosts" in res.error
+
+
+def test_status_and_stop():
+    h = Harness()
+    h.add("encoder"), h.add("denoiser"), h.add("decoder")
+    [rep] = h.router.handle_client(CLIENT, StatusQuery(), [], h.now)
+    assert isinstance(rep.msg, StatusReport) and len(rep.msg.instances) == 3
+    assert [i.role for i in rep.msg.instances] == ["encoder", "denoiser", "decoder"]
+    out = h.router.handle_client(CLIENT, Stop(), [], h.now)
+    assert sum(isinstance(o.msg, Shutdown) for o in out) == 3 and isinstance(out[-1].msg, Stopping)
+    out = h.submit("late")
+    assert isinstance(out[0].msg, Rejected) and "shutting down" in out[0].msg.reason
