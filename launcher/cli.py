@@ -32,7 +32,8 @@ endpoint_option = click.option(
 
 
 def _console() -> Console:
-    return Console(stderr=False)
+    # piped output (logs, tests, scripts) gets the whole table rather than 80 squeezed columns
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _unreachable(exc: Exception) -> None:

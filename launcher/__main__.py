@@ -1,0 +1,5 @@
+"""`python -m launcher` is the `disagg` command."""
+
+from launcher.cli import main
+
+main()

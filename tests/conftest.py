@@ -1,0 +1,106 @@
+"""Shared helpers: free ports and real deployments started through the `disagg` CLI."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P+1 are both free on 127.0.0.1."""
+    for _ in range(200):
+        port = random.randint(20000, 60000)
+        socks = []
+        try:
+            for p in (port, port + 1):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port pair")
+
+
+def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run the disagg CLI as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", ROOT), **kw
+    )
+
+
+class Launched:
+    """A `disagg launch` process running in the background."""
+
+    def __init__(self, args: list[str], tmp: Path):
+        self.port = free_port_pair()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.run_dir = tmp / "run"
+        self.log = open(tmp / "launch.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        )
+
+    def wait_ready(self, n_instances: int, timeout: float = 240):
+        from launcher.client import Client, Unreachable
+
+        deadline = time.monotonic() + timeout
+        with Client(self.endpoint) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"launch exited {self.proc.returncode}:\n{self.output()}")
+                try:
+                    report = client.status(timeout_s=2)
+                    if sum(i.state == "ready" for i in report.instances) >= n_instances:
+                        return report
+                except Unreachable:
+                    pass
+                time.sleep(0.3)
+        raise AssertionError(f"not ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

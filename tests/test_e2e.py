@@ -1,0 +1,198 @@
+"""End to end over real processes: one `disagg launch -e 2 -d 4` shared by this module."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+import zmq
+from PIL import Image
+
+from launcher.client import Client
+from tests.conftest import Launched, disagg, pid_alive
+from transport.messages import GenerationParams, Heartbeat, Register, encode
+from transport.shm import list_segments
+
+pytestmark = pytest.mark.e2e
+
+N_INSTANCES = 7  # 2 encoders, 4 denoisers, the default single decoder
+
+
+@pytest.fixture(scope="module")
+def deployment(module_tmp):
+    before = set(list_segments("disagg-"))
+    dep = Launched(["-e", "2", "-d", "4", "--no-dashboard"], module_tmp)
+    dep.shm_before = before
+    try:
+        dep.report = dep.wait_ready(N_INSTANCES)
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_status_json_lists_every_instance_ready(deployment):
+    res = disagg("status", "--json", "--endpoint", deployment.endpoint, timeout=30)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    insts = doc["instances"]
+    assert sorted(i["role"] for i in insts) == ["decoder"] + ["denoiser"] * 4 + ["encoder"] * 2
+    fields = {"id", "role", "pid", "host", "device", "state", "capacity", "free_slots", "in_flight", "completed", "failed"}
+    for inst in insts:
+        assert fields <= set(inst), inst
+        assert inst["state"] == "ready" and inst["device"] == "cpu" and pid_alive(inst["pid"])
+        assert inst["free_slots"] == inst["capacity"] == 1
+    assert set(doc["queues"]) == {"encoder", "denoiser", "decoder"}
+    assert {"in_flight", "completed", "failed"} <= set(doc["requests"])
+    assert pid_alive(doc["orchestrator"]["pid"])
+
+
+def test_status_table_shows_instances(deployment):
+    res = disagg("status", "--endpoint", deployment.endpoint, timeout=30)
+    assert res.returncode == 0
+    for i in range(4):
+        assert f"denoiser-{i}" in res.stdout
+    assert "encoder-1" in res.stdout and "decoder-0" in res.stdout
+
+
+CASES = [
+    dict(prompt="a red cat on the beach", seed=0),
+    dict(prompt="A photo of a dog at night!", width=96, height=64, num_inference_steps=3, seed=7, num_images_per_prompt=2),
+    dict(prompt="green forest and a blue river", width=64, height=128, num_inference_steps=2, guidance_scale=1.5, seed=42),
+]
+
+
+def test_parity_with_diffusers_pipeline(deployment):
+    """The disaggregated image equals the diffusers pipeline called directly with the same seed."""
+    import torch
+
+    from roles.pipelines.tiny import build_tiny_flux_pipeline
+
+    with Client(deployment.endpoint) as client:
+        outcomes = client.run_all([GenerationParams(**c) for c in CASES], concurrency=3)
+    assert [o.ok for o in outcomes] == [True] * len(CASES), [o.error for o in outcomes]
+    pipe = build_tiny_flux_pipeline()
+    defaults = dict(width=128, height=128, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1)
+    for case, outcome in zip(CASES, outcomes):
+        p = {**defaults, **case}
+        seed = p.pop("seed")
+        ref = pipe(p.pop("prompt"), generator=torch.Generator("cpu").manual_seed(seed), **p).images
+        assert len(outcome.images) == len(ref) == p["num_images_per_prompt"]
+        for data, want in zip(outcome.images, ref):
+            got = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+            want = np.asarray(want, dtype=np.int16)
+            assert got.shape == (p["height"], p["width"], 3)
+            assert np.abs(got - want).max() <= 1
+            assert got.std() > 5  # a real picture, not a constant
+    # different prompts, same seed and size: different pictures
+    assert outcomes[0].images[0] != outcomes[2].images[0]
+
+
+def test_submit_cli_writes_pngs_with_timings(deployment, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a tree", "width": 64, "height": 32}\n{"prompt": "a house", "seed": 3}\n')
+    out = tmp_path / "out"
+    res = disagg("submit", str(prompts), "--endpoint", deployment.endpoint, "--out", str(out), "--json", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["completed"] == 2 and doc["failed"] == 0
+    sizes = []
+    for rec in doc["results"]:
+        [path] = rec["files"]
+        assert os.path.basename(path) == f"{rec['request_id']}.png"
+        sizes.append(Image.open(path).size)
+        for key in ("queue_encoder", "compute_encoder", "fetch_denoiser", "compute_denoiser", "compute_decoder", "total"):
+            assert key in rec["timings"], rec["timings"]
+    assert sorted(sizes) == [(64, 32), (128, 128)]
+
+
+BAD_FILES = [
+    ('{"width": 64}', "prompt"),
+    ('[{"prompt": "ok"}, {"prompt": "x", "width": -64}]', "width"),
+    ('{"prompt": "x", "sharpness": 3}', "sharpness"),
+    ('{"prompt": "x",', "invalid JSON"),
+]
+
+
+@pytest.mark.parametrize("content,needle", BAD_FILES, ids=["missing-prompt", "negative-width", "unknown-field", "invalid-json"])
+def test_bad_prompt_files_refused_clearly(deployment, tmp_path, content, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    res = disagg("submit", str(path), "--endpoint", deployment.endpoint, "--out", str(tmp_path), timeout=30)
+    assert res.returncode == 2
+    assert needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_ten_megabytes_of_garbage_refused(deployment, tmp_path):
+    path = tmp_path / "garbage.json"
+    path.write_bytes(random.Random(1).randbytes(10 * 1024 * 1024))
+    res = disagg("submit", str(path), "--endpoint", deployment.endpoint, timeout=60)
+    assert res.returncode == 2 and "invalid JSON" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_garbage_on_both_sockets_is_dropped(deployment):
+    ctx = zmq.Context.instance()
+    rng = random.Random(3)
+    for port in (deployment.port, deployment.port + 1):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        payloads = [
+            [b""], [b"\xc1"], [rng.randbytes(100)], [rng.randbytes(3000), b"x", b"y"],
+            [encode(Heartbeat(instance_id="ghost"))],  # valid message, not registered
+            [b"\x81\xa4type\xa6submit"],  # a tagged envelope with its fields missing
+        ]
+        for frames in payloads:
+            sock.send_multipart(frames)
+        sock.close()
+        # and bytes that are not even ZMTP
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(rng.randbytes(5000))
+    # a fake role with someone else's identity cannot register
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"impostor")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{deployment.port + 1}")
+    from transport.messages import PoolInfo
+
+    pool = PoolInfo(host_id="x", engines=["shm"], pool_name="nope", pool_bytes=1)
+    sock.send_multipart([encode(Register(role="encoder", instance_id="encoder-0", pid=1, host_id="x", device="cpu", capacity=1, pool=pool))])
+    sock.close()
+    time.sleep(0.3)
+    with Client(deployment.endpoint) as client:
+        report = client.status()
+        assert sum(i.state == "ready" for i in report.instances) == N_INSTANCES
+        [outcome] = client.run_all([GenerationParams(prompt="still serving", width=32, height=32, num_inference_steps=1)])
+    assert outcome.ok, outcome.error
+    log = (deployment.run_dir / "logs" / "orchestrator.log").read_text()
+    assert "dropped a bad message" in log
+
+
+def test_all_slots_and_pools_free_after_the_runs(deployment):
+    with Client(deployment.endpoint) as client:
+        report = client.status()
+    assert report.requests.in_flight == 0 and report.requests.failed == 0
+    for inst in report.instances:
+        assert inst.free_slots == inst.capacity and inst.pool_used_bytes == 0, inst
+
+
+def test_zz_sigterm_stops_every_process_and_segment(deployment):
+    """Last in the module: SIGTERM to `disagg launch` leaves no process and no shared memory."""
+    with Client(deployment.endpoint) as client:
+        report = client.status()
+    pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"]), deployment.proc.pid]
+    assert len(list_segments("disagg-")) >= N_INSTANCES
+    t0 = time.monotonic()
+    deployment.proc.send_signal(signal.SIGTERM)
+    while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not [p for p in pids if pid_alive(p)], "processes left after 10 s"
+    assert deployment.proc.wait(timeout=5) is not None
+    assert set(list_segments("disagg-")) <= deployment.shm_before
