@@ -1,0 +1,123 @@
+"""`disagg launch` as a whole: batch mode, Ctrl-C, boot errors, and the CLI without a deployment."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+
+import pytest
+from PIL import Image
+from rich.console import Console
+
+from launcher.client import Client
+from launcher.dashboard import events_between, status_view
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
+from transport.shm import list_segments
+
+pytestmark = pytest.mark.e2e
+
+
+def test_readme_batch_command_writes_images(tmp_path):
+    """The README's first command (on a free port): 1:2:1, the example prompts, PNGs, exit 0."""
+    out = tmp_path / "out"
+    before = set(list_segments("disagg-"))
+    res = disagg(
+        "launch", "--submit", str(ROOT / "examples" / "prompts.json"), "--out", str(out),
+        "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "3/3 requests succeeded" in res.stdout
+    sizes = sorted(Image.open(p).size for p in out.glob("*.png"))
+    assert sizes == [(64, 64), (128, 128), (192, 128)]
+    # 1 encoder, 2 denoisers, 1 decoder, each with its own log
+    logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
+    assert logs == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0", "orchestrator"]
+    assert set(list_segments("disagg-")) <= before
+
+
+def test_ctrl_c_stops_everything_within_10s(tmp_path):
+    before = set(list_segments("disagg-"))
+    dep = Launched(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], tmp_path)
+    try:
+        report = dep.wait_ready(3)
+        pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"])]
+        t0 = time.monotonic()
+        dep.proc.send_signal(signal.SIGINT)
+        while any(pid_alive(p) for p in pids + [dep.proc.pid]) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert not [p for p in pids if pid_alive(p)]
+        assert dep.proc.wait(timeout=5) is not None
+        assert set(list_segments("disagg-")) <= before
+        assert "stopped" in dep.output()
+    finally:
+        dep.stop()
+
+
+def test_boot_error_stops_the_launch_with_the_cause(tmp_path):
+    t0 = time.monotonic()
+    res = disagg("launch", "--model", "no-such-model", "-d", "1", "--port", str(free_port_pair()),
+                 "--run-dir", str(tmp_path / "run"), "--no-dashboard", timeout=120)
+    assert res.returncode == 1
+    assert "failed to start" in res.stdout and "no-such-model" in res.stdout, res.stdout
+    assert time.monotonic() - t0 < 90
+
+
+def test_status_without_orchestrator_exits_3_fast():
+    port = free_port_pair()
+    t0 = time.monotonic()
+    res = disagg("status", "--endpoint", f"tcp://127.0.0.1:{port}", timeout=10)
+    assert time.monotonic() - t0 < 2.0
+    assert res.returncode == 3
+    assert f"cannot reach the orchestrator at tcp://127.0.0.1:{port}" in res.stderr
+    assert "Traceback" not in res.stderr
+    for cmd in (["stop"], ["submit", str(ROOT / "examples" / "prompts.json")]):
+        res = disagg(*cmd, "--endpoint", f"tcp://127.0.0.1:{port}", timeout=10)
+        assert res.returncode == 3 and "cannot reach" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--capacity", "1,2"], "--capacity"),
+        (["--gpus", "a,b"], "--gpus"),
+        (["--transfer", "carrier-pigeon"], "--transfer"),
+        (["-d", "0"], "--denoisers"),
+    ],
+)
+def test_launch_usage_errors(args, needle):
+    res = disagg("launch", *args, timeout=30)
+    assert res.returncode == 2 and needle in res.stderr
+
+
+def test_bad_config_file(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("denoisers:\n  count: 2\n  colour: red\n")
+    res = disagg("launch", "--config", str(cfg), timeout=30)
+    assert res.returncode == 2 and "colour" in res.stderr
+
+
+def test_dashboard_renders_every_instance_and_events():
+    from transport.messages import InstanceStatus, RequestCounts, StatusReport
+
+    def inst(i, role, state):
+        return InstanceStatus(id=f"{role}-{i}", role=role, pid=100 + i, host="h", device="cpu", state=state,
+                              capacity=2, free_slots=1, in_flight=1, completed=5, failed=0, engine="shm",
+                              pool_bytes=64 << 20, pool_used_bytes=1 << 20)
+
+    a = StatusReport(orchestrator={"pid": 1, "state": "ready", "uptime_s": 3.0},
+                     instances=[inst(0, "encoder", "starting"), inst(0, "denoiser", "ready")],
+                     queues={"encoder": 2, "denoiser": 0, "decoder": 1}, requests=RequestCounts(in_flight=3))
+    b = StatusReport(orchestrator={"pid": 1, "state": "ready", "uptime_s": 4.0},
+                     instances=[inst(0, "encoder", "ready"), inst(0, "denoiser", "dead")],
+                     queues={"encoder": 0, "denoiser": 0, "decoder": 0},
+                     requests=RequestCounts(completed=4, failed=1), throughput_rps=1.5)
+    console = Console(record=True, file=io.StringIO(), width=160)
+    console.print(status_view(b))
+    text = console.export_text()
+    for needle in ("encoder-0", "denoiser-0", "dead", "1/2", "1.0/64.0", "completed 4", "1.50 req/s"):
+        assert needle in text, needle
+    events = events_between(a, b)
+    assert "encoder-0 (encoder, pid 100, cpu) is ready" in events
+    assert "denoiser-0 (denoiser, pid 100, cpu) is dead" in events
+    assert any("4 completed, 1 failed" in e for e in events)
