@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.live import Live
 
 from launcher.batch import run_prompts
 from launcher.client import Client
@@ -15,6 +16,38 @@ from launcher.topology import DeploymentConfig
 from transport.messages import GenerationParams, StatusReport
 
 REFRESH_S = 0.5
+
+
+class EventLog:
+    """The --no-dashboard output: one timestamped line per change between snapshots."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.last: StatusReport | None = None
+
+    def __call__(self, report: StatusReport) -> None:
+        for line in events_between(self.last, report):
+            self.console.print(f"{time.strftime('%H:%M:%S')} {line}")
+        self.last = report
+
+    def say(self, line: str) -> None:
+        self.console.print(f"{time.strftime('%H:%M:%S')} {line}")
+
+
+class LiveTable:
+    """The dashboard: one Rich table of every instance, redrawn in place."""
+
+    def __init__(self, console: Console, endpoint: str):
+        self.live = Live(console=console, refresh_per_second=4, transient=False)
+        self.endpoint = endpoint
+        self.ready = False
+
+    def __call__(self, report: StatusReport) -> None:
+        state = "Ctrl-C stops" if self.ready else "starting…"
+        self.live.update(status_view(report, title=f"disagg at {self.endpoint}  ({state})"))
+
+    def say(self, line: str) -> None:
+        self.live.console.print(f"{time.strftime('%H:%M:%S')} {line}")
 
 
 def run_deployment(
@@ -33,63 +66,45 @@ def run_deployment(
         f"disagg: {config.encoders.count}:{config.denoisers.count}:{config.decoders.count} "
         f"({n} role processes + orchestrator), model {config.model}, endpoint {dep.endpoint}, logs in {dep.run_dir}/logs"
     )
-    last: list[StatusReport | None] = [None]
-
-    def log_events(report: StatusReport) -> None:
-        if not dashboard or prompts is not None:
-            for line in events_between(last[0], report):
-                console.print(f"{time.strftime('%H:%M:%S')} {line}")
-        last[0] = report
-
+    view = LiveTable(console, dep.endpoint) if dashboard and prompts is None else EventLog(console)
+    if isinstance(view, LiveTable):
+        view.live.start()
+        view.live.update(f"starting {n} role processes…")
     try:
-        if dashboard and prompts is None:
-            with console.status(f"starting {n} role processes…"):
-                dep.start_processes()
-                dep.wait_ready(on_status=log_events)
-        else:
-            dep.start_processes()
-            dep.wait_ready(on_status=log_events)
-        console.print(f"ready: {n} instances registered")
+        dep.start_processes()
+        dep.wait_ready(on_status=view)
+        view.say(f"ready: {n} instances registered")
         if prompts is not None:
             with Client(dep.endpoint) as client:
-                return run_prompts(client, prompts, out_dir, concurrency, console, timeout_s=None,
-                                   cancelled=lambda: dep.interrupted)
-        return watch(dep, console, dashboard, log_events)
+                return run_prompts(client, prompts, out_dir, concurrency, console, cancelled=lambda: dep.interrupted)
+        return watch(dep, view)
     except BootError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 1
     except KeyboardInterrupt:
         return 130
     finally:
+        if isinstance(view, LiveTable):
+            view.live.stop()
         console.print("stopping…")
         dep.shutdown()
         console.print("stopped")
 
 
-def watch(dep: Deployment, console: Console, dashboard: bool, log_events) -> int:
+def watch(dep: Deployment, view) -> int:
     """Show the deployment until Ctrl-C, SIGTERM or `disagg stop`."""
-    from rich.live import Live
-
+    if isinstance(view, LiveTable):
+        view.ready = True
     orchestrator = dep.supervisor.children["orchestrator"]
     with Client(dep.endpoint) as client:
-        live = Live(console=console, refresh_per_second=4, transient=False) if dashboard else None
-        if live:
-            live.start()
-        try:
-            while not dep.interrupted:
-                for child in dep.supervisor.reap_children():
-                    console.print(f"{time.strftime('%H:%M:%S')} {child.name} (pid {child.pid}) exited with status {child.returncode}")
-                if orchestrator.returncode is not None:
-                    console.print("the orchestrator has stopped")
-                    return 0
-                report = dep.status(client)
-                if report is not None:
-                    if live:
-                        live.update(status_view(report, title=f"disagg at {dep.endpoint}  (Ctrl-C stops)"))
-                    else:
-                        log_events(report)
-                time.sleep(REFRESH_S)
-        finally:
-            if live:
-                live.stop()
+        while not dep.interrupted:
+            for child in dep.supervisor.reap_children():
+                view.say(f"{child.name} (pid {child.pid}) exited with status {child.returncode}")
+            if orchestrator.returncode is not None:
+                view.say("the orchestrator has stopped")
+                return 0
+            report = dep.status(client)
+            if report is not None:
+                view(report)
+            time.sleep(REFRESH_S)
     return 0

@@ -87,6 +87,7 @@ class Router:
         self.failed = 0
         self.started_at = now
         self.stopping = False
+        self.endpoint = ""  # shown in status; set by the server that owns the sockets
         self._finish_times: collections.deque[float] = collections.deque()
         self._warned_pairs: set[tuple[str, str]] = set()
         self._handlers = {
@@ -199,6 +200,7 @@ class Router:
             inst.staged.pop(msg.slot.offset, None)
             return
         role = inst.role
+        inst.completed += 1
         req.mark(f"staged_{role}", now)
         req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
         req.timings[f"compute_{role}"] = msg.compute_s
@@ -362,7 +364,7 @@ class Router:
             self._finish_times.popleft()
         window = min(THROUGHPUT_WINDOW_S, max(now - self.started_at, 1e-9))
         return StatusReport(
-            orchestrator={"pid": os.getpid(), "uptime_s": round(now - self.started_at, 3), "state": "draining" if self.stopping else "ready"},
+            orchestrator={"pid": os.getpid(), "endpoint": self.endpoint, "uptime_s": round(now - self.started_at, 3), "state": "draining" if self.stopping else "ready"},
             instances=[i.status(now) for i in sorted(self.registry.by_id.values(), key=lambda i: (STAGES.index(i.role), i.id))],
             queues={role: sum(1 for rid in q if rid in self.requests) for role, q in self.queues.items()},
             requests=RequestCounts(in_flight=len(self.requests), completed=self.completed, failed=self.failed),

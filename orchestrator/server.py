@@ -46,6 +46,7 @@ class OrchestratorServer:
         self.frontend.bind(f"tcp://{host}:{port}")
         self.backend.bind(f"tcp://{host}:{port + 1}")
         self.endpoint = f"tcp://{host}:{port}"
+        router.endpoint = self.endpoint
         self._stop_requested = False
         self._dropped = 0
 

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from transport.pool import Pool
 
+        # the pid in the name: a restarted instance never reuses a name a peer may still have mapped
+        spec.pool_name = f"{spec.pool_name}-{os.getpid()}"
         pool = Pool(spec.pool_name, spec.pool_bytes)
     except Exception as exc:
         log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)

@@ -1,0 +1,70 @@
+"""Config files, flags and placement: which process runs where."""
+
+from pathlib import Path
+
+import pytest
+
+from launcher.deployment import Deployment
+from launcher.topology import ConfigError, DeploymentConfig, load_config, place
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_tiny_yaml_is_the_builtin_default():
+    assert load_config(CONFIGS / "tiny.yaml") == DeploymentConfig() == load_config(None)
+
+
+def test_every_config_file_loads():
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = load_config(path)
+        assert sum(cfg.role(r).count for r in ("encoder", "denoiser", "decoder")) >= 3
+
+
+def test_gpu_placement_per_role_and_global():
+    cfg = load_config(CONFIGS / "h200x8-1-6-1.yaml")
+    by_id = {p.instance_id: p for p in place(cfg, cpu_ids=list(range(16)))}
+    assert by_id["encoder-0"].gpu == 0 and by_id["decoder-0"].gpu == 7
+    assert [by_id[f"denoiser-{i}"].gpu for i in range(6)] == [1, 2, 3, 4, 5, 6]
+    assert all(p.device == "cuda:0" for p in by_id.values())
+    assert all(len(p.cpus) == 2 for p in by_id.values())  # 16 CPUs shared by 8 instances
+    cfg = DeploymentConfig(gpus=[0, 1])
+    gpus = [p.gpu for p in place(cfg, cpu_ids=[0])]
+    assert gpus == [0, 1, 0, 1] and all(p.cpus == [0] for p in place(cfg, cpu_ids=[0]))
+
+
+def test_cpu_only_placement():
+    ps = place(DeploymentConfig(), cpu_ids=[0, 1])
+    assert [p.instance_id for p in ps] == ["encoder-0", "denoiser-0", "denoiser-1", "decoder-0"]
+    assert all(p.gpu is None and p.device == "cpu" for p in ps)
+    assert [p.cpus for p in ps] == [[0], [1], [0], [1]]
+
+
+def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
+    dep = Deployment(DeploymentConfig(gpus=[3]), run_dir=tmp_path)
+    seen = {}
+    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None: seen.update(name=name, argv=argv, env=env, cpus=cpus))
+    dep.spawn_role(dep.placements[1])
+    assert seen["name"] == "denoiser-0" and seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert '"device":"cuda:0"' in seen["argv"][-1] and seen["cpus"]
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("transfer: pigeon\n", "transfer"),
+        ("encoders: {count: 0}\n", "encoders.count"),
+        ("port: 99999999\n", "port"),
+        ("denoisers: [1, 2]\n", "denoisers"),
+        ("model: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_configs_name_the_field(tmp_path, text, needle):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
