@@ -73,13 +73,15 @@ def cli(verbose: bool) -> None:
 @click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65534), help="Client port; roles use PORT+1 (default 5555).")
 @click.option("--transfer", type=click.Choice(TRANSFER_CHOICES), help="Transfer engine between stages (default auto).")
+@click.option("--transfer-protocol", type=click.Choice(["tcp", "rdma"]), help="Mooncake protocol (default rdma with --ib-device, else tcp).")
+@click.option("--ib-device", help="RDMA NIC for Mooncake, e.g. mlx5_0.")
 @click.option("--dispatch", type=click.Choice(sorted(POLICIES)), help="Dispatch policy (default max-free-slots).")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where per-process logs go (default $TMPDIR/disagg/RUN_ID).")
 @click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
-def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, host, port, transfer, dispatch,
+def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
     """Start the orchestrator and every role process, and show them live.
 
@@ -90,7 +92,8 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, ho
         config = load_config(config_path)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--config") from None
-    for key, value in (("model", model), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch)):
+    for key, value in (("model", model), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
+                       ("transfer_protocol", transfer_protocol), ("ib_device", ib_device)):
         if value is not None:
             setattr(config, key, value)
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):

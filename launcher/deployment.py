@@ -87,13 +87,24 @@ class Deployment:
             "pool_name": f"{self.shm_prefix}{p.instance_id}",
             "host_id": self.host_id,
             "threads": len(p.cpus),
+            "transfer": self.config.transfer,
+            "transfer_protocol": self.config.protocol,
+            "ib_device": self.config.ib_device,
+            "data_host": self.config.host,
+            "visible_gpus": self.visible_gpus(p),
         }
         env = self._env()
-        env["CUDA_VISIBLE_DEVICES"] = "" if p.gpu is None else str(p.gpu)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
         env["OMP_NUM_THREADS"] = str(max(1, len(p.cpus)))
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus
         )
+
+    def visible_gpus(self, p: Placement) -> list[int]:
+        """The role's own GPU first (its cuda:0), then the host's other GPUs, for CUDA IPC to peers."""
+        if p.gpu is None:
+            return []
+        return [p.gpu] + [g for g in self.config.all_gpus() if g != p.gpu]
 
     def _env(self) -> dict[str, str]:
         path = os.environ.get("PYTHONPATH")

@@ -36,6 +36,9 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65534)] = 5555
     transfer: str = "auto"
+    #: mooncake: tcp or rdma; empty = rdma when ib_device is named, else tcp
+    transfer_protocol: str = ""
+    ib_device: str = ""
     dispatch: str = "max-free-slots"
     gpus: list[Annotated[int, Meta(ge=0)]] = []
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
@@ -47,6 +50,18 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     def role(self, role: str) -> RoleConfig:
         return getattr(self, ROLE_KEYS[role])
+
+    @property
+    def protocol(self) -> str:
+        return self.transfer_protocol or ("rdma" if self.ib_device else "tcp")
+
+    def all_gpus(self) -> list[int]:
+        gpus = list(self.gpus)
+        for role in ROLE_KEYS:
+            for g in self.role(role).gpus or []:
+                if g not in gpus:
+                    gpus.append(g)
+        return gpus
 
 
 def load_config(path: str | Path | None) -> DeploymentConfig:
@@ -70,6 +85,10 @@ def load_config(path: str | Path | None) -> DeploymentConfig:
 def validate(config: DeploymentConfig) -> None:
     if config.transfer not in TRANSFER_CHOICES:
         raise ConfigError(f"transfer must be one of {', '.join(TRANSFER_CHOICES)}, got {config.transfer!r}")
+    if config.transfer_protocol not in ("", "tcp", "rdma"):
+        raise ConfigError(f"transfer_protocol must be tcp or rdma, got {config.transfer_protocol!r}")
+    if config.transfer_protocol == "rdma" and not config.ib_device:
+        raise ConfigError("transfer_protocol rdma needs ib_device (e.g. mlx5_0)")
     for role in ROLE_KEYS:
         if config.role(role).count < 1:
             raise ConfigError(f"{ROLE_KEYS[role]}.count must be at least 1")

@@ -65,8 +65,11 @@ class Instance:
             completed=self.completed,
             failed=self.failed,
             engine=self.engine,
+            engines=list(self.pool.engines),
             pool_bytes=self.pool.pool_bytes,
             pool_used_bytes=sum(self.staged.values()),
+            session_id=self.pool.session_id,
+            base_addr=self.pool.base_addr,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
         )
 

@@ -90,6 +90,8 @@ class Router:
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
         self._finish_times: collections.deque[float] = collections.deque()
         self._warned_pairs: set[tuple[str, str]] = set()
+        #: producer id -> whether some consumer needs its output inline; reset when instances change
+        self._inline_cache: dict[str, bool] = {}
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -170,15 +172,12 @@ class Router:
         if old is not None and old.state != "dead":
             self.lose_instance(old, "it registered again (restarted)", now, out)
         inst = self.registry.register(msg, now)
+        self._inline_cache.clear()
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
         out.append(
             to_instance(
                 inst.id,
-                Registered(
-                    session=inst.session,
-                    heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
-                    inline_staging=self.config.transfer == "inline",
-                ),
+                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S),
             )
         )
 
@@ -186,6 +185,7 @@ class Router:
         inst = self.registry.get(sender)
         if msg.ready and inst.state == "starting":
             inst.state = "ready"
+            self._inline_cache.clear()
             log.info("%s ready", inst.id)
 
     def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
@@ -306,8 +306,19 @@ class Router:
         req.state, req.assigned = "running", inst.id
         req.mark(f"run_{inst.role}", now)
         req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
-        run = Run(request_id=req.id, attempt=req.attempt, params=req.params, source=source)
+        run = Run(request_id=req.id, attempt=req.attempt, params=req.params, source=source,
+                  inline_output=self.needs_inline(inst))
         out.append(to_instance(inst.id, run, frames))
+
+    def needs_inline(self, producer: Instance) -> bool:
+        """Whether some ready consumer of `producer`'s output can only be reached inline."""
+        cached = self._inline_cache.get(producer.id)
+        if cached is None:
+            role = next_stage(producer.role)
+            consumers = [i for i in self.registry.of_role(role) if i.state == "ready"] if role else []
+            cached = any(choose_engine(self.config.transfer, producer.pool, c.pool)[0] == "inline" for c in consumers)
+            self._inline_cache[producer.id] = cached
+        return cached
 
     def finish_run(self, inst: Instance, request_id: str, attempt: int) -> Request | None:
         """Free the compute slot a report closes; the request if the report is current."""
@@ -347,6 +358,7 @@ class Router:
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
         """Mark an instance dead; requests that depended on it fail (re-dispatch comes later)."""
         log.warning("instance %s is dead: %s", inst.id, why)
+        self._inline_cache.clear()
         inst.state, inst.free_slots = "dead", 0
         for req in list(self.requests.values()):
             held = req.assigned == inst.id and req.state == "running"

@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     log = logging.getLogger("disagg.role")
     try:
-        from transport.pool import Pool
+        from transport.pool import make_pool
 
         # the pid in the name: a restarted instance never reuses a name a peer may still have mapped
         spec.pool_name = f"{spec.pool_name}-{os.getpid()}"
-        pool = Pool(spec.pool_name, spec.pool_bytes)
+        pool = make_pool(spec.pool_name, spec.pool_bytes, spec.device)
     except Exception as exc:
         log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)
         return BOOT_ERROR_EXIT
@@ -43,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
         return Stage(spec.role, load_adapter(spec.model, spec.role, spec.device))
 
-    worker = Worker(spec, load_stage, pool)
+    from transport.engines import EngineUnavailable
+
+    try:
+        worker = Worker(spec, load_stage, pool)
+    except EngineUnavailable as exc:
+        log.error("transfer engine %s cannot start: %s", spec.transfer, exc)
+        pool.close()
+        return BOOT_ERROR_EXIT
     install_signal_handlers(worker)
     worker.connect()
     worker.serve_forever()

@@ -13,13 +13,13 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from roles.stage import Stage
-from transport.engines import TransferEngine, local_engines, make_engine
+from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.manifest import unpack
 from transport.messages import (
     BOOT_ERROR_EXIT,
@@ -63,6 +63,11 @@ class WorkerSpec:
     pool_name: str = ""
     host_id: str = ""
     threads: int = 0  # torch intra-op threads; 0 = the CPUs this process may run on
+    transfer: str = "auto"  # a forced engine must start, or the role fails to boot
+    transfer_protocol: str = "tcp"
+    ib_device: str = ""
+    data_host: str = "127.0.0.1"
+    visible_gpus: list[int] = field(default_factory=list)  # physical ids, in cuda:N order
 
 
 class Worker:
@@ -75,7 +80,8 @@ class Worker:
         self.exit_code = 0
         self.pool = pool
         self.log = logging.getLogger("disagg.role")
-        self.engines: dict[str, TransferEngine] = {name: make_engine(name) for name in local_engines(spec.device)}
+        options = EngineOptions(spec.data_host, spec.transfer_protocol, spec.ib_device, tuple(spec.visible_gpus))
+        self.engines: dict[str, TransferEngine] = make_engines(pool, spec.transfer, options, self.log)
         self.pool_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=spec.capacity, thread_name_prefix=spec.instance_id)
         self.ctx = zmq.Context()
@@ -88,7 +94,6 @@ class Worker:
         self._local = threading.local()
         self.in_flight = 0
         self.ready = False
-        self.inline_staging = False
         self.registered = False
         self.stop = False
         self.parent_pid = os.getppid()
@@ -105,14 +110,21 @@ class Worker:
     def send(self, msg, frames=()) -> None:
         self.sock.send_multipart([encode(msg), *frames])
 
-    def register(self) -> None:
-        pool = PoolInfo(
+    def pool_info(self) -> PoolInfo:
+        advertised = {}
+        for engine in self.engines.values():
+            advertised.update(engine.advertise())
+        return PoolInfo(
             host_id=self.spec.host_id,
             engines=list(self.engines),
             pool_name=self.pool.name,
             pool_bytes=self.pool.nbytes,
-            device=self.spec.device,
+            device=self.pool.device,
+            **advertised,
         )
+
+    def register(self) -> None:
+        pool = self.pool_info()
         self.send(
             Register(
                 role=self.spec.role,
@@ -211,7 +223,6 @@ class Worker:
 
     def handle_registered(self, msg: Registered, frames) -> None:
         self.registered = True
-        self.inline_staging = msg.inline_staging
         self.log.info("registered, session %d", msg.session)
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
@@ -225,7 +236,7 @@ class Worker:
             self.send(Failed(request_id=msg.request_id, attempt=msg.attempt, error="model not loaded yet"))
             return
         self.in_flight += 1
-        self.executor.submit(self.execute, msg, frames)
+        self.executor.submit(self.execute, msg, frames, time.perf_counter())
 
     def handle_release(self, msg: Release, frames) -> None:
         with self.pool_lock:
@@ -249,12 +260,12 @@ class Worker:
             sock.connect(REPORTS)
         sock.send_multipart([encode(msg) if msg is not None else kind, *frames])
 
-    def execute(self, run: Run, frames: list[bytes]) -> None:
+    def execute(self, run: Run, frames: list[bytes], received: float) -> None:
+        """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
         local_slot = None
         try:
             inputs = {}
             if run.source is not None:
-                t0 = time.perf_counter()
                 nbytes = run.source.slot.nbytes
                 with self.pool_lock:
                     local_slot = self.pool.alloc(nbytes)
@@ -264,7 +275,7 @@ class Worker:
                     raise RuntimeError(f"transfer engine {run.source.engine!r} is not available here")
                 engine.read(run.source, dst, frames)
                 inputs = unpack(dst, run.source.slot.tensors)
-                self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=time.perf_counter() - t0))
+                self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=time.perf_counter() - received))
             t0 = time.perf_counter()
             out = self.stage.run(run.params, inputs)
             compute_s = time.perf_counter() - t0
@@ -282,7 +293,7 @@ class Worker:
             else:
                 with self.pool_lock:
                     slot = self.pool.stage(self.spec.instance_id, out.tensors)
-                extra = [bytes(self.pool.view(slot.offset, slot.nbytes).numpy())] if self.inline_staging else []
+                extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s), extra)
         except Exception as exc:  # a request error: report it and keep serving
             self.log.exception("request %s failed", run.request_id)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from transport.allocator import PoolFull
-from transport.engines import InlineEngine, ShmEngine, TransferError, local_engines, make_engine
+from transport.engines import EngineOptions, InlineEngine, ShmEngine, TransferError, make_engine
 from transport.manifest import unpack
 from transport.messages import PoolInfo, Source
-from transport.pool import Pool
+from transport.pool import ShmPool as Pool
 from transport.selection import choose_engine
 from transport.shm import list_segments, remove_segments, shm_path
 
@@ -26,7 +26,7 @@ def pool_name():
 
 
 def info(pool: Pool, host="h") -> PoolInfo:
-    return PoolInfo(host_id=host, engines=local_engines("cpu"), pool_name=pool.name, pool_bytes=pool.nbytes)
+    return PoolInfo(host_id=host, engines=["shm", "inline"], pool_name=pool.name, pool_bytes=pool.nbytes)
 
 
 def test_stage_and_pull_in_process(pool_name):
@@ -34,7 +34,7 @@ def test_stage_and_pull_in_process(pool_name):
     try:
         tensors = {"emb": torch.randn(2, 8, 16).to(torch.bfloat16), "pooled": torch.randn(2, 32)}
         slot = src.stage("encoder-0", tensors)
-        for engine in (ShmEngine(), InlineEngine()):
+        for engine in (ShmEngine(dst, EngineOptions()), InlineEngine(dst, EngineOptions())):
             off = dst.alloc(slot.nbytes)
             frames = [bytes(src.view(slot.offset, slot.nbytes).numpy())]
             engine.read(Source(slot=slot, pool=info(src), engine=engine.name), dst.view(off, slot.nbytes), frames)
@@ -65,29 +65,30 @@ def test_out_of_bounds_source_refused(pool_name):
         slot = pool.stage("encoder-0", {"x": torch.ones(8)})
         bad = Source(slot=slot, pool=PoolInfo(host_id="h", engines=["shm"], pool_name=pool.name, pool_bytes=16), engine="shm")
         with pytest.raises(TransferError, match="outside"):
-            ShmEngine().read(bad, torch.empty(slot.nbytes, dtype=torch.uint8), [])
+            ShmEngine(pool, EngineOptions()).read(bad, torch.empty(slot.nbytes, dtype=torch.uint8), [])
         with pytest.raises(TransferError, match="inline payload"):
-            InlineEngine().read(Source(slot=slot, pool=info(pool), engine="inline"), torch.empty(slot.nbytes, dtype=torch.uint8), [b"x"])
+            InlineEngine(pool, EngineOptions()).read(Source(slot=slot, pool=info(pool), engine="inline"), torch.empty(slot.nbytes, dtype=torch.uint8), [b"x"])
     finally:
         pool.close()
 
 
 def test_missing_peer_pool_is_transfer_error(pool_name):
-    pool = Pool(pool_name, 4096)
+    pool, other = Pool(pool_name, 4096), Pool(pool_name + "-o", 4096)
     slot = pool.stage("encoder-0", {"x": torch.ones(8)})
     src = Source(slot=slot, pool=info(pool), engine="shm")
     pool.close()
     with pytest.raises(TransferError, match="cannot open"):
-        ShmEngine().read(src, torch.empty(slot.nbytes, dtype=torch.uint8), [])
+        ShmEngine(other, EngineOptions()).read(src, other.view(0, slot.nbytes), [])
+    other.close()
 
 
 def test_pull_from_another_process(pool_name):
     """A producer process stages tensors; this process pulls them through shm."""
     code = textwrap.dedent(f"""
         import sys, torch, msgspec
-        from transport.pool import Pool
+        from transport.pool import ShmPool
         torch.manual_seed(0)
-        pool = Pool({pool_name!r}, 1 << 20)
+        pool = ShmPool({pool_name!r}, 1 << 20)
         slot = pool.stage("encoder-0", {{"a": torch.randn(64, 32), "b": torch.arange(10)}})
         sys.stdout.write(msgspec.json.encode(slot).decode() + "\\n"); sys.stdout.flush()
         sys.stdin.readline()
@@ -101,14 +102,16 @@ def test_pull_from_another_process(pool_name):
 
         slot = msgspec.json.decode(proc.stdout.readline(), type=SlotRef)
         src = Source(slot=slot, pool=PoolInfo(host_id="h", engines=["shm"], pool_name=pool_name, pool_bytes=1 << 20), engine="shm")
-        dst = torch.empty(slot.nbytes, dtype=torch.uint8)
-        make_engine("shm").read(src, dst, [])
+        mine = Pool(pool_name + "-mine", 1 << 20)
+        dst = mine.view(0, slot.nbytes)
+        make_engine("shm", mine).read(src, dst, [])
         out = unpack(dst, slot.tensors)
         torch.manual_seed(0)
         assert torch.equal(out["a"], torch.randn(64, 32)) and out["b"].tolist() == list(range(10))
     finally:
         proc.communicate("\n", timeout=30)
     assert proc.returncode == 0
+    mine.close()
     assert list_segments(pool_name) == []
 
 
@@ -121,4 +124,15 @@ def test_auto_selection():
     assert engine == "inline" and "different hosts" in warning
     assert choose_engine("inline", a, b) == ("inline", None)
     engine, warning = choose_engine("shm", a, PoolInfo(host_id="h1", engines=["inline"], pool_name="d", pool_bytes=1))
-    assert engine == "inline" and "not supported" in warning
+    assert engine == "inline" and "not served by both" in warning
+    g1 = PoolInfo(host_id="h1", engines=["cuda-ipc", "mooncake", "inline"], pool_name="g1", pool_bytes=1, device="cuda:0")
+    g2 = PoolInfo(host_id="h1", engines=["cuda-ipc", "mooncake", "inline"], pool_name="g2", pool_bytes=1, device="cuda:0")
+    g3 = PoolInfo(host_id="h2", engines=["cuda-ipc", "mooncake", "inline"], pool_name="g3", pool_bytes=1, device="cuda:0")
+    assert choose_engine("auto", g1, g2) == ("cuda-ipc", None)
+    assert choose_engine("auto", g1, g3) == ("mooncake", None)  # cuda-ipc never crosses hosts
+    m1 = PoolInfo(host_id="h1", engines=["shm", "mooncake", "inline"], pool_name="m1", pool_bytes=1)
+    m2 = PoolInfo(host_id="h2", engines=["shm", "mooncake", "inline"], pool_name="m2", pool_bytes=1)
+    assert choose_engine("auto", m1, m2) == ("mooncake", None)
+    assert choose_engine("mooncake", m1, PoolInfo(host_id="h1", engines=["shm", "mooncake"], pool_name="m3", pool_bytes=1)) == ("mooncake", None)
+    engine, warning = choose_engine("auto", g1, m1)
+    assert engine == "mooncake"  # a GPU pool and a host pool on one host: no shm, no cuda-ipc

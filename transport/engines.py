@@ -1,21 +1,47 @@
-"""Transfer engines: read a byte range of a peer's pool into our own pool."""
+"""Transfer engines: read a byte range of a peer's pool into a slot of our own pool.
+
+Every engine has the same two sides: `advertise` says what peers need to read from our pool
+(it travels in Register), `read` pulls a peer's staged slot. Callers never know which engine
+they hold.
+"""
 
 from __future__ import annotations
 
 import mmap
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 
 from transport.messages import Source
+from transport.pool import Pool
 from transport.shm import shm_path
+
+MOONCAKE_HINT = (
+    "install it with `pip install 'disagg[mooncake-cpu]'` on CPU hosts (plus Debian's libibverbs1: "
+    "`apt-get install -y libibverbs1`) or `pip install 'disagg[mooncake]'` on CUDA hosts"
+)
 
 
 class TransferError(RuntimeError):
-    """A pull that did not deliver the bytes it was asked for."""
+    """A pull that did not deliver the bytes it was asked for (a request-scoped error)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """An engine that cannot run in this process (package missing, no device, init failed)."""
+
+
+@dataclass
+class EngineOptions:
+    """Settings shared by every engine of a role."""
+
+    data_host: str = "127.0.0.1"  # the address peers on other hosts reach us at
+    protocol: str = "tcp"  # mooncake: tcp or rdma
+    ib_device: str = ""  # mooncake rdma: the NIC, e.g. mlx5_0
+    visible_gpus: tuple[int, ...] = ()  # physical GPU ids in this process's cuda:N order
 
 
 class TransferEngine(ABC):
@@ -23,9 +49,16 @@ class TransferEngine(ABC):
 
     name: ClassVar[str]
 
+    def advertise(self) -> dict:
+        """PoolInfo fields peers need to read from our pool with this engine."""
+        return {}
+
     @abstractmethod
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         """Fill `dst` (uint8, `source.slot.nbytes` long) with the source slot's bytes."""
+
+    def forget(self, pool_name: str) -> None:
+        """Drop anything cached about a peer's pool (it restarted)."""
 
     def close(self) -> None:
         pass
@@ -40,14 +73,19 @@ def check_bounds(source: Source, dst: torch.Tensor) -> None:
         )
     if dst.numel() != slot.nbytes:
         raise TransferError(f"destination holds {dst.numel()} bytes, slot has {slot.nbytes}")
+    for spec in slot.tensors:
+        if spec.offset + spec.nbytes > slot.nbytes:
+            raise TransferError(f"tensor {spec.name!r} lies outside its {slot.nbytes}-byte slot")
 
 
 class ShmEngine(TransferEngine):
-    """Same host, CPU: map each peer's shared memory once, then memcpy."""
+    """Same host, CPU: map each peer's shared memory once (pre-faulted), then memcpy."""
 
     name = "shm"
 
-    def __init__(self):
+    def __init__(self, pool: Pool, options: EngineOptions):
+        if pool.device != "cpu":
+            raise EngineUnavailable("shm needs a host-memory pool")
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
 
     def _peer(self, source: Source) -> np.ndarray:
@@ -64,7 +102,9 @@ class ShmEngine(TransferEngine):
                 raise TransferError(
                     f"pool of {source.slot.instance_id} is {size} bytes, expected {source.pool.pool_bytes}"
                 )
-            mm = mmap.mmap(fd, source.pool.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            # MAP_POPULATE: fault the whole mapping in now, once, not page by page on every first read
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, source.pool.pool_bytes, flags, mmap.PROT_READ)
         finally:
             os.close(fd)
         arr = np.frombuffer(mm, dtype=np.uint8)
@@ -77,7 +117,6 @@ class ShmEngine(TransferEngine):
         np.copyto(dst.numpy(), peer[source.slot.offset : source.slot.offset + source.slot.nbytes])
 
     def forget(self, pool_name: str) -> None:
-        """Drop a cached mapping (the peer restarted with a new pool)."""
         self._maps.pop(pool_name, None)
 
     def close(self) -> None:
@@ -89,27 +128,45 @@ class InlineEngine(TransferEngine):
 
     name = "inline"
 
+    def __init__(self, pool: Pool, options: EngineOptions):
+        pass
+
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         check_bounds(source, dst)
         if not frames or len(frames[0]) != source.slot.nbytes:
             got = len(frames[0]) if frames else 0
             raise TransferError(f"inline payload of {got} bytes, expected {source.slot.nbytes}")
-        np.copyto(dst.numpy(), np.frombuffer(frames[0], dtype=np.uint8))
+        src = np.frombuffer(frames[0], dtype=np.uint8)
+        if dst.device.type == "cpu":
+            np.copyto(dst.numpy(), src)
+        else:
+            dst.copy_(torch.from_numpy(src.copy()))
 
 
-def local_engines(device: str) -> list[str]:
-    """Engines this process can serve and use, fastest first."""
-    names = []
-    # pools live in host shared memory for every device today, so shm works for GPU roles too
-    if os.path.isdir("/dev/shm"):
-        names.append("shm")
-    names.append("inline")
-    return names
+def _engine_classes() -> dict[str, type[TransferEngine]]:
+    from transport.cuda_ipc import CudaIpcEngine
+    from transport.mooncake_engine import MooncakeEngine
+
+    return {"cuda-ipc": CudaIpcEngine, "shm": ShmEngine, "mooncake": MooncakeEngine, "inline": InlineEngine}
 
 
-def make_engine(name: str) -> TransferEngine:
-    if name == "shm":
-        return ShmEngine()
-    if name == "inline":
-        return InlineEngine()
-    raise ValueError(f"unknown transfer engine {name!r}")
+def make_engine(name: str, pool: Pool, options: EngineOptions | None = None) -> TransferEngine:
+    """One engine serving `pool`; raises EngineUnavailable with the reason if it cannot run here."""
+    classes = _engine_classes()
+    if name not in classes:
+        raise ValueError(f"unknown transfer engine {name!r}; choose from {', '.join(classes)}")
+    return classes[name](pool, options or EngineOptions())
+
+
+def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None = None, log=None) -> dict[str, TransferEngine]:
+    """Every engine this process can serve, fastest first. A forced engine must work (else raise)."""
+    engines: dict[str, TransferEngine] = {}
+    for name in _engine_classes():
+        try:
+            engines[name] = make_engine(name, pool, options)
+        except EngineUnavailable as exc:
+            if name == forced:
+                raise
+            if log is not None and name == "mooncake" and "not installed" not in str(exc):
+                log.warning("mooncake engine unavailable: %s", exc)
+    return engines

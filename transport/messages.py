@@ -59,14 +59,34 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     nbytes: Count
 
 
+class CudaIpcHandle(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """What torch needs to open another process's CUDA allocation (the fields of _share_cuda_)."""
+
+    device: int
+    handle: bytes
+    storage_bytes: Count
+    storage_offset: Count
+    ref_counter_handle: bytes
+    ref_counter_offset: Count
+    event_handle: bytes
+    event_sync_required: bool
+
+
 class PoolInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A role's buffer pool as its peers see it: enough to read from it."""
+    """A role's buffer pool as its peers see it: enough to read from it with any engine it serves."""
 
     host_id: Annotated[str, Meta(max_length=256)]
     engines: list[Annotated[str, Meta(max_length=32)]]
     pool_name: Annotated[str, Meta(max_length=256)]
     pool_bytes: Count
+    #: cpu (host shared memory) or cuda:N (a CUDA allocation)
     device: Annotated[str, Meta(max_length=64)] = "cpu"
+    #: mooncake: the peer id ("ip:rpc_port") and the registered base address of the pool
+    session_id: Annotated[str, Meta(max_length=256)] = ""
+    base_addr: Count = 0
+    #: cuda-ipc: the pool's IPC handle, and the physical GPU it lives on
+    cuda_ipc: CudaIpcHandle | None = None
+    gpu: int | None = None
 
 
 class SlotRef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -136,9 +156,14 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     in_flight: int
     completed: int
     failed: int
+    #: the engine of its last pull (else the fastest it serves), and every engine it serves
     engine: str = ""
+    engines: list[str] = []
     pool_bytes: int = 0
     pool_used_bytes: int = 0
+    #: mooncake registration: peer id and registered base address of the pool
+    session_id: str = ""
+    base_addr: int = 0
     last_seen_s: float = 0.0
 
 
@@ -189,8 +214,6 @@ class Registered(_Msg, tag="registered", kw_only=True):
 
     session: Count
     heartbeat_interval_s: Seconds
-    #: stage outputs must ride along with Staged as raw frames (the inline engine)
-    inline_staging: bool = False
 
 
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
@@ -209,6 +232,8 @@ class Run(_Msg, tag="run", kw_only=True):
     attempt: Count
     params: GenerationParams
     source: Source | None = None
+    #: send the output's bytes along with Staged (a consumer may only be reachable inline)
+    inline_output: bool = False
 
 
 class Fetched(_Msg, tag="fetched", kw_only=True):

@@ -1,4 +1,8 @@
-"""A role's buffer pool: one shared-memory segment, mapped once, carved into slots."""
+"""A role's buffer pool: allocated once, registered once, carved into slots.
+
+On the CPU it is one shared-memory segment that same-host peers map by name; on a GPU it is one
+CUDA allocation that same-host peers open through its IPC handle.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,20 @@ import torch
 
 from transport.allocator import SlotAllocator
 from transport.manifest import pack, plan
-from transport.messages import SlotRef
+from transport.messages import CudaIpcHandle, SlotRef
 from transport.shm import shm_path
 
+
 class Pool:
-    """Preallocated, pre-faulted shared memory that peers on this host can map by name."""
+    """Slots over one preallocated byte buffer (`self.buffer`, a uint8 tensor)."""
+
+    device = "cpu"
 
     def __init__(self, name: str, nbytes: int):
         self.name = name
         self.nbytes = nbytes
         self.allocator = SlotAllocator(nbytes)
-        fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
-        # Touch every page now: fresh shared memory costs a page fault per 4 KiB on first use.
-        self.buffer.zero_()
+        self.buffer: torch.Tensor | None = None
 
     @property
     def free_bytes(self) -> int:
@@ -43,18 +42,41 @@ class Pool:
         return self.buffer[offset : offset + nbytes]
 
     def stage(self, instance_id: str, tensors: dict[str, torch.Tensor]) -> SlotRef:
-        """Copy tensors into a fresh slot and describe it."""
+        """Copy tensors into a fresh slot and describe it; the bytes are complete on return."""
         specs, nbytes = plan(tensors)
         offset = self.alloc(nbytes)
         try:
             pack(tensors, self.view(offset, nbytes), specs)
+            self.synchronize()
         except BaseException:
             self.free(offset)
             raise
         return SlotRef(instance_id=instance_id, offset=offset, nbytes=nbytes, tensors=specs)
 
+    def synchronize(self) -> None:
+        """Wait until copies into the pool are complete (a peer may read right after)."""
+
     def close(self) -> None:
         self.buffer = None
+
+
+class ShmPool(Pool):
+    """Host shared memory, pre-faulted, that peers on this host map by name."""
+
+    def __init__(self, name: str, nbytes: int):
+        super().__init__(name, nbytes)
+        fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # Touch every page now: fresh shared memory costs a page fault per 4 KiB on first use.
+        self.buffer.zero_()
+
+    def close(self) -> None:
+        super().close()
         try:
             self._mm.close()
         except BufferError:
@@ -63,3 +85,26 @@ class Pool:
             os.unlink(shm_path(self.name))
         except FileNotFoundError:
             pass
+
+
+class CudaPool(Pool):
+    """One CUDA allocation; outputs of GPU stages are staged here with no host round trip."""
+
+    def __init__(self, name: str, nbytes: int, device: str):
+        super().__init__(name, nbytes)
+        self.device = device
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.buffer.device).synchronize()
+
+    def ipc_handle(self) -> CudaIpcHandle:
+        (device, handle, size, offset, ref_handle, ref_offset, event, sync) = self.buffer.untyped_storage()._share_cuda_()
+        return CudaIpcHandle(device, handle, size, offset, ref_handle, ref_offset, event or b"", bool(sync))
+
+
+def make_pool(name: str, nbytes: int, device: str) -> Pool:
+    """The pool for a role on `device`: shared memory on the CPU, a CUDA allocation on a GPU."""
+    if device.startswith("cuda"):
+        return CudaPool(name, nbytes, device)
+    return ShmPool(name, nbytes)
