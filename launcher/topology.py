@@ -11,6 +11,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from roles.pipelines import ModelError, ModelSpec, model_spec
 from transport.selection import CHOICES as TRANSFER_CHOICES
 
 ROLE_KEYS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
@@ -25,7 +26,8 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     count: Annotated[int, Meta(ge=0, le=256)] = 1
     capacity: Annotated[int, Meta(ge=1, le=1024)] = 1
-    pool_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 64
+    #: None: sized from the model's largest payload (see default_pool_bytes)
+    pool_mib: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
     gpus: list[Annotated[int, Meta(ge=0)]] | None = None
 
 
@@ -87,6 +89,12 @@ def validate(config: DeploymentConfig) -> None:
         raise ConfigError(f"transfer must be one of {', '.join(TRANSFER_CHOICES)}, got {config.transfer!r}")
     if config.transfer_protocol not in ("", "tcp", "rdma"):
         raise ConfigError(f"transfer_protocol must be tcp or rdma, got {config.transfer_protocol!r}")
+    try:
+        model_spec(config.model)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.transfer == "cuda-ipc" and not config.all_gpus():
+        raise ConfigError("--transfer cuda-ipc needs GPUs (--gpus or a role's gpus list)")
     if config.transfer_protocol == "rdma" and not config.ib_device:
         raise ConfigError("transfer_protocol rdma needs ib_device (e.g. mlx5_0)")
     for role in ROLE_KEYS:
@@ -111,16 +119,28 @@ class Placement:
         return "cpu" if self.gpu is None else "cuda:0"
 
 
+MIN_POOL_BYTES = 16 * 1024 * 1024
+
+
+def default_pool_bytes(spec: ModelSpec, role: str, capacity: int) -> int:
+    """Room for each compute slot's input plus two staged outputs per slot awaiting their fetch."""
+    need = (3 * capacity + 1) * spec.largest_payload(role)
+    mib = 1024 * 1024
+    return max(MIN_POOL_BYTES, (need + mib - 1) // mib * mib)
+
+
 def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Placement]:
     """Every role instance, with its GPU (round-robin over the role's or the global list) and CPUs."""
     cpu_ids = cpu_ids if cpu_ids is not None else sorted(os.sched_getaffinity(0))
     placements: list[Placement] = []
+    spec = model_spec(config.model)
     for role in ROLE_KEYS:
         rc = config.role(role)
+        pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, rc.capacity)
         gpus = rc.gpus if rc.gpus is not None else config.gpus
         for i in range(rc.count):
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
-            placements.append(Placement(role, f"{role}-{i}", rc.capacity, rc.pool_mib * 1024 * 1024, gpu, []))
+            placements.append(Placement(role, f"{role}-{i}", rc.capacity, pool_bytes, gpu, []))
     # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
     n, k = len(placements), len(cpu_ids)
     for idx, p in enumerate(placements):

@@ -29,6 +29,7 @@ class Instance:
     completed: int = 0
     failed: int = 0
     engine: str = ""
+    pool_free_bytes: int = 0
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -45,6 +46,7 @@ class Instance:
             state="ready" if msg.ready else "starting",
             free_slots=msg.capacity,
             engine=msg.pool.engines[0] if msg.pool.engines else "",
+            pool_free_bytes=msg.pool.pool_bytes,
         )
 
     @property
@@ -68,6 +70,7 @@ class Instance:
             engines=list(self.pool.engines),
             pool_bytes=self.pool.pool_bytes,
             pool_used_bytes=sum(self.staged.values()),
+            pool_free_bytes=self.pool_free_bytes,
             session_id=self.pool.session_id,
             base_addr=self.pool.base_addr,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),

@@ -183,6 +183,7 @@ class Router:
 
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
+        inst.pool_free_bytes = msg.pool_free_bytes
         if msg.ready and inst.state == "starting":
             inst.state = "ready"
             self._inline_cache.clear()

@@ -55,12 +55,24 @@ def test_ctrl_c_stops_everything_within_10s(tmp_path):
 
 
 def test_boot_error_stops_the_launch_with_the_cause(tmp_path):
+    """A role that cannot start (here: asked for a GPU on a machine without CUDA) stops the launch."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the failure needs one that does not")
     t0 = time.monotonic()
-    res = disagg("launch", "--model", "no-such-model", "-d", "1", "--port", str(free_port_pair()),
+    res = disagg("launch", "--gpus", "0", "-d", "1", "--port", str(free_port_pair()),
                  "--run-dir", str(tmp_path / "run"), "--no-dashboard", timeout=120)
     assert res.returncode == 1
-    assert "failed to start" in res.stdout and "no-such-model" in res.stdout, res.stdout
+    assert "failed to start" in res.stdout and "CUDA" in res.stdout, res.stdout
     assert time.monotonic() - t0 < 90
+
+
+def test_unknown_model_refused_before_any_process_starts(tmp_path):
+    t0 = time.monotonic()
+    res = disagg("launch", "--model", "no-such-model", "--run-dir", str(tmp_path / "run"), timeout=30)
+    assert res.returncode == 2 and "unknown model 'no-such-model'" in res.stderr
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
 
 
 def test_status_without_orchestrator_exits_3_fast():
@@ -83,6 +95,8 @@ def test_status_without_orchestrator_exits_3_fast():
         (["--gpus", "a,b"], "--gpus"),
         (["--transfer", "carrier-pigeon"], "--transfer"),
         (["-d", "0"], "--denoisers"),
+        (["--transfer", "cuda-ipc"], "cuda-ipc needs GPUs"),
+        (["--transfer-protocol", "rdma"], "ib_device"),
     ],
 )
 def test_launch_usage_errors(args, needle):

@@ -160,7 +160,9 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: str = ""
     engines: list[str] = []
     pool_bytes: int = 0
+    #: staged outputs not yet fetched (orchestrator's count) / free bytes the role last reported
     pool_used_bytes: int = 0
+    pool_free_bytes: int = 0
     #: mooncake registration: peer id and registered base address of the pool
     session_id: str = ""
     base_addr: int = 0

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from transport.allocator import SlotAllocator
+from transport.allocator import PoolFull, SlotAllocator
 from transport.manifest import pack, plan
 from transport.messages import CudaIpcHandle, SlotRef
 from transport.shm import shm_path
@@ -33,6 +33,11 @@ class Pool:
         return self.allocator.free_bytes
 
     def alloc(self, nbytes: int) -> int:
+        if nbytes > self.nbytes:
+            raise PoolFull(
+                f"a payload of {nbytes} bytes does not fit the {self.nbytes}-byte pool of this instance "
+                f"(raise pool_mib for its role)"
+            )
         return self.allocator.alloc(nbytes)
 
     def free(self, offset: int) -> None:

@@ -1,18 +1,72 @@
-"""Model adapters, one per family: each loads only what its role needs and splits the pipeline."""
+"""Model adapters, one per family: each loads only what its role needs and splits the pipeline.
+
+This module stays torch-free: the launcher reads model specs (payload sizes) from it to size
+pools, and only role processes import an adapter.
+"""
 
 from __future__ import annotations
 
-MODELS = ("tiny",)
+from dataclasses import dataclass
+from typing import Callable
+
+ROLES = ("encoder", "denoiser", "decoder")
 
 
 class ModelError(ValueError):
     """A model name or path that no adapter can serve."""
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the launcher must know about a model without loading it."""
+
+    name: str
+    max_width: int
+    max_height: int
+    #: bytes of what `role` stages for the next role, for one request of this size
+    output_bytes: Callable[[str, int, int, int], int]
+
+    def largest_payload(self, role: str, max_images: int = 1) -> int:
+        """The most bytes a request moves into or out of `role` at the maximum size."""
+        i = ROLES.index(role)
+        sizes = [self.output_bytes(role, self.max_width, self.max_height, max_images)]
+        if i > 0:
+            sizes.append(self.output_bytes(ROLES[i - 1], self.max_width, self.max_height, max_images))
+        return max(sizes)
+
+
+def _tiny_bytes(role: str, width: int, height: int, n: int) -> int:
+    if role == "encoder":  # T5 embeddings (512 x 32) + CLIP pooled (32), float32, one per prompt
+        return (512 * 32 + 32) * 4
+    if role == "denoiser":  # packed latents: (h/16 * w/16) tokens x 16 channels, float32
+        return n * (height // 16) * (width // 16) * 16 * 4
+    return 0
+
+
+def _payload_bytes(role: str, width: int, height: int, n: int) -> int:
+    return width * height * 4 if role == "encoder" else (64 if role == "denoiser" else 0)
+
+
+SPECS = {
+    "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes),
+    "payload": ModelSpec("payload", 4096, 2048, _payload_bytes),
+}
+
+
+def model_spec(model: str) -> ModelSpec:
+    try:
+        return SPECS[model]
+    except KeyError:
+        raise ModelError(f"unknown model {model!r}: this version serves {', '.join(SPECS)}") from None
+
+
 def load_adapter(model: str, role: str, device: str = "cpu"):
     """The adapter for `model`, holding only `role`'s components, on `device`."""
+    model_spec(model)
     if model == "tiny":
         from roles.pipelines.tiny import TinyFluxAdapter
 
         return TinyFluxAdapter(role, device)
-    raise ModelError(f"unknown model {model!r}: this version serves {', '.join(MODELS)}")
+    from roles.pipelines.payload import PayloadAdapter
+
+    return PayloadAdapter(role, device)

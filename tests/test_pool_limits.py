@@ -1,0 +1,52 @@
+"""Payloads against pool limits over real processes (the compute-free `payload` model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from launcher.client import Client
+from tests.conftest import Launched
+from transport.messages import GenerationParams
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = """
+model: payload
+denoisers: {count: 1, capacity: 2, pool_mib: 16}
+"""
+
+
+@pytest.fixture(scope="module")
+def deployment(module_tmp):
+    cfg = module_tmp / "payload.yaml"
+    cfg.write_text(CONFIG)
+    dep = Launched(["--config", str(cfg), "--no-dashboard"], module_tmp)
+    try:
+        dep.wait_ready(3)
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_oversized_payload_fails_alone_with_both_sizes(deployment):
+    too_big = GenerationParams(prompt="big", width=4096, height=2048, seed=1)  # 32 MiB into a 16 MiB pool
+    fine = [GenerationParams(prompt=f"ok {i}", width=1024, height=1024, seed=i) for i in range(6)]  # 4 MiB each
+    with Client(deployment.endpoint) as client:
+        outcomes = client.run_all([fine[0], too_big, *fine[1:]], concurrency=4)
+        by_prompt = {o.params.prompt: o for o in outcomes}
+        bad = by_prompt.pop("big")
+        assert not bad.ok
+        assert "denoiser denoiser-0" in bad.error and "33554432" in bad.error and "16777216" in bad.error, bad.error
+        assert all(o.ok for o in by_prompt.values()), [o.error for o in by_prompt.values()]
+        assert all(o.images and o.images[0].startswith(b"\x89PNG") for o in by_prompt.values())
+        deadline = time.monotonic() + 5
+        while True:
+            report = client.status()
+            if all(i.pool_free_bytes == i.pool_bytes for i in report.instances) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    for inst in report.instances:
+        assert inst.pool_used_bytes == 0 and inst.pool_free_bytes == inst.pool_bytes, inst
+        assert inst.free_slots == inst.capacity
