@@ -189,6 +189,47 @@ def stop(endpoint: str) -> None:
     click.echo(f"stopping the deployment at {endpoint}")
 
 
+@cli.group()
+def bench() -> None:
+    """Benchmarks that print numbers."""
+
+
+@bench.command("transfer")
+@click.option("--engines", help="Comma-separated engines (default: shm, mooncake if installed, inline; with --gpus: cuda-ipc, mooncake, inline).")
+@click.option("--sizes", help="Comma-separated payload sizes in bytes (default 16 KiB, 512 KiB, 4 MiB, 10 MiB, 30 MiB).")
+@click.option("--repeats", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Measured handoffs per size.")
+@click.option("--warmup", type=click.IntRange(0, 1000), default=3, show_default=True, help="Unmeasured handoffs first, per size.")
+@click.option("--gpus", metavar="0,1,...", help="Place the roles on these GPUs (GPU pools, cuda-ipc).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench_transfer(engines, sizes, repeats, warmup, gpus, as_json) -> None:
+    """Measure the stage handoff per transfer engine between real role processes."""
+    import importlib.util
+
+    from launcher.bench_transfer import SIZES, bench_table, run_bench, shape_for
+
+    gpu_list = _int_list(gpus, "--gpus") or []
+    if engines:
+        names = [e.strip() for e in engines.split(",") if e.strip()]
+        bad = [e for e in names if e not in TRANSFER_CHOICES or e == "auto"]
+        if bad:
+            raise click.BadParameter(f"unknown engine(s) {', '.join(bad)}", param_hint="--engines")
+    else:
+        has_mooncake = importlib.util.find_spec("mooncake") is not None
+        names = (["cuda-ipc"] if gpu_list else ["shm"]) + (["mooncake"] if has_mooncake else []) + ["inline"]
+    size_list = _int_list(sizes, "--sizes") or list(SIZES)
+    for n in size_list:
+        try:
+            shape_for(n)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--sizes") from None
+    console = _console()
+    doc = run_bench(names, size_list, repeats, warmup, gpu_list, console, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        console.print(bench_table(doc))
+
+
 def main() -> None:
     cli(prog_name="disagg")
 

@@ -86,7 +86,7 @@ class Deployment:
             "pool_bytes": p.pool_bytes,
             "pool_name": f"{self.shm_prefix}{p.instance_id}",
             "host_id": self.host_id,
-            "threads": len(p.cpus),
+            "threads": p.threads,
             "transfer": self.config.transfer,
             "transfer_protocol": self.config.protocol,
             "ib_device": self.config.ib_device,
@@ -95,7 +95,7 @@ class Deployment:
         }
         env = self._env()
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
-        env["OMP_NUM_THREADS"] = str(max(1, len(p.cpus)))
+        env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus
         )

@@ -112,6 +112,7 @@ class Placement:
     pool_bytes: int
     gpu: int | None
     cpus: list[int]
+    threads: int = 1  # torch compute threads
 
     @property
     def device(self) -> str:
@@ -142,11 +143,15 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
             placements.append(Placement(role, f"{role}-{i}", rc.capacity, pool_bytes, gpu, []))
     # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
+    # Spread: with more CPUs than instances each gets its own equal share; with fewer, pinning
+    # one instance per CPU would stack several on one CPU while another idles, so each may run
+    # anywhere and uses one compute thread (the kernel balances them).
     n, k = len(placements), len(cpu_ids)
     for idx, p in enumerate(placements):
-        if n >= k:
-            p.cpus = [cpu_ids[idx % k]]
+        if n > k:
+            p.cpus, p.threads = list(cpu_ids), 1
         else:
             share = k // n
             p.cpus = cpu_ids[idx * share : (idx + 1) * share]
+            p.threads = len(p.cpus)
     return placements

@@ -215,6 +215,10 @@ class Router:
             return
         inst = self.registry.get(sender)
         req.timings[f"fetch_{inst.role}"] = msg.fetch_s
+        # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
+        previous = STAGES[STAGES.index(inst.role) - 1]
+        if f"staged_{previous}" in req.marks:
+            req.timings[f"handoff_{inst.role}"] = round(now - req.marks[f"staged_{previous}"], 6)
         self.release_source(req, out)
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:

@@ -52,9 +52,12 @@ def test_stage_and_pull_in_process(pool_name):
 def test_pool_full_is_clear(pool_name):
     pool = Pool(pool_name, 4096)
     try:
-        with pytest.raises(PoolFull, match="need"):
+        with pytest.raises(PoolFull, match="40000 bytes does not fit the 4096-byte pool"):
             pool.stage("x", {"big": torch.zeros(10_000)})
-        assert pool.free_bytes == 4096
+        pool.stage("x", {"a": torch.zeros(600)})  # 2400 of 4096 bytes taken
+        with pytest.raises(PoolFull, match="need 2560 bytes, largest free range is 1536"):
+            pool.stage("x", {"b": torch.zeros(600)})
+        assert pool.free_bytes == 4096 - 2560
     finally:
         pool.close()
 

@@ -36,7 +36,10 @@ def test_cpu_only_placement():
     ps = place(DeploymentConfig(), cpu_ids=[0, 1])
     assert [p.instance_id for p in ps] == ["encoder-0", "denoiser-0", "denoiser-1", "decoder-0"]
     assert all(p.gpu is None and p.device == "cpu" for p in ps)
-    assert [p.cpus for p in ps] == [[0], [1], [0], [1]]
+    # more instances than CPUs: each may run on any, with one compute thread
+    assert all(p.cpus == [0, 1] and p.threads == 1 for p in ps)
+    ps = place(DeploymentConfig(), cpu_ids=list(range(8)))
+    assert [p.cpus for p in ps] == [[0, 1], [2, 3], [4, 5], [6, 7]] and all(p.threads == 2 for p in ps)
 
 
 def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
@@ -45,6 +48,10 @@ def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None: seen.update(name=name, argv=argv, env=env, cpus=cpus))
     dep.spawn_role(dep.placements[1])
     assert seen["name"] == "denoiser-0" and seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+    dep = Deployment(DeploymentConfig(gpus=[2, 5, 7]), run_dir=tmp_path)
+    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None: seen.update(name=name, argv=argv, env=env, cpus=cpus))
+    dep.spawn_role(dep.placements[1])  # denoiser-0 on GPU 5 sees it first, then the others
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5,2,7" and '"visible_gpus":[5,2,7]' in seen["argv"][-1]
     assert '"device":"cuda:0"' in seen["argv"][-1] and seen["cpus"]
 
 

@@ -114,6 +114,7 @@ class ShmEngine(TransferEngine):
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         check_bounds(source, dst)
         peer = self._peer(source)
+        # numpy on both sides: slicing is ~20x cheaper than torch's and the copy is one memcpy
         np.copyto(dst.numpy(), peer[source.slot.offset : source.slot.offset + source.slot.nbytes])
 
     def forget(self, pool_name: str) -> None:

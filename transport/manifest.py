@@ -24,6 +24,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in _DTYPES.items()}
 
 
 class ManifestError(ValueError):
@@ -62,7 +63,7 @@ def unpack(slot: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tenso
         dtype = _DTYPES.get(spec.dtype)
         if dtype is None:
             raise ManifestError(f"tensor {spec.name!r}: unsupported dtype {spec.dtype!r}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = _ITEMSIZE[spec.dtype]
         if math.prod(spec.shape) * itemsize != spec.nbytes:
             raise ManifestError(f"tensor {spec.name!r}: shape {spec.shape} does not match {spec.nbytes} bytes")
         if spec.offset % itemsize or spec.offset + spec.nbytes > slot.numel():
