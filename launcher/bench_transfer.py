@@ -10,7 +10,6 @@ in-process memcpy of the same size, measured in the same run.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from launcher.client import Client
 from launcher.deployment import Deployment
+from launcher.ports import free_port_pair
 from launcher.topology import DeploymentConfig, RoleConfig
 
 SIZES = (16 * 1024, 512 * 1024, 4 * 1024**2, 10 * 1024**2, 30 * 1024**2)
@@ -37,23 +37,6 @@ def shape_for(nbytes: int) -> tuple[int, int]:
         if elems % width == 0 and (elems // width) % 16 == 0 and elems // width <= 8192:
             return elems // width, width
     raise ValueError(f"no width/height (multiples of 16, at most 8192) holds exactly {nbytes} bytes")
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two adjacent free ports")
 
 
 def percentile(values: list[float], q: float) -> float:

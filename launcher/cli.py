@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,11 @@ from transport.selection import CHOICES as TRANSFER_CHOICES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
+keys_option = click.option(
+    "--keys", type=click.Path(file_okay=False), default=lambda: os.environ.get("DISAGG_KEYS"),
+    help="CurveZMQ keys directory (from `disagg keys generate`), when the deployment uses them. [default: $DISAGG_KEYS]",
+)
+
 endpoint_option = click.option(
     "--endpoint", default=default_endpoint, show_default="$DISAGG_ENDPOINT or tcp://127.0.0.1:5555",
     help="The orchestrator's client endpoint.",
@@ -39,6 +45,17 @@ def _console() -> Console:
 def _unreachable(exc: Exception) -> None:
     click.echo(f"error: {exc}", err=True)
     sys.exit(EXIT_UNREACHABLE)
+
+
+def _client(endpoint: str, keys_dir: str | None) -> Client:
+    if not keys_dir:
+        return Client(endpoint)
+    from transport.auth import KeyError_, client_curve
+
+    try:
+        return Client(endpoint, curve=client_curve(Path(keys_dir)))
+    except KeyError_ as exc:
+        raise click.BadParameter(str(exc), param_hint="--keys") from None
 
 
 def _int_list(text: str | None, name: str, length: int | None = None) -> list[int] | None:
@@ -76,12 +93,19 @@ def cli(verbose: bool) -> None:
 @click.option("--transfer-protocol", type=click.Choice(["tcp", "rdma"]), help="Mooncake protocol (default rdma with --ib-device, else tcp).")
 @click.option("--ib-device", help="RDMA NIC for Mooncake, e.g. mlx5_0.")
 @click.option("--dispatch", type=click.Choice(sorted(POLICIES)), help="Dispatch policy (default max-free-slots).")
+@click.option("--heartbeat-timeout", type=click.FloatRange(0.1), help="Seconds of silence after which an instance is dead (default 3).")
+@click.option("--stall-timeout", type=click.FloatRange(0.1), help="Seconds without progress while holding work after which an instance is dead for it (default 120).")
+@click.option("--request-timeout", type=click.FloatRange(0.1), help="Default per-request deadline in seconds (default 600).")
+@click.option("--max-retries", type=click.IntRange(0, 100), help="New attempts when an instance dies under a request (default 2).")
+@click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
+@click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where per-process logs go (default $TMPDIR/disagg/RUN_ID).")
 @click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
 def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
+           heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir,
            run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
     """Start the orchestrator and every role process, and show them live.
 
@@ -93,7 +117,10 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, ho
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--config") from None
     for key, value in (("model", model), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
-                       ("transfer_protocol", transfer_protocol), ("ib_device", ib_device)):
+                       ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
+                       ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
+                       ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
+                       ("keys", keys_dir)):
         if value is not None:
             setattr(config, key, value)
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):
@@ -111,6 +138,13 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, ho
         validate(config)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    if config.keys:
+        from transport.auth import KeyError_, client_curve
+
+        try:
+            client_curve(Path(config.keys))
+        except KeyError_ as exc:
+            raise click.BadParameter(str(exc), param_hint="--keys") from None
     prompts = None
     if submit_path:
         try:
@@ -124,12 +158,13 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, ho
 
 @cli.command()
 @endpoint_option
+@keys_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
-def status(endpoint: str, as_json: bool, watch: bool) -> None:
+def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
     """Show every instance's state, free slots and queues."""
     console = _console()
-    with Client(endpoint) as client:
+    with _client(endpoint, keys) as client:
         try:
             report = client.status()
         except Unreachable as exc:
@@ -157,11 +192,12 @@ def status(endpoint: str, as_json: bool, watch: bool) -> None:
 @cli.command()
 @click.argument("prompts", type=click.Path(dir_okay=False))
 @endpoint_option
+@keys_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Where images go, named by request id.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Requests in flight at once.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), help="Per-request deadline in seconds (default: the deployment's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every request's outcome and stage timings.")
-def submit(prompts: str, endpoint: str, out_dir: str, concurrency: int, timeout_s, as_json: bool) -> None:
+def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurrency: int, timeout_s, as_json: bool) -> None:
     """Run the prompts in PROMPTS (a JSON object, a list, or JSON Lines) and save the images."""
     try:
         params = load_prompts(prompts)
@@ -169,7 +205,7 @@ def submit(prompts: str, endpoint: str, out_dir: str, concurrency: int, timeout_
         raise click.BadParameter(str(exc), param_hint="PROMPTS") from None
     from launcher.batch import run_prompts
 
-    with Client(endpoint) as client:
+    with _client(endpoint, keys) as client:
         try:
             code = run_prompts(client, params, Path(out_dir), concurrency, _console(), as_json, timeout_s)
         except Unreachable as exc:
@@ -179,14 +215,31 @@ def submit(prompts: str, endpoint: str, out_dir: str, concurrency: int, timeout_
 
 @cli.command()
 @endpoint_option
-def stop(endpoint: str) -> None:
+@keys_option
+@click.option("--drain", is_flag=True, help="Refuse new work, finish what is in flight, then stop.")
+def stop(endpoint: str, keys: str | None, drain: bool) -> None:
     """Shut the deployment down: the orchestrator stops every role, then the launcher exits."""
-    with Client(endpoint) as client:
+    with _client(endpoint, keys) as client:
         try:
-            client.stop()
+            client.stop(drain=drain)
         except Unreachable as exc:
             _unreachable(exc)
-    click.echo(f"stopping the deployment at {endpoint}")
+    click.echo(f"{'draining, then stopping' if drain else 'stopping'} the deployment at {endpoint}")
+
+
+@cli.group()
+def keys() -> None:
+    """CurveZMQ keys: encrypt and authenticate every socket of a deployment."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+def keys_generate(directory: str) -> None:
+    """Write a server and a client key pair into DIRECTORY (launch, submit, status take --keys DIRECTORY)."""
+    from transport.auth import generate_keys
+
+    for path in generate_keys(Path(directory)):
+        click.echo(str(path))
 
 
 @cli.group()

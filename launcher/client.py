@@ -11,6 +11,8 @@ from typing import Callable, Iterable
 
 import zmq
 
+from transport.auth import apply_client_curve
+
 from transport.messages import (
     GenerationParams,
     MessageError,
@@ -28,6 +30,10 @@ from transport.messages import (
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 CONNECT_TIMEOUT_S = 1.0
+#: while requests are pending and nothing arrives, ask for status this often...
+PROBE_INTERVAL_S = 2.0
+#: ...and give the pending requests up when nothing at all arrived for this long
+ORCHESTRATOR_SILENCE_S = 15.0
 
 
 def default_endpoint() -> str:
@@ -60,11 +66,13 @@ def new_request_id() -> str:
 class Client:
     """A DEALER socket to the orchestrator's frontend."""
 
-    def __init__(self, endpoint: str | None = None):
+    def __init__(self, endpoint: str | None = None, curve: tuple[bytes, bytes, bytes] | None = None):
         self.endpoint = endpoint or default_endpoint()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        apply_client_curve(self.sock, curve)
+        self.secured = curve is not None
         self.sock.connect(self.endpoint)
         self._probed = False
 
@@ -104,7 +112,8 @@ class Client:
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
             if got is None:
-                raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)")
+                hint = "" if self.secured else " (if it uses keys, pass --keys)"
+                raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s){hint}")
             reply, _ = got
             if isinstance(reply, expect):
                 return reply
@@ -117,8 +126,8 @@ class Client:
             self._probed = True
         return self._ask(StatusQuery(), StatusReport, timeout_s)
 
-    def stop(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Stopping:
-        return self._ask(Stop(), Stopping, timeout_s)
+    def stop(self, timeout_s: float = CONNECT_TIMEOUT_S, drain: bool = False) -> Stopping:
+        return self._ask(Stop(drain=drain), Stopping, timeout_s)
 
     def run_all(
         self,
@@ -132,13 +141,22 @@ class Client:
         """Submit every request, at most `concurrency` at a time; wait for each to end."""
         todo = list(params)
         id_list = list(ids) if ids is not None else [new_request_id() for _ in todo]
-        self.status()  # fail fast with Unreachable instead of waiting per request
+        orchestrator_id = self.status().orchestrator.get("id")  # also fails fast with Unreachable
         pending: dict[str, tuple[GenerationParams, float]] = {}
         outcomes: dict[str, Outcome] = {}
         nxt = 0
-        # no answer at all for this long means the orchestrator went away
-        silence_limit_s = (timeout_s or 600.0) + 30.0
-        last_heard = time.monotonic()
+        last_heard = last_probe = time.monotonic()
+
+        def settle(rid: str, outcome: Outcome) -> None:
+            outcomes[rid] = outcome
+            if on_outcome:
+                on_outcome(outcome)
+
+        def lose_pending(why: str) -> None:
+            for rid, (p, t0) in list(pending.items()):
+                settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0))
+            pending.clear()
+
         while nxt < len(todo) or pending:
             if cancelled is not None and cancelled():
                 raise KeyboardInterrupt
@@ -148,26 +166,29 @@ class Client:
                 pending[rid] = (p, time.monotonic())
                 nxt += 1
             got = self._recv(0.25)
+            now = time.monotonic()
             if got is None:
-                if time.monotonic() - last_heard > silence_limit_s:
-                    for rid, (p, t0) in pending.items():
-                        outcomes[rid] = Outcome(rid, p, False, f"no answer from {self.endpoint}")
-                    break
+                # quiet: make sure the orchestrator that holds our requests is still there
+                if now - last_heard > ORCHESTRATOR_SILENCE_S:
+                    lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
+                elif now - last_probe > PROBE_INTERVAL_S:
+                    self.sock.send_multipart([encode(StatusQuery())])
+                    last_probe = now
                 continue
-            last_heard = time.monotonic()
+            last_heard = now
             reply, frames = got
+            if isinstance(reply, StatusReport):
+                if reply.orchestrator.get("id") != orchestrator_id:
+                    lose_pending("the orchestrator restarted and lost this request; submit it again")
+                    orchestrator_id = reply.orchestrator.get("id")
+                continue
             rid = getattr(reply, "request_id", None)
             if rid not in pending:
                 continue
             p, t0 = pending.pop(rid)
             if isinstance(reply, Result):
-                outcome = Outcome(
-                    rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed, reply.timings,
-                    time.monotonic() - t0,
-                )
+                settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
+                                    reply.timings, now - t0))
             else:
-                outcome = Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=time.monotonic() - t0)
-            outcomes[rid] = outcome
-            if on_outcome:
-                on_outcome(outcome)
+                settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
         return [outcomes[rid] for rid in id_list if rid in outcomes]

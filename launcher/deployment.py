@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from launcher.client import Client, Unreachable
+from transport.auth import client_curve
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, place
 from transport.messages import StatusReport
@@ -42,6 +43,11 @@ class Deployment:
         self.host_id = socket.gethostname()
         self.shm_prefix = f"{SHM_PREFIX}{self.run_id}-"
         self.interrupted = False
+        self.keys_dir = str(Path(config.keys).resolve()) if config.keys else ""
+        self.curve = client_curve(Path(self.keys_dir)) if self.keys_dir else None
+
+    def client(self) -> Client:
+        return Client(self.endpoint, curve=self.curve)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -66,8 +72,10 @@ class Deployment:
                 "orchestrator",
                 "--host", c.host, "--port", str(c.port),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--stall-timeout", str(c.stall_timeout_s),
                 "--request-timeout", str(c.request_timeout_s),
-                "--dispatch", c.dispatch, "--transfer", c.transfer,
+                "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
+                "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
             ),
             env=self._env(),
         )
@@ -92,6 +100,8 @@ class Deployment:
             "ib_device": self.config.ib_device,
             "data_host": self.config.host,
             "visible_gpus": self.visible_gpus(p),
+            "orchestrator_timeout_s": self.config.heartbeat_timeout_s,
+            "keys_dir": self.keys_dir,
         }
         env = self._env()
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
@@ -116,6 +126,10 @@ class Deployment:
             "DISAGG_RUN_ID": self.run_id,
         }
 
+    def supervise(self) -> None:
+        """From now on dead children are restarted (before, any death stops the launch)."""
+        self.supervisor.start_supervising()
+
     def _check_children(self) -> None:
         for child in self.supervisor.reap_children():
             why = "failed to start" if child.boot_error else f"exited with status {child.returncode}"
@@ -124,7 +138,7 @@ class Deployment:
 
     def _wait_reachable(self) -> None:
         deadline = time.monotonic() + 30
-        with Client(self.endpoint) as client:
+        with self.client() as client:
             while True:
                 self._check_children()
                 if self.interrupted:
@@ -139,7 +153,7 @@ class Deployment:
     def wait_ready(self, on_status=None) -> StatusReport:
         expected = {p.instance_id for p in self.placements}
         deadline = time.monotonic() + self.config.ready_timeout_s
-        with Client(self.endpoint) as client:
+        with self.client() as client:
             while True:
                 self._check_children()
                 if self.interrupted:
@@ -163,9 +177,10 @@ class Deployment:
 
     def shutdown(self) -> None:
         """Ask the orchestrator to stop the roles, then make sure every process and segment is gone."""
+        self.supervisor.stop_supervising()
         if self.supervisor.children.get("orchestrator") and self.supervisor.running():
             try:
-                with Client(self.endpoint) as client:
+                with self.client() as client:
                     client.stop(timeout_s=1)
                 deadline = time.monotonic() + 3
                 while self.supervisor.running() and time.monotonic() < deadline:

@@ -9,7 +9,6 @@ from rich.console import Console
 from rich.live import Live
 
 from launcher.batch import run_prompts
-from launcher.client import Client
 from launcher.dashboard import events_between, status_view
 from launcher.deployment import BootError, Deployment
 from launcher.topology import DeploymentConfig
@@ -74,8 +73,9 @@ def run_deployment(
         dep.start_processes()
         dep.wait_ready(on_status=view)
         view.say(f"ready: {n} instances registered")
+        dep.supervise()
         if prompts is not None:
-            with Client(dep.endpoint) as client:
+            with dep.client() as client:
                 return run_prompts(client, prompts, out_dir, concurrency, console, cancelled=lambda: dep.interrupted)
         return watch(dep, view)
     except BootError as exc:
@@ -96,11 +96,11 @@ def watch(dep: Deployment, view) -> int:
     if isinstance(view, LiveTable):
         view.ready = True
     orchestrator = dep.supervisor.children["orchestrator"]
-    with Client(dep.endpoint) as client:
+    with dep.client() as client:
         while not dep.interrupted:
-            for child in dep.supervisor.reap_children():
-                view.say(f"{child.name} (pid {child.pid}) exited with status {child.returncode}")
-            if orchestrator.returncode is not None:
+            while not dep.supervisor.events.empty():
+                view.say(dep.supervisor.events.get())
+            if orchestrator.returncode == 0 or orchestrator.gave_up:
                 view.say("the orchestrator has stopped")
                 return 0
             report = dep.status(client)

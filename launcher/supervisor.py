@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -18,6 +21,16 @@ from transport.messages import BOOT_ERROR_EXIT
 log = logging.getLogger("disagg.launcher")
 
 STOP_GRACE_S = 5.0
+
+
+@dataclass
+class RestartPolicy:
+    """Growing delays between restarts, and at most `max_restarts` within `window_s`."""
+
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    max_restarts: int = 5
+    window_s: float = 120.0
 
 
 @dataclass
@@ -31,6 +44,10 @@ class Child:
     cpus: list[int]
     proc: subprocess.Popen | None = None
     returncode: int | None = None
+    restarts: int = 0
+    restart_times: collections.deque = field(default_factory=collections.deque)
+    restart_at: float | None = None
+    gave_up: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -48,19 +65,32 @@ class Child:
 
 
 class Supervisor:
-    """Spawns children in their own process groups, with their own env and log file; reaps them."""
+    """Spawns children in their own process groups, with their own env and log file; reaps them
+    and, once `supervise` runs, restarts the ones that die."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, policy: RestartPolicy | None = None):
         self.run_dir = run_dir
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, Child] = {}
+        self.policy = policy or RestartPolicy()
+        self.events: queue.Queue[str] = queue.Queue()
+        self.lock = threading.RLock()
+        self.stopping = False
+        self._thread: threading.Thread | None = None
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None) -> Child:
         child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [])
+        self._start(child)
+        self.children[name] = child
+        return child
+
+    def _start(self, child: Child) -> None:
+        child.env["DISAGG_RESTARTS"] = str(child.restarts)
+        child.returncode = None
         with open(child.log_path, "ab") as logf:
             child.proc = subprocess.Popen(
-                argv,
+                child.argv,
                 env=child.env,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -72,10 +102,60 @@ class Supervisor:
             try:
                 psutil.Process(child.proc.pid).cpu_affinity(child.cpus)
             except (psutil.Error, AttributeError, ValueError) as exc:
-                log.warning("cannot pin %s to CPUs %s: %s", name, child.cpus, exc)
-        self.children[name] = child
-        log.info("started %s (pid %d)", name, child.proc.pid)
-        return child
+                log.warning("cannot pin %s to CPUs %s: %s", child.name, child.cpus, exc)
+        log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    # --- restarts -----------------------------------------------------------------------------
+
+    def supervise(self, now: float | None = None) -> None:
+        """Restart dead children with growing delays; give up on boot errors and restart storms."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            if self.stopping:
+                return
+            for child in self.reap_children():
+                self._schedule(child, now)
+            for child in self.children.values():
+                if child.restart_at is not None and now >= child.restart_at:
+                    child.restart_at = None
+                    child.restarts += 1
+                    child.restart_times.append(now)
+                    self._start(child)
+                    self.events.put(f"{child.name} restarted (pid {child.pid}, restart {child.restarts})")
+
+    def _schedule(self, child: Child, now: float) -> None:
+        if child.returncode == 0:  # asked to stop (disagg stop, Shutdown): not a failure
+            self.events.put(f"{child.name} exited")
+            return
+        if child.boot_error:
+            child.gave_up = True
+            self.events.put(f"{child.name} failed to start (status {child.returncode}); not restarting it:\n{child.log_tail(5)}")
+            return
+        p = self.policy
+        while child.restart_times and now - child.restart_times[0] > p.window_s:
+            child.restart_times.popleft()
+        if len(child.restart_times) >= p.max_restarts:
+            child.gave_up = True
+            self.events.put(f"{child.name} died {p.max_restarts + 1} times within {p.window_s:g} s; giving up on it")
+            return
+        delay = min(p.max_delay_s, p.initial_delay_s * 2 ** len(child.restart_times))
+        child.restart_at = now + delay
+        self.events.put(f"{child.name} (pid {child.pid}) exited with status {child.returncode}; restarting in {delay:g} s")
+
+    def start_supervising(self, interval_s: float = 0.1) -> None:
+        def loop():
+            while not self.stopping:
+                self.supervise()
+                time.sleep(interval_s)
+
+        self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def stop_supervising(self) -> None:
+        with self.lock:
+            self.stopping = True
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def python(self, module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, *args]
@@ -96,6 +176,7 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+        self.stop_supervising()
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self.running() and time.monotonic() < deadline:

@@ -44,7 +44,12 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     dispatch: str = "max-free-slots"
     gpus: list[Annotated[int, Meta(ge=0)]] = []
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
+    stall_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
     request_timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+    max_retries: Annotated[int, Meta(ge=0, le=100)] = 2
+    max_queue: Annotated[int, Meta(ge=1)] = 4096
+    #: CurveZMQ keys directory (`disagg keys generate`); empty = no authentication
+    keys: str = ""
     ready_timeout_s: Annotated[float, Meta(gt=0)] = 180.0
     encoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
     denoisers: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=2))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
+from orchestrator.requests import STAGES
 from orchestrator.router import Router, RouterConfig
 from orchestrator.server import OrchestratorServer
 from transport.messages import BOOT_ERROR_EXIT
@@ -18,8 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=5555)
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--stall-timeout", type=float, default=120.0)
+    ap.add_argument("--max-retries", type=int, default=2)
+    ap.add_argument("--max-queue", type=int, default=4096)
     ap.add_argument("--dispatch", default="max-free-slots")
     ap.add_argument("--transfer", default="auto")
+    ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(
@@ -30,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout_s=args.request_timeout,
         dispatch=args.dispatch,
         transfer=args.transfer,
+        stall_timeout_s=args.stall_timeout,
+        max_retries=args.max_retries,
+        max_queue={role: args.max_queue for role in STAGES},
     )
     try:
-        server = OrchestratorServer(Router(config, now=time.monotonic()), args.host, args.port)
+        router = Router(config, now=time.monotonic())
+        router.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
+        server = OrchestratorServer(router, args.host, args.port, args.keys)
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
         return BOOT_ERROR_EXIT

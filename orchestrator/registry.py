@@ -30,6 +30,9 @@ class Instance:
     failed: int = 0
     engine: str = ""
     pool_free_bytes: int = 0
+    progress: int = 0
+    progress_at: float = 0.0
+    restarts: int = 0
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -47,6 +50,8 @@ class Instance:
             free_slots=msg.capacity,
             engine=msg.pool.engines[0] if msg.pool.engines else "",
             pool_free_bytes=msg.pool.pool_bytes,
+            progress_at=now,
+            restarts=msg.restarts,
         )
 
     @property
@@ -74,6 +79,7 @@ class Instance:
             session_id=self.pool.session_id,
             base_addr=self.pool.base_addr,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
+            restarts=self.restarts,
         )
 
 

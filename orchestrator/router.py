@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import random
-from dataclasses import dataclass, field
+import uuid
 
 import msgspec
 
 from orchestrator.dispatch import make_policy
+from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import STAGES, Request, next_stage
+from orchestrator.stats import Stats, snapshot
 from transport.messages import (
+    Alive,
     Dead,
     Done,
     Failed,
@@ -26,7 +28,6 @@ from transport.messages import (
     Registered,
     Rejected,
     Release,
-    RequestCounts,
     Result,
     Run,
     Shutdown,
@@ -43,35 +44,6 @@ from transport.selection import choose_engine
 log = logging.getLogger("disagg.orchestrator")
 
 HEARTBEAT_INTERVAL_S = 1.0
-THROUGHPUT_WINDOW_S = 10.0
-
-
-@dataclass
-class RouterConfig:
-    """Settings of the router (from the deployment config)."""
-
-    heartbeat_timeout_s: float = 3.0
-    request_timeout_s: float = 600.0
-    dispatch: str = "max-free-slots"
-    transfer: str = "auto"
-
-
-@dataclass
-class Out:
-    """One message to send: to a client (by socket identity) or to an instance (by id)."""
-
-    to_client: bytes | None
-    to_instance: str | None
-    msg: msgspec.Struct
-    frames: list[bytes] = field(default_factory=list)
-
-
-def to_client(identity: bytes, msg, frames=()) -> Out:
-    return Out(identity, None, msg, list(frames))
-
-
-def to_instance(instance_id: str, msg, frames=()) -> Out:
-    return Out(None, instance_id, msg, list(frames))
 
 
 class Router:
@@ -83,12 +55,14 @@ class Router:
         self.policy = make_policy(self.config.dispatch)
         self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in STAGES}
         self.requests: dict[str, Request] = {}
-        self.completed = 0
-        self.failed = 0
+        self.stats = Stats()
         self.started_at = now
+        self.id = uuid.uuid4().hex[:12]  # a restarted orchestrator is a different one
+        self.restarts = 0
         self.stopping = False
+        self.draining = False
+        self._drain_client: bytes | None = None
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
-        self._finish_times: collections.deque[float] = collections.deque()
         self._warned_pairs: set[tuple[str, str]] = set()
         #: producer id -> whether some consumer needs its output inline; reset when instances change
         self._inline_cache: dict[str, bool] = {}
@@ -133,14 +107,24 @@ class Router:
         self.expire_instances(now, out)
         self.expire_requests(now, out)
         self.dispatch_queued(now, out)
+        if self.draining and not self.requests and not self.stopping:
+            log.info("drained; stopping")
+            self.stop_all(out)
         return out
 
     # --- client messages --------------------------------------------------------------------
 
     def handle_submit(self, identity, msg: Submit, frames, now, out) -> None:
-        if self.stopping:
-            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="shutting down")))
+        if self.stopping or self.draining:
+            why = "draining: finishing in-flight work, then stopping" if self.draining else "shutting down"
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
             return
+        for role, limit in self.config.max_queue.items():
+            waiting = len(self.queues[role])
+            if waiting >= limit:
+                reason = f"overloaded: the {role} queue holds {waiting} requests (max_queue {limit}); retry later"
+                out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=reason)))
+                return
         if msg.request_id in self.requests:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="duplicate request_id")))
             return
@@ -156,11 +140,18 @@ class Router:
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
 
-    def handle_stop(self, identity, msg, frames, now, out) -> None:
+    def handle_stop(self, identity, msg: Stop, frames, now, out) -> None:
+        out.append(to_client(identity, Stopping()))
+        if msg.drain and self.requests:
+            self.draining = True  # refuse new work; stop once the last request ends (see end)
+            log.info("draining %d requests before stopping", len(self.requests))
+            return
+        self.stop_all(out)
+
+    def stop_all(self, out) -> None:
         self.stopping = True
         for inst in self.registry.alive():
             out.append(to_instance(inst.id, Shutdown()))
-        out.append(to_client(identity, Stopping()))
 
     # --- role messages ----------------------------------------------------------------------
 
@@ -173,17 +164,23 @@ class Router:
             self.lose_instance(old, "it registered again (restarted)", now, out)
         inst = self.registry.register(msg, now)
         self._inline_cache.clear()
+        # work still computing from before: its slots stay taken until it reports
+        inst.running = dict(msg.busy)
+        inst.free_slots = max(0, inst.capacity - len(inst.running))
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
         out.append(
             to_instance(
                 inst.id,
-                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S),
+                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S, orchestrator_id=self.id),
             )
         )
 
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
         inst.pool_free_bytes = msg.pool_free_bytes
+        if msg.progress != inst.progress:
+            inst.progress, inst.progress_at = msg.progress, now
+        out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
         if msg.ready and inst.state == "starting":
             inst.state = "ready"
             self._inline_cache.clear()
@@ -249,8 +246,12 @@ class Router:
         if req is None:
             return
         inst.failed += 1
-        self.release_source(req, out)
-        self.fail(req, f"{inst.role} {inst.id} failed: {msg.error}", now, out)
+        cause = f"{inst.role} {inst.id} failed: {msg.error}"
+        if msg.retryable:
+            self.retry(req, cause, now, out)
+        else:
+            self.release_source(req, out)
+            self.fail(req, cause, now, out)
 
     # --- loop phases ------------------------------------------------------------------------
 
@@ -276,6 +277,8 @@ class Router:
             silent = now - inst.last_seen
             if silent > self.config.heartbeat_timeout_s:
                 self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
+            elif inst.running and now - inst.progress_at > self.config.stall_timeout_s:
+                self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
 
     def expire_requests(self, now: float, out: list[Out]) -> None:
         for req in [r for r in self.requests.values() if now > r.deadline]:
@@ -286,10 +289,11 @@ class Router:
 
     # --- state machine steps ----------------------------------------------------------------
 
-    def enqueue(self, req: Request, role: str, now: float) -> None:
+    def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         req.stage, req.state, req.assigned = role, "queued", None
         req.mark(f"queued_{role}", now)
-        self.queues[role].append(req.id)
+        # a retry already waited its turn once
+        (self.queues[role].appendleft if front else self.queues[role].append)(req.id)
 
     def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
         source, frames = None, []
@@ -306,6 +310,8 @@ class Router:
             inst.engine = engine
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == "inline" else []
+        if not inst.running:
+            inst.progress_at = now  # an idle instance's progress clock starts with its work
         inst.free_slots -= 1
         inst.running[req.id] = req.attempt
         req.state, req.assigned = "running", inst.id
@@ -354,36 +360,38 @@ class Router:
     def end(self, req: Request, state: str, now: float) -> None:
         req.state = state
         del self.requests[req.id]
-        if state == "done":
-            self.completed += 1
-            self._finish_times.append(now)
-        else:
-            self.failed += 1
+        self.stats.record(state, now)
 
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
-        """Mark an instance dead; requests that depended on it fail (re-dispatch comes later)."""
+        """Mark an instance dead; every request it held or whose data it held gets a new attempt."""
         log.warning("instance %s is dead: %s", inst.id, why)
         self._inline_cache.clear()
         inst.state, inst.free_slots = "dead", 0
+        inst.running.clear()
+        inst.staged.clear()
         for req in list(self.requests.values()):
             held = req.assigned == inst.id and req.state == "running"
             staged_here = req.source is not None and req.source.slot.instance_id == inst.id
+            if staged_here:
+                req.source, req.source_frames = None, []  # its pool went with it
             if held or staged_here:
-                req.source, req.source_frames = None, []
-                self.fail(req, f"{inst.role} {inst.id} died ({why}) during stage {req.stage}", now, out)
-        inst.running.clear()
-        inst.staged.clear()
+                self.retry(req, f"{inst.role} {inst.id} died ({why}) during stage {req.stage}", now, out)
+
+    def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:
+        """A new attempt from the last stage whose input still exists, else from the encoder."""
+        if req.attempt > self.config.max_retries:
+            self.release_source(req, out)
+            self.fail(req, f"gave up after {req.attempt} attempts; last: {cause}", now, out)
+            return
+        req.attempt += 1
+        log.info("request %s: attempt %d (%s)", req.id, req.attempt, cause)
+        producer = self.registry.get(req.source.slot.instance_id) if req.source else None
+        stage = req.stage if producer is not None and producer.state != "dead" else "encoder"
+        if stage == "encoder":
+            self.release_source(req, out)
+        self.enqueue(req, stage, now, front=True)
 
     # --- stats ------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> StatusReport:
-        while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
-            self._finish_times.popleft()
-        window = min(THROUGHPUT_WINDOW_S, max(now - self.started_at, 1e-9))
-        return StatusReport(
-            orchestrator={"pid": os.getpid(), "endpoint": self.endpoint, "uptime_s": round(now - self.started_at, 3), "state": "draining" if self.stopping else "ready"},
-            instances=[i.status(now) for i in sorted(self.registry.by_id.values(), key=lambda i: (STAGES.index(i.role), i.id))],
-            queues={role: sum(1 for rid in q if rid in self.requests) for role, q in self.queues.items()},
-            requests=RequestCounts(in_flight=len(self.requests), completed=self.completed, failed=self.failed),
-            throughput_rps=round(len(self._finish_times) / window, 3),
-        )
+        return snapshot(self, now)

@@ -6,9 +6,12 @@ import logging
 import signal
 import time
 
+from pathlib import Path
+
 import zmq
 
 from orchestrator.router import Out, Router
+from transport.auth import secure_server
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
@@ -22,6 +25,10 @@ from transport.messages import (
 
 log = logging.getLogger("disagg.orchestrator")
 
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
 TICK_S = 0.05
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
@@ -30,7 +37,7 @@ STOP_LINGER_MS = 500
 class OrchestratorServer:
     """Owns the sockets and the loop; every decision is the Router's."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555):
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555, keys_dir: str = ""):
         self.router = router
         self.ctx = zmq.Context()
         self.frontend = self.ctx.socket(zmq.ROUTER)
@@ -43,6 +50,10 @@ class OrchestratorServer:
         for sock in (self.frontend, self.backend):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Curve before bind: only peers holding the deployment's client key get through the handshake
+        self.auth = secure_server(self.ctx, [self.frontend, self.backend], Path(keys_dir)) if keys_dir else None
+        if not keys_dir and not _loopback(host):
+            log.warning("binding %s without --keys: anyone who can reach it can submit and register", host)
         self.frontend.bind(f"tcp://{host}:{port}")
         self.backend.bind(f"tcp://{host}:{port + 1}")
         self.endpoint = f"tcp://{host}:{port}"
@@ -131,6 +142,8 @@ class OrchestratorServer:
                 log.debug("could not send %s: %s", type(out.msg).__name__, exc)
 
     def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
         self.frontend.close(linger=0)
         self.backend.close(linger=STOP_LINGER_MS)
         self.ctx.term()

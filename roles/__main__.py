@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"bad role spec: {exc}", file=sys.stderr)
         return BOOT_ERROR_EXIT
+    spec.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
     logging.basicConfig(
         level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
         stream=sys.stderr,

@@ -39,11 +39,12 @@ class Stage:
         self.role = role
         self.adapter = adapter
 
-    def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor]) -> StageOutput:
+    def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
+        """`progress()` is called at each denoising step, so a live role is told from a hung one."""
         p = {**self.adapter.defaults(), **params_dict(params)}
         if self.role == "encoder":
             return StageOutput(tensors=self.adapter.encode(p))
         if self.role == "denoiser":
-            return StageOutput(tensors=self.adapter.denoise(inputs, p))
+            return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         images = self.adapter.decode(inputs, p)
         return StageOutput(images=[encode_png(im) for im in images])

@@ -1,8 +1,9 @@
-"""The worker runtime shared by all three roles: register, heartbeat, pull, compute, stage, report.
+"""The worker runtime shared by all three roles: register, heartbeat, receive work, report.
 
 One thread owns the DEALER socket and the poll loop; compute and transfers run on a pool of
-`capacity` threads that hand their reports back through an inproc socket, so the loop never
-blocks on a model.
+`capacity` threads (roles/compute.py) that hand their reports back through an inproc socket, so
+the loop never blocks on a model. The loop also watches the orchestrator: if it goes silent the
+role reconnects and registers again, with backoff, and exits only after a long grace period.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import zmq
 
-from roles.stage import Stage
+from roles.compute import StageRunner
+from transport.auth import apply_client_curve, client_curve
 from transport.engines import EngineOptions, TransferEngine, make_engines
-from transport.manifest import unpack
 from transport.messages import (
     BOOT_ERROR_EXIT,
     MAX_FRAMES_BYTES,
+    Alive,
     Dead,
-    Done,
     Failed,
-    Fetched,
     Heartbeat,
     MessageError,
     OrchestratorCommand,
@@ -38,14 +39,13 @@ from transport.messages import (
     Release,
     Run,
     Shutdown,
-    Staged,
     decode,
     encode,
 )
 from transport.pool import Pool
 
 HEARTBEAT_INTERVAL_S = 1.0
-REGISTER_RETRY_S = 1.0
+RECONNECT_MAX_BACKOFF_S = 5.0
 REPORTS = "inproc://reports"
 
 
@@ -68,37 +68,46 @@ class WorkerSpec:
     ib_device: str = ""
     data_host: str = "127.0.0.1"
     visible_gpus: list[int] = field(default_factory=list)  # physical ids, in cuda:N order
+    #: silence from the orchestrator after which we reconnect and register again
+    orchestrator_timeout_s: float = 3.0
+    #: silence after which we give up and exit (the launcher, if alive, restarts us)
+    orphan_grace_s: float = 600.0
+    restarts: int = 0
+    #: CurveZMQ keys directory (disagg keys generate); empty = no authentication
+    keys_dir: str = ""
 
 
 class Worker:
-    """Drives a Stage from the orchestrator's messages."""
+    """Drives a StageRunner from the orchestrator's messages."""
 
     def __init__(self, spec: WorkerSpec, load_stage, pool: Pool):
         self.spec = spec
         self.load_stage = load_stage
-        self.stage: Stage | None = None
         self.exit_code = 0
         self.pool = pool
         self.log = logging.getLogger("disagg.role")
         options = EngineOptions(spec.data_host, spec.transfer_protocol, spec.ib_device, tuple(spec.visible_gpus))
         self.engines: dict[str, TransferEngine] = make_engines(pool, spec.transfer, options, self.log)
-        self.pool_lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=spec.capacity, thread_name_prefix=spec.instance_id)
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, spec.instance_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.bind(REPORTS)
         self._local = threading.local()
+        self.runner = StageRunner(spec.instance_id, pool, self.engines, self.report)
+        self.executor = ThreadPoolExecutor(max_workers=spec.capacity, thread_name_prefix=spec.instance_id)
+        self.sock: zmq.Socket | None = None
+        self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
         self.ready = False
         self.registered = False
+        self.orchestrator_id = ""
         self.stop = False
         self.parent_pid = os.getppid()
+        self.last_heard = time.monotonic()
+        self.backoff_s = HEARTBEAT_INTERVAL_S
+        self.next_register = 0.0
         self._handlers = {
             Registered: self.handle_registered,
+            Alive: self.handle_alive,
             Run: self.handle_run,
             Release: self.handle_release,
             Shutdown: self.handle_shutdown,
@@ -108,7 +117,10 @@ class Worker:
     # --- socket side (loop thread only) ----------------------------------------------------
 
     def send(self, msg, frames=()) -> None:
-        self.sock.send_multipart([encode(msg), *frames])
+        try:
+            self.sock.send_multipart([encode(msg), *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("orchestrator not accepting messages; %s dropped", type(msg).__name__)
 
     def pool_info(self) -> PoolInfo:
         advertised = {}
@@ -123,8 +135,21 @@ class Worker:
             **advertised,
         )
 
+    def connect(self) -> None:
+        """A fresh DEALER to the orchestrator (again after it went silent), then Register."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.spec.instance_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        apply_client_curve(self.sock, self.curve)
+        self.sock.connect(self.spec.endpoint)
+        self.registered = False
+        self.register()
+
     def register(self) -> None:
-        pool = self.pool_info()
         self.send(
             Register(
                 role=self.spec.role,
@@ -133,8 +158,10 @@ class Worker:
                 host_id=self.spec.host_id,
                 device=self.spec.device,
                 capacity=self.spec.capacity,
-                pool=pool,
+                pool=self.pool_info(),
                 ready=self.ready,
+                busy=dict(self.runner.busy),
+                restarts=self.spec.restarts,
             )
         )
 
@@ -145,17 +172,14 @@ class Worker:
                 ready=self.ready,
                 in_flight=self.in_flight,
                 pool_free_bytes=self.pool.free_bytes,
+                progress=self.runner.progress,
             )
         )
-
-    def connect(self) -> None:
-        self.sock.connect(self.spec.endpoint)
-        self.register()
 
     def boot(self) -> None:
         """Load the model off the loop thread, so heartbeats go on while it loads."""
         try:
-            self.stage = self.load_stage()
+            self.runner.stage = self.load_stage()
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process
             self.log.exception("cannot load the model")
             self.report(None, [f"{type(exc).__name__}: {exc}".encode()], kind=b"boot-failed")
@@ -165,10 +189,9 @@ class Worker:
     def serve_forever(self) -> None:
         threading.Thread(target=self.boot, name="boot", daemon=True).start()
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         poller.register(self.reports, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-        last_register = time.monotonic()
         while not self.stop:
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
             events = dict(poller.poll(timeout_ms))
@@ -179,14 +202,28 @@ class Worker:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S
-                if not self.registered and now - last_register > REGISTER_RETRY_S:
-                    last_register = now
-                    self.register()
+                sock = self.sock
+                self.watch_orchestrator(now)
+                if self.sock is not sock:  # reconnected: poll the new socket
+                    poller.unregister(sock)
+                    poller.register(self.sock, zmq.POLLIN)
                 self.heartbeat()
                 if os.getppid() != self.parent_pid:
                     self.log.warning("launcher is gone; exiting")
                     self.stop = True
         self.close()
+
+    def watch_orchestrator(self, now: float) -> None:
+        """Reconnect with backoff when the orchestrator is silent; give up after the grace period."""
+        silent = now - self.last_heard
+        if silent > self.spec.orphan_grace_s:
+            self.log.error("no word from the orchestrator for %.0f s; exiting", silent)
+            self.exit_code, self.stop = 1, True
+        elif silent > self.spec.orchestrator_timeout_s and now >= self.next_register:
+            self.log.warning("orchestrator silent for %.1f s; reconnecting", silent)
+            self.connect()
+            self.next_register = now + self.backoff_s
+            self.backoff_s = min(self.backoff_s * 2, RECONNECT_MAX_BACKOFF_S)
 
     def drain_inbox(self) -> None:
         for _ in range(256):
@@ -194,6 +231,7 @@ class Worker:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.last_heard = time.monotonic()
             try:
                 msg = decode(frames[0], OrchestratorCommand)
             except MessageError as exc:
@@ -216,14 +254,30 @@ class Worker:
                 self.heartbeat()
             elif kind == b"boot-failed":
                 self.send_dead(f"boot failed: {frames[1].decode(errors='replace')}")
-                self.exit_code = BOOT_ERROR_EXIT
-                self.stop = True
+                self.exit_code, self.stop = BOOT_ERROR_EXIT, True
             else:
-                self.sock.send_multipart(frames)
+                self.send_frames(frames)
+
+    def send_frames(self, frames: list) -> None:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("orchestrator not accepting messages; a report was dropped")
 
     def handle_registered(self, msg: Registered, frames) -> None:
+        if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
+            # a new orchestrator never heard of our staged outputs: nobody will release them
+            freed = self.runner.release_all()
+            self.log.warning("orchestrator restarted; freed %d staged outputs", freed)
+        self.orchestrator_id = msg.orchestrator_id
         self.registered = True
+        self.backoff_s = HEARTBEAT_INTERVAL_S
         self.log.info("registered, session %d", msg.session)
+
+    def handle_alive(self, msg: Alive, frames) -> None:
+        if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
+            self.log.warning("a different orchestrator answers; registering again")
+            self.register()
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
         self.log.warning("orchestrator rejected a message: %s", msg.reason)
@@ -232,18 +286,15 @@ class Worker:
             self.register()
 
     def handle_run(self, msg: Run, frames) -> None:
-        if self.stage is None:
-            self.send(Failed(request_id=msg.request_id, attempt=msg.attempt, error="model not loaded yet"))
+        if self.runner.stage is None:
+            self.send(Failed(request_id=msg.request_id, attempt=msg.attempt, error="model not loaded yet", retryable=True))
             return
         self.in_flight += 1
-        self.executor.submit(self.execute, msg, frames, time.perf_counter())
+        self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
 
     def handle_release(self, msg: Release, frames) -> None:
-        with self.pool_lock:
-            if self.pool.allocator.owns(msg.offset):
-                self.pool.free(msg.offset)
-            else:
-                self.log.warning("release of unknown slot %d for %s ignored", msg.offset, msg.request_id)
+        if not self.runner.release(msg.offset):
+            self.log.warning("release of unknown slot %d for %s ignored", msg.offset, msg.request_id)
 
     def handle_shutdown(self, msg: Shutdown, frames) -> None:
         self.log.info("shutdown requested")
@@ -260,50 +311,6 @@ class Worker:
             sock.connect(REPORTS)
         sock.send_multipart([encode(msg) if msg is not None else kind, *frames])
 
-    def execute(self, run: Run, frames: list[bytes], received: float) -> None:
-        """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
-        local_slot = None
-        try:
-            inputs = {}
-            if run.source is not None:
-                nbytes = run.source.slot.nbytes
-                with self.pool_lock:
-                    local_slot = self.pool.alloc(nbytes)
-                dst = self.pool.view(local_slot, nbytes)
-                engine = self.engines.get(run.source.engine)
-                if engine is None:
-                    raise RuntimeError(f"transfer engine {run.source.engine!r} is not available here")
-                engine.read(run.source, dst, frames)
-                inputs = unpack(dst, run.source.slot.tensors)
-                self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=time.perf_counter() - received))
-            t0 = time.perf_counter()
-            out = self.stage.run(run.params, inputs)
-            compute_s = time.perf_counter() - t0
-            if out.images:
-                self.report(
-                    Done(
-                        request_id=run.request_id,
-                        attempt=run.attempt,
-                        num_images=len(out.images),
-                        image_format=out.image_format,
-                        compute_s=compute_s,
-                    ),
-                    out.images,
-                )
-            else:
-                with self.pool_lock:
-                    slot = self.pool.stage(self.spec.instance_id, out.tensors)
-                extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
-                self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s), extra)
-        except Exception as exc:  # a request error: report it and keep serving
-            self.log.exception("request %s failed", run.request_id)
-            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=f"{type(exc).__name__}: {exc}"))
-        finally:
-            if local_slot is not None:
-                with self.pool_lock:
-                    self.pool.free(local_slot)
-            self.report(None)
-
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
@@ -313,10 +320,7 @@ class Worker:
         self.pool.close()
 
     def send_dead(self, reason: str) -> None:
-        try:
-            self.send(Dead(instance_id=self.spec.instance_id, reason=reason[:60_000]))
-        except zmq.ZMQError:
-            pass
+        self.send(Dead(instance_id=self.spec.instance_id, reason=reason[:60_000]))
 
 
 def install_signal_handlers(worker: Worker) -> None:

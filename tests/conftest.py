@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,26 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher.ports import free_port_pair  # noqa: F401 - tests import it from here
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P+1 are both free on 127.0.0.1."""
-    for _ in range(200):
-        port = random.randint(20000, 60000)
-        socks = []
-        try:
-            for p in (port, port + 1):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port pair")
 
 
 def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

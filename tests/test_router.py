@@ -6,6 +6,7 @@ from orchestrator.dispatch import MaxFreeSlots, RoundRobin
 from orchestrator.registry import Instance
 from orchestrator.router import Router, RouterConfig
 from transport.messages import (
+    Alive,
     Dead,
     Done,
     Failed,
@@ -160,25 +161,164 @@ def test_policies_spread_load_across_denoisers(policy):
     assert sorted(used) == sorted(dens * 2)
 
 
-def test_heartbeat_timeout_marks_dead_and_fails_its_work():
+def test_heartbeat_timeout_marks_dead_and_retries_its_work():
     h = Harness(heartbeat_timeout_s=3.0)
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     h.submit("r1")
     h.tick(2.0)
     h.beat_all()
-    assert h.tick(2.0) == []  # heard from within the timeout
+    assert runs(h.tick(2.0)) == []  # heard from within the timeout
     for iid in ("denoiser-0", "decoder-0"):
         h.role(iid, Heartbeat(instance_id=iid))
     out = h.tick(1.5)  # the encoder has now been silent 3.5 s
-    [res] = [o.msg for o in out if isinstance(o.msg, Result)]
-    assert not res.ok and "encoder-0" in res.error and "no heartbeat" in res.error
+    assert not [o for o in out if isinstance(o.msg, Result)]  # not failed: waiting for a new attempt
     snap = {i.id: i for i in h.router.snapshot(h.now).instances}
     assert snap[enc].state == "dead" and snap[enc].free_slots == 0
-    assert runs(h.submit("r2")) == []  # no new work for the dead one
+    assert h.router.requests["r1"].attempt == 2 and h.router.snapshot(h.now).queues["encoder"] == 1
     # a message from the dead instance is refused until it registers again
     out = h.role(enc, Heartbeat(instance_id=enc))
     assert isinstance(out[0].msg, Rejected) and "register" in out[0].msg.reason
+    # the restarted encoder takes the retry
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p-new", pool_bytes=1 << 20)
+    out = h.role(enc, Register(role="encoder", instance_id=enc, pid=77, host_id="h", device="cpu", capacity=1, pool=pool, ready=True, restarts=1))
+    [(iid, run)] = runs(out)
+    assert iid == enc and run.attempt == 2 and run.request_id == "r1"
+    assert h.router.snapshot(h.now).instances[0].restarts == 1
+
+
+def test_dead_consumer_before_fetch_retries_from_the_staged_output():
+    h = Harness()
+    [enc] = h.add("encoder")
+    d0, d1 = h.add("denoiser", 2)
+    h.add("decoder")
+    h.submit("r1")
+    [(den, _)] = runs(h.role(enc, staged(enc, "r1", offset=512)))
+    h.router.lose_instance(h.router.registry.get(den), "killed", h.now, [])
+    out = h.router.tick(h.now)
+    [(other, run)] = runs(out)
+    assert other != den and run.attempt == 2 and run.source.slot.offset == 512  # no re-encoding
+    # the old attempt's late report changes nothing
+    assert runs(h.role(den, staged(den, "r1", attempt=1))) == []
+
+
+def test_dead_consumer_after_fetch_restarts_from_encoder():
+    h = Harness()
+    [enc] = h.add("encoder")
+    [den, _] = h.add("denoiser", 2)
+    h.add("decoder")
+    h.submit("r1")
+    [(den, _)] = runs(h.role(enc, staged(enc, "r1")))
+    h.role(den, Fetched(request_id="r1", attempt=1))  # the encoder's slot is released
+    out = []
+    h.router.lose_instance(h.router.registry.get(den), "killed", h.now, out)
+    h.router.dispatch_queued(h.now, out)
+    [(iid, run)] = runs(out)
+    assert iid == enc and run.attempt == 2 and run.source is None
+
+
+def test_dead_producer_with_unfetched_output_restarts_from_encoder():
+    h = Harness()
+    e0, e1 = h.add("encoder", 2)
+    h.add("denoiser"), h.add("decoder")
+    [(enc, _)] = runs(h.submit("r1"))
+    [(den, run)] = runs(h.role(enc, staged(enc, "r1")))
+    out = []
+    h.router.lose_instance(h.router.registry.get(enc), "killed", h.now, out)
+    h.router.dispatch_queued(h.now, out)
+    [(iid, run)] = runs(out)
+    assert iid != enc and iid.startswith("encoder") and run.attempt == 2
+
+
+def test_retry_budget_then_clear_failure():
+    h = Harness(max_retries=2)
+    h.add("encoder", 3)
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    results = []
+    for _ in range(3):
+        iid = h.router.requests["r1"].assigned if "r1" in h.router.requests else None
+        out = []
+        h.router.lose_instance(h.router.registry.get(iid), "kill -9", h.now, out)
+        h.router.dispatch_queued(h.now, out)
+        results += [o.msg for o in out if isinstance(o.msg, Result)]
+    [res] = results
+    assert not res.ok and "gave up after 3 attempts" in res.error and "encoder" in res.error and "kill -9" in res.error
+
+
+def test_stalled_instance_loses_its_work():
+    h = Harness(stall_timeout_s=5.0, heartbeat_timeout_s=100.0)
+    [enc] = h.add("encoder")
+    d0, d1 = h.add("denoiser", 2)
+    h.add("decoder")
+    h.submit("r1")
+    [(den, _)] = runs(h.role(enc, staged(enc, "r1")))
+    for step in range(3):  # progressing: fine
+        h.now += 2.0
+        h.role(den, Heartbeat(instance_id=den, progress=step + 1))
+        assert runs(h.router.tick(h.now)) == []
+    h.now += 6.0  # heartbeats go on but progress stands still
+    h.role(den, Heartbeat(instance_id=den, progress=3))
+    [(other, run)] = runs(h.router.tick(h.now))
+    assert other != den and run.attempt == 2
+    assert h.router.registry.get(den).state == "dead"
+    # it re-registers with its stuck work still counted against its capacity
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p2", pool_bytes=1 << 20)
+    h.role(den, Register(role="denoiser", instance_id=den, pid=5, host_id="h", device="cpu", capacity=1, pool=pool, ready=True, busy={"r1": 1}))
+    inst = h.router.registry.get(den)
+    assert inst.free_slots == 0
+    h.role(den, staged(den, "r1", attempt=1))  # the stuck work finally ends: slot back, output released
+    assert inst.free_slots == 1 and inst.staged == {}
+
+
+def test_retryable_failure_gets_new_attempt():
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.add("denoiser", 2), h.add("decoder")
+    h.submit("r1")
+    [(den, _)] = runs(h.role(enc, staged(enc, "r1")))
+    out = h.role(den, Failed(request_id="r1", attempt=1, error="TransferError: peer gone", retryable=True))
+    assert not [o for o in out if isinstance(o.msg, Result)]
+    assert h.router.requests["r1"].attempt == 2
+
+
+def test_admission_control_refuses_when_queue_full():
+    h = Harness(max_queue={"encoder": 2, "denoiser": 10, "decoder": 10})
+    h.add("encoder")
+    h.submit("a")  # running
+    h.submit("b"), h.submit("c")  # queued: 2
+    out = h.submit("d")
+    assert isinstance(out[0].msg, Rejected) and "overloaded" in out[0].msg.reason and "encoder queue" in out[0].msg.reason
+
+
+def test_heartbeat_is_answered():
+    h = Harness()
+    [enc] = h.add("encoder")
+    out = h.role(enc, Heartbeat(instance_id=enc))
+    assert isinstance(out[0].msg, Alive) and out[0].msg.orchestrator_id == h.router.id
+
+
+def test_drain_finishes_work_then_stops():
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    out = h.router.handle_client(CLIENT, Stop(drain=True), [], h.now)
+    assert [type(o.msg) for o in out] == [Stopping]
+    assert h.router.snapshot(h.now).orchestrator["state"] == "draining"
+    out = h.submit("r2")
+    assert isinstance(out[0].msg, Rejected) and "draining" in out[0].msg.reason
+    assert not any(isinstance(o.msg, Shutdown) for o in h.tick())
+    result = drive_rest(h, "r1", enc)
+    assert result.ok
+    assert sum(isinstance(o.msg, Shutdown) for o in h.tick()) == 3 and h.router.stopping
+
+
+def drive_rest(h, rid, enc):
+    [(den, _)] = runs(h.role(enc, staged(enc, rid)))
+    [(dec, _)] = runs(h.role(den, staged(den, rid)))
+    out = h.role(dec, Done(request_id=rid, attempt=1, num_images=1), [b"png"])
+    return [o.msg for o in out if isinstance(o.msg, Result)][0]
 
 
 def test_deadline_fails_request_and_quarantines_slot_until_report():
@@ -279,9 +419,10 @@ def test_status_and_stop():
     h = Harness()
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
     [rep] = h.router.handle_client(CLIENT, StatusQuery(), [], h.now)
+    [rep] = [o for o in h.router.handle_client(CLIENT, StatusQuery(), [], h.now)]
     assert isinstance(rep.msg, StatusReport) and len(rep.msg.instances) == 3
     assert [i.role for i in rep.msg.instances] == ["encoder", "denoiser", "decoder"]
     out = h.router.handle_client(CLIENT, Stop(), [], h.now)
-    assert sum(isinstance(o.msg, Shutdown) for o in out) == 3 and isinstance(out[-1].msg, Stopping)
+    assert sum(isinstance(o.msg, Shutdown) for o in out) == 3 and isinstance(out[0].msg, Stopping)
     out = h.submit("late")
     assert isinstance(out[0].msg, Rejected) and "shutting down" in out[0].msg.reason

@@ -167,6 +167,7 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_id: str = ""
     base_addr: int = 0
     last_seen_s: float = 0.0
+    restarts: int = 0
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -188,7 +189,9 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
 
 
 class Stop(_Msg, tag="stop", kw_only=True):
-    """Client asks the deployment to shut down."""
+    """Client asks the deployment to shut down; with drain, after in-flight work finishes."""
+
+    drain: bool = False
 
 
 class Stopping(_Msg, tag="stopping", kw_only=True):
@@ -209,6 +212,10 @@ class Register(_Msg, tag="register", kw_only=True):
     capacity: Annotated[int, Meta(ge=1, le=4096)]
     pool: PoolInfo
     ready: bool = False
+    #: work still computing from before this registration: request id -> attempt
+    busy: dict[Id, Count] = {}
+    #: how often the launcher restarted this instance
+    restarts: Count = 0
 
 
 class Registered(_Msg, tag="registered", kw_only=True):
@@ -216,6 +223,8 @@ class Registered(_Msg, tag="registered", kw_only=True):
 
     session: Count
     heartbeat_interval_s: Seconds
+    #: changes when the orchestrator restarts: staged outputs from before are nobody's
+    orchestrator_id: str = ""
 
 
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
@@ -225,6 +234,14 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     ready: bool = True
     in_flight: Count = 0
     pool_free_bytes: Count = 0
+    #: grows while the role makes progress (stages started and finished, denoising steps)
+    progress: Count = 0
+
+
+class Alive(_Msg, tag="alive", kw_only=True):
+    """Orchestrator answers a Heartbeat, so roles can tell when the orchestrator is gone."""
+
+    orchestrator_id: str
 
 
 class Run(_Msg, tag="run", kw_only=True):
@@ -278,6 +295,8 @@ class Failed(_Msg, tag="failed", kw_only=True):
     request_id: Id
     attempt: Count
     error: Annotated[str, Meta(max_length=65_536)]
+    #: the failure may not repeat on another try (a transfer from a dead peer, a full pool)
+    retryable: bool = False
 
 
 class Shutdown(_Msg, tag="shutdown", kw_only=True):
@@ -294,7 +313,7 @@ class Dead(_Msg, tag="dead", kw_only=True):
 ClientMessage = Union[Submit, StatusQuery, Stop]
 ServerReply = Union[Result, Rejected, StatusReport, Stopping]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
-OrchestratorCommand = Union[Registered, Run, Release, Shutdown, Rejected]
+OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

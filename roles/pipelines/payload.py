@@ -30,7 +30,7 @@ class PayloadAdapter:
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
         return {"x": torch.full((p["height"], p["width"]), self._value(p), device=self.device)}
 
-    def denoise(self, inputs: dict[str, torch.Tensor], p: dict) -> dict[str, torch.Tensor]:
+    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
         x = inputs["x"]
         if tuple(x.shape) != (p["height"], p["width"]) or not bool((x == self._value(p)).all()):
             raise ValueError("payload arrived corrupted")

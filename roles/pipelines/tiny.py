@@ -133,6 +133,18 @@ def build_tiny_flux_pipeline(device: str = "cpu") -> FluxPipeline:
     return _pipeline(ROLE_COMPONENTS["all"], device)
 
 
+def _step_callback(progress):
+    """A diffusers step-end callback that reports progress (the stall detector's heartbeat)."""
+    if progress is None:
+        return None
+
+    def on_step_end(pipe, step, timestep, kwargs):
+        progress()
+        return kwargs
+
+    return on_step_end
+
+
 class TinyFluxAdapter:
     """Runs one stage (or all) of the tiny FluxPipeline on plain dicts of tensors."""
 
@@ -162,7 +174,7 @@ class TinyFluxAdapter:
             )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def denoise(self, inputs: dict[str, torch.Tensor], params: dict) -> dict[str, torch.Tensor]:
+    def denoise(self, inputs: dict[str, torch.Tensor], params: dict, progress=None) -> dict[str, torch.Tensor]:
         p = self._params(params)
         n = p["num_images_per_prompt"]
         # encode_prompt does not repeat precomputed embeds; batch-1 embeds would silently broadcast in the
@@ -174,7 +186,7 @@ class TinyFluxAdapter:
                 prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=p["height"], width=p["width"],
                 num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
                 num_images_per_prompt=1, generator=torch.Generator("cpu").manual_seed(p["seed"]),
-                output_type="latent",
+                output_type="latent", callback_on_step_end=_step_callback(progress),
             ).images
         return {"latents": latents}
 

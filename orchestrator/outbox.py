@@ -1,0 +1,43 @@
+"""What the Router returns: messages to send, and the settings it runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from orchestrator.requests import STAGES
+
+
+@dataclass
+class RouterConfig:
+    """Settings of the router (from the deployment config)."""
+
+    heartbeat_timeout_s: float = 3.0
+    request_timeout_s: float = 600.0
+    dispatch: str = "max-free-slots"
+    transfer: str = "auto"
+    #: an instance holding work whose progress counter stands still this long is dead for it
+    stall_timeout_s: float = 120.0
+    #: new attempts after an instance dies under a request; then the request fails
+    max_retries: int = 2
+    #: per role: a Submit is refused while that role's to-be-assigned queue is this long
+    max_queue: dict[str, int] = field(default_factory=lambda: {r: 4096 for r in STAGES})
+
+
+@dataclass
+class Out:
+    """One message to send: to a client (by socket identity) or to an instance (by id)."""
+
+    to_client: bytes | None
+    to_instance: str | None
+    msg: msgspec.Struct
+    frames: list[bytes] = field(default_factory=list)
+
+
+def to_client(identity: bytes, msg, frames=()) -> Out:
+    return Out(identity, None, msg, list(frames))
+
+
+def to_instance(instance_id: str, msg, frames=()) -> Out:
+    return Out(None, instance_id, msg, list(frames))

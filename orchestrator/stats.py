@@ -1,0 +1,54 @@
+"""Counters and the status snapshot the orchestrator answers `disagg status` with."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+from orchestrator.requests import STAGES
+from transport.messages import RequestCounts, StatusReport
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class Stats:
+    """Requests ended since start, and recent completions for a throughput figure."""
+
+    def __init__(self):
+        self.completed = 0
+        self.failed = 0
+        self._finish_times: collections.deque[float] = collections.deque()
+
+    def record(self, state: str, now: float) -> None:
+        if state == "done":
+            self.completed += 1
+            self._finish_times.append(now)
+        else:
+            self.failed += 1
+
+    def throughput(self, now: float, since: float) -> float:
+        while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
+            self._finish_times.popleft()
+        window = min(THROUGHPUT_WINDOW_S, max(now - since, 1e-9))
+        return round(len(self._finish_times) / window, 3)
+
+
+def snapshot(router, now: float) -> StatusReport:
+    """What `disagg status` shows, from a Router's state."""
+    instances = sorted(router.registry.by_id.values(), key=lambda i: (STAGES.index(i.role), i.id))
+    return StatusReport(
+        orchestrator={
+            "pid": os.getpid(),
+            "id": router.id,
+            "endpoint": router.endpoint,
+            "restarts": router.restarts,
+            "uptime_s": round(now - router.started_at, 3),
+            "state": "draining" if (router.draining or router.stopping) else "ready",
+        },
+        instances=[i.status(now) for i in instances],
+        queues={role: sum(1 for rid in q if rid in router.requests) for role, q in router.queues.items()},
+        requests=RequestCounts(
+            in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed
+        ),
+        throughput_rps=router.stats.throughput(now, router.started_at),
+    )

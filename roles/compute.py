@@ -1,0 +1,105 @@
+"""The compute side of a role: pull inputs, run the stage, stage outputs; runs on executor threads.
+
+It owns the pool's lock and the transfer engines; it talks to the socket loop only through the
+`report` callable, so it can be driven without any socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from roles.stage import Stage
+from transport.allocator import PoolFull
+from transport.engines import TransferEngine, TransferError
+from transport.manifest import unpack
+from transport.messages import Done, Failed, Fetched, Run, Staged
+from transport.pool import Pool
+
+log = logging.getLogger("disagg.role")
+
+
+class StageRunner:
+    """Runs Run messages against a Stage, a Pool and the transfer engines."""
+
+    def __init__(self, instance_id: str, pool: Pool, engines: dict[str, TransferEngine], report: Callable):
+        self.instance_id = instance_id
+        self.pool = pool
+        self.engines = engines
+        self.report = report
+        self.stage: Stage | None = None
+        self.lock = threading.Lock()  # the allocator is shared by executor threads and the loop
+        #: grows with every stage start, step and end: the orchestrator's stall detector reads it
+        self.progress = 0
+        #: request id -> attempt of what is computing now
+        self.busy: dict[str, int] = {}
+        #: offsets of outputs staged here and not yet released
+        self.staged: set[int] = set()
+
+    def tick(self, *_args) -> None:
+        self.progress += 1
+
+    def release(self, offset: int) -> bool:
+        with self.lock:
+            if offset not in self.staged:
+                return False
+            self.staged.discard(offset)
+            self.pool.free(offset)
+            return True
+
+    def release_all(self) -> int:
+        """Free every staged output (the orchestrator that knew of them is gone)."""
+        with self.lock:
+            n = len(self.staged)
+            for offset in self.staged:
+                self.pool.free(offset)
+            self.staged.clear()
+        return n
+
+    def execute(self, run: Run, frames: list[bytes], received: float) -> None:
+        """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
+        self.busy[run.request_id] = run.attempt
+        self.tick()
+        local_slot = None
+        try:
+            inputs = {}
+            if run.source is not None:
+                nbytes = run.source.slot.nbytes
+                with self.lock:
+                    local_slot = self.pool.alloc(nbytes)
+                dst = self.pool.view(local_slot, nbytes)
+                engine = self.engines.get(run.source.engine)
+                if engine is None:
+                    raise TransferError(f"transfer engine {run.source.engine!r} is not available here")
+                engine.read(run.source, dst, frames)
+                inputs = unpack(dst, run.source.slot.tensors)
+                self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=time.perf_counter() - received))
+            t0 = time.perf_counter()
+            out = self.stage.run(run.params, inputs, self.tick)
+            compute_s = time.perf_counter() - t0
+            if out.images:
+                done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
+                            image_format=out.image_format, compute_s=compute_s)
+                self.report(done, out.images)
+            else:
+                with self.lock:
+                    slot = self.pool.stage(self.instance_id, out.tensors)
+                    self.staged.add(slot.offset)
+                extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
+                self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s), extra)
+        except Exception as exc:  # a request error: report it and keep serving
+            # a dead peer or a momentarily full pool may go better on another try; a model error not
+            retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
+            log.warning("request %s attempt %d failed: %s: %s", run.request_id, run.attempt, type(exc).__name__, exc,
+                        exc_info=not retryable)
+            self.report(Failed(request_id=run.request_id, attempt=run.attempt,
+                               error=f"{type(exc).__name__}: {exc}", retryable=retryable))
+        finally:
+            if local_slot is not None:
+                with self.lock:
+                    self.pool.free(local_slot)
+            self.busy.pop(run.request_id, None)
+            self.tick()
+            self.report(None)

@@ -1,0 +1,61 @@
+"""CurveZMQ keys: who may talk to the orchestrator (torch-free, shared by every process).
+
+`disagg keys generate DIR` writes a server pair and a client pair. The orchestrator's sockets
+are Curve servers that accept only peers holding a key pair whose public half lies in DIR;
+clients and roles connect with the client pair. Without the keys a process can neither submit
+nor register: its connection is refused during the handshake.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+
+class KeyError_(ValueError):
+    """A keys directory that lacks a needed key file."""
+
+
+def generate_keys(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in ("server", "client"):
+        public, secret = zmq.auth.create_certificates(str(directory), name)
+        Path(secret).chmod(0o600)
+        written += [Path(public), Path(secret)]
+    return written
+
+
+def _load(directory: Path, name: str, secret: bool) -> tuple[bytes, bytes | None]:
+    path = directory / (f"{name}.key_secret" if secret else f"{name}.key")
+    if not path.is_file():
+        raise KeyError_(f"{path} is missing: create keys with `disagg keys generate {directory}`")
+    return zmq.auth.load_certificate(str(path))
+
+
+def client_curve(directory: Path) -> tuple[bytes, bytes, bytes]:
+    """(server public, client public, client secret) for a connecting socket."""
+    server_public, _ = _load(directory, "server", secret=False)
+    public, secret = _load(directory, "client", secret=True)
+    return server_public, public, secret
+
+
+def apply_client_curve(sock: zmq.Socket, curve: tuple[bytes, bytes, bytes] | None) -> None:
+    if curve:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+
+
+def secure_server(ctx: zmq.Context, sockets: list[zmq.Socket], directory: Path) -> ThreadAuthenticator:
+    """Make `sockets` Curve servers that admit only the public keys found in `directory`."""
+    public, secret = _load(directory, "server", secret=True)
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(directory))
+    for sock in sockets:
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+    return auth
