@@ -57,6 +57,7 @@ class Outcome:
     seed: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     latency_s: float = 0.0
+    attempts: int = 1
 
 
 def new_request_id() -> str:
@@ -188,7 +189,7 @@ class Client:
             p, t0 = pending.pop(rid)
             if isinstance(reply, Result):
                 settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                    reply.timings, now - t0))
+                                    reply.timings, now - t0, reply.attempts))
             else:
                 settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
         return [outcomes[rid] for rid in id_list if rid in outcomes]

@@ -32,6 +32,8 @@ class Instance:
     pool_free_bytes: int = 0
     progress: int = 0
     progress_at: float = 0.0
+    largest_input: int = 0
+    largest_output: int = 0
     restarts: int = 0
 
     @classmethod
@@ -56,7 +58,15 @@ class Instance:
 
     @property
     def dispatchable(self) -> bool:
-        return self.state == "ready" and self.free_slots > 0
+        return self.state == "ready" and self.free_slots > 0 and self.pool_has_room()
+
+    def pool_has_room(self) -> bool:
+        """Backpressure: room in the pool for one more request's input and output, judged by the
+        largest seen so far, next to unfetched outputs and the inputs of the work in progress.
+        A fast stage thus waits for its consumers instead of filling its pool and failing."""
+        per_request = self.largest_input + self.largest_output
+        need = sum(self.staged.values()) + (len(self.running) + 1) * per_request
+        return need <= self.pool.pool_bytes
 
     def status(self, now: float) -> InstanceStatus:
         return InstanceStatus(

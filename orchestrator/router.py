@@ -192,6 +192,7 @@ class Router:
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
         inst = self.registry.get(sender)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
+        inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
@@ -308,6 +309,7 @@ class Router:
                 self._warned_pairs.add((producer.id, inst.id))
                 log.warning("%s", warning)
             inst.engine = engine
+            inst.largest_input = max(inst.largest_input, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == "inline" else []
         if not inst.running:

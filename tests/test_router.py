@@ -32,6 +32,7 @@ from transport.messages import (
 )
 
 CLIENT = b"client-1"
+POOL1 = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
 
 
 class Harness:
@@ -125,7 +126,7 @@ def test_no_dispatch_to_starting_instance():
 
 
 def test_round_robin_policy_skips_full():
-    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 2, None, 1, 0.0, state="ready", free_slots=2) for i in range(3)]
+    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 2, POOL1, 1, 0.0, state="ready", free_slots=2) for i in range(3)]
     rr = RoundRobin()
     picks = [rr.pick("denoiser", insts).id for _ in range(4)]
     assert picks == ["d-0", "d-1", "d-2", "d-0"]
@@ -137,7 +138,7 @@ def test_round_robin_policy_skips_full():
 
 
 def test_max_free_slots_policy_prefers_most_free_and_rotates_ties():
-    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 4, None, 1, 0.0, state="ready", free_slots=f) for i, f in enumerate([1, 3, 3])]
+    insts = [Instance(f"d-{i}", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=f) for i, f in enumerate([1, 3, 3])]
     pol = MaxFreeSlots()
     assert {pol.pick("denoiser", insts).id for _ in range(4)} == {"d-1", "d-2"}
     insts[0].free_slots = 4
@@ -426,3 +427,21 @@ def test_status_and_stop():
     assert sum(isinstance(o.msg, Shutdown) for o in out) == 3 and isinstance(out[0].msg, Stopping)
     out = h.submit("late")
     assert isinstance(out[0].msg, Rejected) and "shutting down" in out[0].msg.reason
+
+
+def test_backpressure_keeps_a_fast_producer_from_filling_its_pool():
+    h = Harness()
+    [enc] = h.add("encoder", capacity=4)
+    h.add("denoiser"), h.add("decoder")
+    pool_bytes = h.router.registry.get(enc).pool.pool_bytes
+    chunk = pool_bytes // 4
+    for k in range(8):
+        h.submit(f"r{k}")
+    staged_outputs = 0
+    for k in range(8):
+        out = h.role(enc, staged(enc, f"r{k}", offset=k * chunk, nbytes=chunk)) if f"r{k}" in h.router.registry.get(enc).running else []
+        staged_outputs += 1 if out else 0
+    inst = h.router.registry.get(enc)
+    # beyond the first wave (sizes not known yet), it takes only work whose output fits
+    assert sum(inst.staged.values()) <= pool_bytes
+    assert not inst.dispatchable and h.router.snapshot(h.now).queues["encoder"] > 0

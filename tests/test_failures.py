@@ -1,0 +1,215 @@
+"""No request lost: kill -9, SIGSTOP, a killed orchestrator, garbage floods and timeouts, over real
+processes. One 2:2:2 tiny deployment shared by the module; the orchestrator kill comes last."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from launcher.client import Client
+from tests.conftest import Launched, pid_alive
+from transport.messages import GenerationParams, Heartbeat, Register, StatusQuery, Submit, encode
+
+pytestmark = pytest.mark.e2e
+
+N_INSTANCES = 6
+RECOVERY = {}  # what the closing note reports: kill -> replacement ready, per role
+
+
+@pytest.fixture(scope="module")
+def deployment(module_tmp):
+    dep = Launched(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2"], module_tmp)
+    try:
+        dep.wait_ready(N_INSTANCES)
+        yield dep
+    finally:
+        dep.stop()
+        if RECOVERY:
+            print("\nrecovery:", RECOVERY)
+
+
+def small(n: int, tag: str) -> list[GenerationParams]:
+    return [GenerationParams(prompt=f"{tag} {i}", width=64, height=64, num_inference_steps=2, seed=i) for i in range(n)]
+
+
+class Load:
+    """Submits requests from a background thread (its own socket), collecting outcomes."""
+
+    def __init__(self, endpoint: str, params: list[GenerationParams], concurrency: int = 50):
+        self.outcomes = None
+        self.thread = threading.Thread(target=self._run, args=(endpoint, params, concurrency), daemon=True)
+        self.thread.start()
+
+    def _run(self, endpoint, params, concurrency):
+        with Client(endpoint) as client:
+            self.outcomes = client.run_all(params, concurrency=concurrency)
+
+    def join(self, timeout=240):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "requests still pending"
+        return self.outcomes
+
+
+def status(dep):
+    with Client(dep.endpoint) as client:
+        return client.status(timeout_s=5)
+
+
+def instance(dep, iid):
+    return next(i for i in status(dep).instances if i.id == iid)
+
+
+def wait_until(pred, timeout=60, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def wait_busy(dep, iid):
+    """Until instance `iid` holds work (so the fault lands on requests in flight)."""
+    wait_until(lambda: instance(dep, iid).in_flight > 0, timeout=30, step=0.02)
+
+
+@pytest.mark.parametrize("role", ["denoiser", "encoder", "decoder"])
+def test_kill_9_under_load_loses_nothing(deployment, role):
+    iid = f"{role}-0"
+    old_pid = instance(deployment, iid).pid
+    load = Load(deployment.endpoint, small(50, f"kill {role}"))
+    wait_busy(deployment, iid)
+    os.kill(old_pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    outcomes = load.join()
+    assert len(outcomes) == 50
+    assert [o.error for o in outcomes if not o.ok] == []
+    # the killed instance comes back under its id, with a new pid, and registers again
+    back = wait_until(lambda: (i := instance(deployment, iid)).state == "ready" and i.pid != old_pid and i, timeout=90)
+    RECOVERY[role] = round(time.monotonic() - t_kill, 1)
+    assert back.restarts >= 1 and not pid_alive(old_pid)
+    assert any(o.attempts > 1 for o in outcomes)  # the kill hit requests in flight, which were retried
+
+
+def test_sigstop_moves_work_elsewhere_and_sigcont_rejoins(deployment):
+    iid = "denoiser-1"
+    pid = instance(deployment, iid).pid
+    load = Load(deployment.endpoint, small(30, "stop"))
+    wait_busy(deployment, iid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcomes = load.join()
+        assert [o.error for o in outcomes if not o.ok] == []
+        assert instance(deployment, iid).state == "dead"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # the same process comes back: told it was declared dead, it registers again
+    back = wait_until(lambda: (i := instance(deployment, iid)).state == "ready" and i, timeout=30)
+    assert back.pid == pid
+    outcomes = Load(deployment.endpoint, small(10, "after cont"), concurrency=10).join()
+    assert all(o.ok for o in outcomes)
+
+
+def test_timeout_answers_at_once_and_frees_slots(deployment):
+    big = GenerationParams(prompt="slow", width=512, height=512, num_inference_steps=8, seed=1)
+    with Client(deployment.endpoint) as client:
+        t0 = time.monotonic()
+        [outcome] = client.run_all([big], timeout_s=0.2)
+        assert not outcome.ok and "timed out" in outcome.error
+        assert time.monotonic() - t0 < 2.0
+        # once the work drains, every slot and every pool is whole again
+        def settled():
+            r = client.status()
+            return all(i.free_slots == i.capacity and i.pool_used_bytes == 0 and i.pool_free_bytes == i.pool_bytes
+                       for i in r.instances if i.state == "ready") and r.requests.in_flight == 0
+        wait_until(settled, timeout=60, step=0.3)
+
+
+def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment):
+    orch = psutil.Process(int(status(deployment).orchestrator["pid"]))
+    rss_before = orch.memory_info().rss
+    rng = random.Random(42)
+    valid = [
+        encode(Submit(request_id="fz", params=GenerationParams(prompt="x"))),
+        encode(StatusQuery()),
+        encode(Heartbeat(instance_id="encoder-0")),
+    ]
+    reg = msgspec.msgpack.decode(encode(Register(role="encoder", instance_id="fz", pid=1, host_id="h", device="cpu", capacity=1,
+                                                 pool={"host_id": "h", "engines": ["shm"], "pool_name": "p", "pool_bytes": 1})))
+
+    def mutated() -> list[bytes]:
+        kind = rng.randrange(7)
+        if kind == 0:
+            return [rng.randbytes(rng.randrange(0, 300))]
+        if kind == 1:  # truncated valid message
+            v = rng.choice(valid)
+            return [v[: rng.randrange(len(v))]]
+        if kind == 2:  # flipped bytes
+            v = bytearray(rng.choice(valid))
+            for _ in range(3):
+                v[rng.randrange(len(v))] = rng.randrange(256)
+            return [bytes(v)]
+        if kind == 3:  # valid envelope, wrong field types
+            doc = dict(reg)
+            doc[rng.choice(list(doc))] = rng.choice([None, -1, "x" * 300, [1, 2], {"a": 1}, 2**64 - 1])
+            return [msgspec.msgpack.encode(doc)]
+        if kind == 4:  # huge claimed sizes
+            return [b"\xdb\xff\xff\xff\xff" + rng.randbytes(20)]
+        if kind == 5:  # many frames
+            return [rng.randbytes(10) for _ in range(rng.randrange(2, 20))]
+        return [msgspec.msgpack.encode({"type": rng.choice(["submit", "register", "staged", "done"]), "junk": rng.random()})]
+
+    ctx = zmq.Context.instance()
+    socks = []
+    for port in (deployment.port, deployment.port + 1):
+        for k in range(3):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, f"fuzzer-{port}-{k}".encode())
+            s.connect(f"tcp://127.0.0.1:{port}")
+            socks.append(s)
+    for i in range(6000):
+        socks[i % len(socks)].send_multipart(mutated())
+    for s in socks:
+        s.close()
+    # and it still serves
+    outcomes = Load(deployment.endpoint, small(5, "after fuzz"), concurrency=5).join()
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    report = status(deployment)
+    assert sum(i.state == "ready" for i in report.instances) == N_INSTANCES
+    assert not [i for i in report.instances if i.id == "fz"]
+    growth = orch.memory_info().rss - rss_before
+    assert growth < 64 * 2**20, f"orchestrator grew by {growth / 2**20:.1f} MiB"
+
+
+def test_zz_kill_9_orchestrator(deployment):
+    """Last: the orchestrator restarts, roles re-register without restarting, clients get errors."""
+    report = status(deployment)
+    role_pids = {i.id: i.pid for i in report.instances}
+    old = psutil.Process(int(report.orchestrator["pid"]))
+    load = Load(deployment.endpoint, [GenerationParams(prompt=f"lost {i}", width=256, height=256, num_inference_steps=6, seed=i)
+                                      for i in range(20)], concurrency=20)
+    time.sleep(0.5)
+    old.kill()
+    t_kill = time.monotonic()
+    outcomes = load.join(timeout=60)
+    assert time.monotonic() - t_kill < 30  # an error, not a hang
+    lost = [o for o in outcomes if not o.ok]
+    assert all("orchestrator" in o.error for o in lost), [o.error for o in lost]
+    # a new orchestrator, the same role processes, all registered and ready again
+    report = wait_until(lambda: (r := status(deployment)).orchestrator["pid"] != old.pid
+                        and sum(i.state == "ready" for i in r.instances) == N_INSTANCES and r, timeout=60)
+    RECOVERY["orchestrator"] = round(time.monotonic() - t_kill, 1)
+    assert report.orchestrator["restarts"] == 1
+    assert {i.id: i.pid for i in report.instances} == role_pids
+    outcomes = Load(deployment.endpoint, small(10, "after restart"), concurrency=10).join()
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
