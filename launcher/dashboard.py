@@ -21,14 +21,14 @@ def status_view(report: StatusReport, title: str = "disagg") -> Group:
     for col, justify in [
         ("role", "left"), ("id", "left"), ("pid", "right"), ("device", "left"), ("state", "left"),
         ("free/cap", "right"), ("in flight", "right"), ("done", "right"), ("failed", "right"),
-        ("engine", "left"), ("pool MiB used/total", "right"),
+        ("engine", "left"), ("pool MiB used/total", "right"), ("restarts", "right"),
     ]:
         table.add_column(col, justify=justify, no_wrap=True)
     for i in report.instances:
         table.add_row(
             i.role, i.id, str(i.pid), i.device, Text(i.state, style=STATE_STYLE.get(i.state, "")),
             f"{i.free_slots}/{i.capacity}", str(i.in_flight), str(i.completed), str(i.failed),
-            i.engine, f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
+            i.engine, f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}", str(i.restarts),
         )
     q = report.queues
     r = report.requests
@@ -38,7 +38,11 @@ def status_view(report: StatusReport, title: str = "disagg") -> Group:
         ("throughput ", "bold"), f"{report.throughput_rps:.2f} req/s",
     )
     orch = report.orchestrator
-    head = Text(f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s", style="dim")
+    head = Text(
+        f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s"
+        f"  restarts {orch.get('restarts', 0)}",
+        style="dim",
+    )
     return Group(table, totals, head)
 
 

@@ -64,6 +64,8 @@ class Instance:
         """Backpressure: room in the pool for one more request's input and output, judged by the
         largest seen so far, next to unfetched outputs and the inputs of the work in progress.
         A fast stage thus waits for its consumers instead of filling its pool and failing."""
+        if not self.running and not self.staged:
+            return True  # an empty pool always gets a try: estimates must never lock it out
         per_request = self.largest_input + self.largest_output
         need = sum(self.staged.values()) + (len(self.running) + 1) * per_request
         return need <= self.pool.pool_bytes

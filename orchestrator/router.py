@@ -213,6 +213,8 @@ class Router:
             return
         inst = self.registry.get(sender)
         req.timings[f"fetch_{inst.role}"] = msg.fetch_s
+        # learnt from inputs that did fit: one that cannot must not block the instance for good
+        inst.largest_input = max(inst.largest_input, req.source.slot.nbytes if req.source else 0)
         # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
         previous = STAGES[STAGES.index(inst.role) - 1]
         if f"staged_{previous}" in req.marks:
@@ -309,7 +311,6 @@ class Router:
                 self._warned_pairs.add((producer.id, inst.id))
                 log.warning("%s", warning)
             inst.engine = engine
-            inst.largest_input = max(inst.largest_input, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == "inline" else []
         if not inst.running:

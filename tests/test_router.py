@@ -445,3 +445,17 @@ def test_backpressure_keeps_a_fast_producer_from_filling_its_pool():
     # beyond the first wave (sizes not known yet), it takes only work whose output fits
     assert sum(inst.staged.values()) <= pool_bytes
     assert not inst.dispatchable and h.router.snapshot(h.now).queues["encoder"] > 0
+
+
+def test_an_input_too_big_for_the_pool_does_not_block_the_consumer():
+    h = Harness()
+    [enc] = h.add("encoder")
+    [den] = h.add("denoiser")
+    h.add("decoder")
+    h.submit("big")
+    huge = h.router.registry.get(den).pool.pool_bytes * 2
+    [(iid, _)] = runs(h.role(enc, staged(enc, "big", nbytes=huge)))
+    h.role(den, Failed(request_id="big", attempt=1, error="PoolFull: does not fit"))
+    h.submit("small")
+    [(iid, _)] = runs(h.role(enc, staged(enc, "small", offset=huge, nbytes=256)))
+    assert iid == den  # still takes work
