@@ -38,7 +38,7 @@ def test_readme_batch_command_writes_images(tmp_path):
 
 def test_ctrl_c_stops_everything_within_10s(tmp_path):
     before = set(list_segments("disagg-"))
-    dep = Launched(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], tmp_path)
+    dep = Launched(["--model", "payload", "-d", "1", "--no-dashboard"], tmp_path)
     try:
         report = dep.wait_ready(3)
         pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"])]
