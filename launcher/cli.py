@@ -242,9 +242,54 @@ def keys_generate(directory: str) -> None:
         click.echo(str(path))
 
 
-@cli.group()
-def bench() -> None:
-    """Benchmarks that print numbers."""
+@cli.group(invoke_without_command=True)
+@endpoint_option
+@keys_option
+@click.option("--concurrency", type=click.IntRange(1, 100_000), help="Closed loop: requests kept in flight (default 1).")
+@click.option("--request-rate", type=click.FloatRange(0.001), help="Open loop: Poisson arrivals per second.")
+@click.option("--num-requests", type=click.IntRange(1), default=100, show_default=True, help="Measured requests.")
+@click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, help="Requests run one at a time first; their median latency is the unloaded latency.")
+@click.option("--width", type=int, help="Request width (default: the model's).")
+@click.option("--height", type=int, help="Request height (default: the model's).")
+@click.option("--steps", type=int, help="num_inference_steps (default: the model's).")
+@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="A prompts file (mixed sizes): requests cycle through it.")
+@click.option("--slo-factor", type=click.FloatRange(0.0, min_open=True), default=2.0, show_default=True, help="slo_attainment: share of requests within this many times the unloaded latency.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.pass_context
+def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, as_json) -> None:
+    """Load a running deployment and report throughput, latency, stage times, utilization.
+
+    `disagg bench transfer` instead measures the stage handoff per transfer engine.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from launcher.bench_load import run_load
+    from transport.messages import GenerationParams, MessageError, params_from_obj
+
+    if concurrency and request_rate:
+        raise click.UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+    if prompts_path:
+        try:
+            workload = load_prompts(prompts_path)
+        except PromptError as exc:
+            raise click.BadParameter(str(exc), param_hint="--prompts") from None
+    else:
+        fields = {k: v for k, v in (("width", width), ("height", height), ("num_inference_steps", steps)) if v is not None}
+        try:
+            workload = [params_from_obj({"prompt": "a benchmark prompt", "seed": 0, **fields})]
+        except MessageError as exc:
+            raise click.UsageError(str(exc)) from None
+    with _client(endpoint, keys) as client:
+        try:
+            doc = run_load(client, workload, num_requests, concurrency, request_rate, warmup, slo_factor)
+        except Unreachable as exc:
+            _unreachable(exc)
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    from launcher.dashboard import bench_view
+
+    _console().print(bench_view(doc))
 
 
 @bench.command("transfer")

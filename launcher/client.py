@@ -138,15 +138,20 @@ class Client:
         on_outcome: Callable[[Outcome], None] | None = None,
         ids: Iterable[str] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        arrivals: list[float] | None = None,
     ) -> list[Outcome]:
-        """Submit every request, at most `concurrency` at a time; wait for each to end."""
+        """Submit every request, at most `concurrency` at a time; wait for each to end.
+
+        With `arrivals` (seconds from the start, one per request) requests are sent at those
+        times instead, however many are pending (an open loop).
+        """
         todo = list(params)
         id_list = list(ids) if ids is not None else [new_request_id() for _ in todo]
         orchestrator_id = self.status().orchestrator.get("id")  # also fails fast with Unreachable
         pending: dict[str, tuple[GenerationParams, float]] = {}
         outcomes: dict[str, Outcome] = {}
         nxt = 0
-        last_heard = last_probe = time.monotonic()
+        last_heard = last_probe = start = time.monotonic()
 
         def settle(rid: str, outcome: Outcome) -> None:
             outcomes[rid] = outcome
@@ -161,14 +166,21 @@ class Client:
         while nxt < len(todo) or pending:
             if cancelled is not None and cancelled():
                 raise KeyboardInterrupt
-            while nxt < len(todo) and len(pending) < concurrency:
+            while nxt < len(todo) and (
+                time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(pending) < concurrency
+            ):
                 rid, p = id_list[nxt], todo[nxt]
                 self.sock.send_multipart([encode(Submit(request_id=rid, params=p, timeout_s=timeout_s))])
                 pending[rid] = (p, time.monotonic())
                 nxt += 1
-            got = self._recv(0.25)
+            wait_s = 0.25
+            if arrivals is not None and nxt < len(todo):
+                wait_s = min(wait_s, max(0.0, start + arrivals[nxt] - time.monotonic()))
+            got = self._recv(wait_s)
             now = time.monotonic()
             if got is None:
+                if not pending:
+                    continue
                 # quiet: make sure the orchestrator that holds our requests is still there
                 if now - last_heard > ORCHESTRATOR_SILENCE_S:
                     lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")

@@ -62,3 +62,25 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
                 f"({cur.throughput_rps:.2f} req/s)"
             )
     return lines
+
+
+def bench_view(doc: dict) -> Group:
+    """The `disagg bench` report as tables."""
+    lat = doc["latency_s"]
+    head = Text.assemble(
+        ("completed ", "bold"), f"{doc['completed']}  ", ("failed ", "bold"), f"{doc['failed']}  ",
+        ("duration ", "bold"), f"{doc['duration_s']:.2f} s  ", ("throughput ", "bold"), f"{doc['throughput_rps']:.2f} req/s\n",
+        ("latency ", "bold"), f"mean {lat['mean']:.4f}  p50 {lat['p50']:.4f}  p95 {lat['p95']:.4f}  p99 {lat['p99']:.4f} s   ",
+        ("SLO ", "bold"), f"{doc['slo_attainment']:.1%} within {doc['slo_factor']:g} x {doc['unloaded_latency_s']:.4f} s",
+    )
+    stages = Table(title="per stage (means, s)", title_justify="left")
+    for col in ("role", "queue", "compute", "transfer"):
+        stages.add_column(col, justify="left" if col == "role" else "right")
+    for role, st in doc["stages"].items():
+        stages.add_row(role, f"{st['queue_s_mean']:.4f}", f"{st['compute_s_mean']:.4f}", f"{st['transfer_s_mean']:.4f}")
+    inst = Table(title="instances", title_justify="left")
+    for col in ("id", "role", "utilization"):
+        inst.add_column(col, justify="right" if col == "utilization" else "left")
+    for i in doc["instances"]:
+        inst.add_row(i["id"], i["role"], f"{i['utilization']:.1%}")
+    return Group(head, stages, inst)

@@ -112,7 +112,7 @@ class Deployment:
 
     def visible_gpus(self, p: Placement) -> list[int]:
         """The role's own GPU first (its cuda:0), then the host's other GPUs, for CUDA IPC to peers."""
-        if p.gpu is None:
+        if p.gpu is None or p.simulated:
             return []
         return [p.gpu] + [g for g in self.config.all_gpus() if g != p.gpu]
 

@@ -119,10 +119,14 @@ class Placement:
     cpus: list[int]
     threads: int = 1  # torch compute threads
 
+    simulated: bool = False  # a sim: model: the "GPU" is a simulated device on the CPU
+
     @property
     def device(self) -> str:
-        # CUDA_VISIBLE_DEVICES shows the child only its own GPU, which it then sees as cuda:0
-        return "cpu" if self.gpu is None else "cuda:0"
+        if self.gpu is None:
+            return "cpu"
+        # CUDA_VISIBLE_DEVICES puts the child's own GPU first, so it is cuda:0 there
+        return f"sim:{self.gpu}" if self.simulated else "cuda:0"
 
 
 MIN_POOL_BYTES = 16 * 1024 * 1024
@@ -146,7 +150,8 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
         gpus = rc.gpus if rc.gpus is not None else config.gpus
         for i in range(rc.count):
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
-            placements.append(Placement(role, f"{role}-{i}", rc.capacity, pool_bytes, gpu, []))
+            placements.append(Placement(role, f"{role}-{i}", rc.capacity, pool_bytes, gpu, [],
+                                        simulated=config.model.startswith("sim:")))
     # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
     # Spread: with more CPUs than instances each gets its own equal share; with fewer, pinning
     # one instance per CPU would stack several on one CPU while another idles, so each may run

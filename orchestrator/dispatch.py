@@ -45,7 +45,32 @@ class MaxFreeSlots:
         return tied[turn % len(tied)]
 
 
-POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots}
+class LeastWork:
+    """Earliest expected finish: (work it holds + this one) x its measured stage time / capacity.
+
+    Instances without a measurement yet are tried first (their speed is unknown, and learning
+    it is the only way to use them well); ties rotate.
+    """
+
+    def __init__(self):
+        self._turn: dict[str, int] = {}
+
+    def pick(self, role: str, instances: list[Instance]) -> Instance | None:
+        ready = [i for i in instances if i.dispatchable]
+        if not ready:
+            return None
+
+        def finish(i: Instance) -> float:
+            return (len(i.running) + 1) * i.stage_s_avg / i.capacity
+
+        best = min(finish(i) for i in ready)
+        tied = [i for i in ready if finish(i) <= best * 1.0001]
+        turn = self._turn.get(role, 0)
+        self._turn[role] = turn + 1
+        return tied[turn % len(tied)]
+
+
+POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}
 
 
 def make_policy(name: str) -> DispatchPolicy:

@@ -34,6 +34,9 @@ class Instance:
     progress_at: float = 0.0
     largest_input: int = 0
     largest_output: int = 0
+    busy_s: float = 0.0
+    #: moving average of its stage time (the least-work policy's estimate)
+    stage_s_avg: float = 0.0
     restarts: int = 0
 
     @classmethod
@@ -55,6 +58,10 @@ class Instance:
             progress_at=now,
             restarts=msg.restarts,
         )
+
+    def record_stage_time(self, seconds: float) -> None:
+        self.busy_s += seconds
+        self.stage_s_avg = seconds if not self.stage_s_avg else 0.8 * self.stage_s_avg + 0.2 * seconds
 
     @property
     def dispatchable(self) -> bool:
@@ -92,6 +99,7 @@ class Instance:
             base_addr=self.pool.base_addr,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             restarts=self.restarts,
+            busy_s=round(self.busy_s, 6),
         )
 
 
@@ -100,19 +108,25 @@ class Registry:
 
     def __init__(self):
         self.by_id: dict[str, Instance] = {}
+        self._by_role: dict[str, list[Instance]] = {}
         self._sessions = 0
 
     def register(self, msg: Register, now: float) -> Instance:
         self._sessions += 1
         inst = Instance.from_register(msg, self._sessions, now)
         self.by_id[inst.id] = inst
+        self._by_role.clear()
         return inst
 
     def get(self, instance_id: str) -> Instance | None:
         return self.by_id.get(instance_id)
 
     def of_role(self, role: str) -> list[Instance]:
-        return [i for i in self.by_id.values() if i.role == role]
+        """The role's instances sorted by id (cached: dispatch asks on every message)."""
+        cached = self._by_role.get(role)
+        if cached is None:
+            cached = self._by_role[role] = sorted((i for i in self.by_id.values() if i.role == role), key=lambda i: i.id)
+        return cached
 
     def alive(self) -> list[Instance]:
         return [i for i in self.by_id.values() if i.state != "dead"]

@@ -203,6 +203,7 @@ class Router:
         req.mark(f"staged_{role}", now)
         req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
         req.timings[f"compute_{role}"] = msg.compute_s
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0))
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -230,6 +231,7 @@ class Router:
         req.mark("done", now)
         req.span("stage_decoder", "run_decoder", "done")
         req.timings["compute_decoder"] = msg.compute_s
+        inst.record_stage_time(msg.compute_s + req.timings.get("fetch_decoder", 0.0))
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,
@@ -268,7 +270,7 @@ class Router:
                     queue.popleft()  # ended or moved on while waiting
                     continue
                 if candidates is None:
-                    candidates = sorted(self.registry.of_role(role), key=lambda i: i.id)
+                    candidates = self.registry.of_role(role)
                 inst = self.policy.pick(role, candidates)
                 if inst is None:
                     break

@@ -459,3 +459,20 @@ def test_an_input_too_big_for_the_pool_does_not_block_the_consumer():
     h.submit("small")
     [(iid, _)] = runs(h.role(enc, staged(enc, "small", offset=huge, nbytes=256)))
     assert iid == den  # still takes work
+
+
+def test_least_work_avoids_the_slow_instance():
+    from orchestrator.dispatch import LeastWork
+
+    fast = Instance("d-fast", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=3)
+    slow = Instance("d-slow", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=4)
+    fast.running = {"a": 1}
+    fast.stage_s_avg, slow.stage_s_avg = 1.0, 3.0
+    pol = LeastWork()
+    # fast: (1+1) x 1.0 / 4 = 0.5 s; slow: (0+1) x 3.0 / 4 = 0.75 s; max-free-slots would pick slow
+    assert pol.pick("denoiser", [fast, slow]).id == "d-fast"
+    assert MaxFreeSlots().pick("denoiser", [fast, slow]).id == "d-slow"
+    fast.running = {k: 1 for k in "abc"}  # (3+1) x 1.0 / 4 = 1.0 > 0.75
+    assert pol.pick("denoiser", [fast, slow]).id == "d-slow"
+    unknown = Instance("d-new", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=4)
+    assert pol.pick("denoiser", [fast, slow, unknown]).id == "d-new"

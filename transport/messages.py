@@ -168,6 +168,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     base_addr: int = 0
     last_seen_s: float = 0.0
     restarts: int = 0
+    #: seconds spent computing (fetch + stage) since registration, for utilization
+    busy_s: float = 0.0
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -112,4 +112,4 @@ def make_pool(name: str, nbytes: int, device: str) -> Pool:
     """The pool for a role on `device`: shared memory on the CPU, a CUDA allocation on a GPU."""
     if device.startswith("cuda"):
         return CudaPool(name, nbytes, device)
-    return ShmPool(name, nbytes)
+    return ShmPool(name, nbytes)  # cpu, and the simulated devices of sim models

@@ -54,15 +54,27 @@ SPECS = {
 
 
 def model_spec(model: str) -> ModelSpec:
+    if model.startswith("sim:"):
+        from roles.pipelines.sim_profile import load_profile
+
+        try:
+            profile = load_profile(model[4:])
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+        return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n))
     try:
         return SPECS[model]
     except KeyError:
-        raise ModelError(f"unknown model {model!r}: this version serves {', '.join(SPECS)}") from None
+        raise ModelError(f"unknown model {model!r}: this version serves {', '.join(SPECS)}, sim:PROFILE") from None
 
 
 def load_adapter(model: str, role: str, device: str = "cpu"):
     """The adapter for `model`, holding only `role`'s components, on `device`."""
     model_spec(model)
+    if model.startswith("sim:"):
+        from roles.pipelines.sim import SimAdapter
+
+        return SimAdapter(model[4:], role, device)
     if model == "tiny":
         from roles.pipelines.tiny import TinyFluxAdapter
 

@@ -1,0 +1,80 @@
+"""`sim:PROFILE`: stages that take the profile's time and move the real model's payload sizes.
+
+Scheduling and transfer overheads can then be measured on a CPU without compute contention.
+Roles placed on the same simulated device (`--gpus` with a sim model) take turns on it, as
+they would on a real GPU: every busy period holds an exclusive lock on that device.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+from PIL import Image
+
+from roles.pipelines.sim_profile import load_profile
+
+
+class SimAdapter:
+    """Sleeps for each stage's simulated time; emits zero tensors of the real payload size."""
+
+    def __init__(self, profile: str, role: str, device: str = "cpu"):
+        self.profile = load_profile(profile)
+        self.role = role
+        self._zeros = torch.zeros(0)
+        self._lock_fd = None
+        if device.startswith("sim:"):
+            run = os.environ.get("DISAGG_RUN_ID", "local")
+            path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
+            self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+
+    @staticmethod
+    def defaults() -> dict:
+        return dict(width=1024, height=1024, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1, seed=0)
+
+    @contextmanager
+    def device_turn(self):
+        if self._lock_fd is None:
+            yield
+            return
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _busy(self, ms: float) -> None:
+        if ms > 0:
+            with self.device_turn():
+                time.sleep(ms / 1000)
+
+    def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
+        n = max(self.profile.payload(role, p["width"] * p["height"], p["num_images_per_prompt"]), 64) // 4
+        if self._zeros.numel() < n:
+            self._zeros = torch.zeros(n)
+        # a view of one zero buffer: staging copies it into the pool anyway
+        return {"x": self._zeros[:n]}
+
+    def encode(self, p: dict) -> dict[str, torch.Tensor]:
+        self._busy(self.profile.encoder.fixed_ms(p["width"] * p["height"]))
+        return self._tensor("encoder", p)
+
+    def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
+        pixels = p["width"] * p["height"]
+        cost = self.profile.denoiser
+        self._busy(cost.fixed_ms(pixels))
+        for _ in range(p["num_inference_steps"]):
+            self._busy(cost.step_ms(pixels))
+            if progress:
+                progress()
+        return self._tensor("denoiser", p)
+
+    def decode(self, inputs, p: dict) -> list[Image.Image]:
+        self._busy(self.profile.decoder.fixed_ms(p["width"] * p["height"]))
+        return [Image.new("L", (1, 1), 0) for _ in range(p["num_images_per_prompt"])]
+
+    def components_loaded(self) -> dict[str, int]:
+        return {}

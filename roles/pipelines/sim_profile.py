@@ -1,0 +1,58 @@
+"""Stage-time profiles for the `sim:NAME` model (configs/sim/NAME.yaml); torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import yaml
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
+
+
+class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """ms = base_ms + per_pixel_ms*px + steps*(per_step_ms + per_step_pixel_ms*px), then batch factor."""
+
+    base_ms: float = 0.0
+    per_pixel_ms: float = 0.0
+    per_step_ms: float = 0.0
+    per_step_pixel_ms: float = 0.0
+    payload_bytes: int = 0
+    payload_scales: bool = False  # payload grows with the request's pixels (latents)
+    batch: dict[int, dict[int, float]] = {}
+
+    def step_ms(self, pixels: int) -> float:
+        return self.per_step_ms + self.per_step_pixel_ms * pixels
+
+    def fixed_ms(self, pixels: int) -> float:
+        return self.base_ms + self.per_pixel_ms * pixels
+
+
+class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One simulated model: a cost per stage."""
+
+    encoder: StageCost = msgspec.field(default_factory=StageCost)
+    denoiser: StageCost = msgspec.field(default_factory=StageCost)
+    decoder: StageCost = msgspec.field(default_factory=StageCost)
+    reference_pixels: int = 1024 * 1024
+
+    def payload(self, role: str, pixels: int, images: int = 1) -> int:
+        cost = getattr(self, role)
+        if not cost.payload_bytes:
+            return 0
+        n = cost.payload_bytes * (pixels / self.reference_pixels if cost.payload_scales else 1)
+        per = max(64, int(n) // 64 * 64)
+        return per * (images if role == "denoiser" else 1)
+
+    def stage_ms(self, role: str, pixels: int, steps: int) -> float:
+        """Unbatched time of one request in `role` (the unloaded-latency figure benches use)."""
+        cost = getattr(self, role)
+        return cost.fixed_ms(pixels) + (steps * cost.step_ms(pixels) if role == "denoiser" else 0.0)
+
+
+def load_profile(name: str) -> SimProfile:
+    path = PROFILE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
+        raise ValueError(f"no simulation profile {name!r} (looked for {path}; known: {known})")
+    return msgspec.convert(yaml.safe_load(path.read_text()) or {}, SimProfile)
