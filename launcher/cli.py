@@ -86,6 +86,7 @@ def cli(verbose: bool) -> None:
 @click.option("-d", "--denoisers", type=click.IntRange(1, 256), help="Number of denoiser instances.")
 @click.option("-k", "--decoders", type=click.IntRange(1, 256), help="Number of decoder instances.")
 @click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
+@click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
 @click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
 @click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65534), help="Client port; roles use PORT+1 (default 5555).")
@@ -104,7 +105,7 @@ def cli(verbose: bool) -> None:
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
-def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, encoders, denoisers, decoders, capacity, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir,
            run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -120,7 +121,7 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, gpus, ho
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
-                       ("keys", keys_dir)):
+                       ("keys", keys_dir), ("colocated", colocated)):
         if value is not None:
             setattr(config, key, value)
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):

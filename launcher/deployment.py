@@ -76,6 +76,7 @@ class Deployment:
                 "--request-timeout", str(c.request_timeout_s),
                 "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
                 "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
+                *(["--colocated"] if c.colocated else []),
             ),
             env=self._env(),
         )

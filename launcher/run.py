@@ -61,8 +61,10 @@ def run_deployment(
     dep = Deployment(config, run_dir)
     dep.install_signal_handlers()
     n = len(dep.placements)
+    shape = f"{config.colocated} colocated" if config.colocated else (
+        f"{config.encoders.count}:{config.denoisers.count}:{config.decoders.count}")
     console.print(
-        f"disagg: {config.encoders.count}:{config.denoisers.count}:{config.decoders.count} "
+        f"disagg: {shape} "
         f"({n} role processes + orchestrator), model {config.model}, endpoint {dep.endpoint}, logs in {dep.run_dir}/logs"
     )
     view = LiveTable(console, dep.endpoint) if dashboard and prompts is None else EventLog(console)

@@ -54,6 +54,9 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     encoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
     denoisers: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=2))
     decoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
+    #: > 0: the colocated baseline instead: this many monolithic instances, each running all
+    #: three stages in one process (capacity from denoisers, devices from `gpus`)
+    colocated: Annotated[int, Meta(ge=0, le=256)] = 0
 
     def role(self, role: str) -> RoleConfig:
         return getattr(self, ROLE_KEYS[role])
@@ -144,7 +147,15 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
     cpu_ids = cpu_ids if cpu_ids is not None else sorted(os.sched_getaffinity(0))
     placements: list[Placement] = []
     spec = model_spec(config.model)
-    for role in ROLE_KEYS:
+    simulated = config.model.startswith("sim:")
+    if config.colocated:
+        gpus = config.gpus
+        for i in range(config.colocated):
+            gpu = gpus[i % len(gpus)] if gpus else None
+            pool_bytes = default_pool_bytes(spec, "monolith", config.denoisers.capacity)
+            placements.append(Placement("monolith", f"monolith-{i}", config.denoisers.capacity, pool_bytes, gpu, [],
+                                        simulated=simulated))
+    for role in ROLE_KEYS if not config.colocated else ():
         rc = config.role(role)
         pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, rc.capacity)
         gpus = rc.gpus if rc.gpus is not None else config.gpus

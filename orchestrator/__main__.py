@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from orchestrator.requests import STAGES
+from orchestrator.requests import ROLES
 from orchestrator.router import Router, RouterConfig
 from orchestrator.server import OrchestratorServer
 from transport.messages import BOOT_ERROR_EXIT
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-timeout", type=float, default=120.0)
     ap.add_argument("--max-retries", type=int, default=2)
     ap.add_argument("--max-queue", type=int, default=4096)
+    ap.add_argument("--colocated", action="store_true", help="route requests to monolithic instances")
     ap.add_argument("--dispatch", default="max-free-slots")
     ap.add_argument("--transfer", default="auto")
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         transfer=args.transfer,
         stall_timeout_s=args.stall_timeout,
         max_retries=args.max_retries,
-        max_queue={role: args.max_queue for role in STAGES},
+        max_queue={role: args.max_queue for role in ROLES},
+        colocated=args.colocated,
     )
     try:
         router = Router(config, now=time.monotonic())

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from orchestrator.requests import STAGES
+from orchestrator.requests import ROLES
 
 
 @dataclass
@@ -22,7 +22,9 @@ class RouterConfig:
     #: new attempts after an instance dies under a request; then the request fails
     max_retries: int = 2
     #: per role: a Submit is refused while that role's to-be-assigned queue is this long
-    max_queue: dict[str, int] = field(default_factory=lambda: {r: 4096 for r in STAGES})
+    max_queue: dict[str, int] = field(default_factory=lambda: {r: 4096 for r in ROLES})
+    #: colocated deployment: requests go to monolithic instances instead of the three pools
+    colocated: bool = False
 
 
 @dataclass

@@ -7,11 +7,21 @@ from dataclasses import dataclass, field
 from transport.messages import GenerationParams, Source
 
 STAGES = ("encoder", "denoiser", "decoder")
+#: a colocated instance runs all three stages of a request in one process
+MONOLITH = "monolith"
+#: every role the orchestrator queues for, in display order
+ROLES = STAGES + (MONOLITH,)
 
 
 def next_stage(role: str) -> str | None:
+    if role == MONOLITH:
+        return None
     i = STAGES.index(role)
     return STAGES[i + 1] if i + 1 < len(STAGES) else None
+
+
+def previous_stage(role: str) -> str | None:
+    return STAGES[STAGES.index(role) - 1] if role in STAGES[1:] else None
 
 
 @dataclass

@@ -15,7 +15,7 @@ import msgspec
 from orchestrator.dispatch import make_policy
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.registry import Instance, Registry
-from orchestrator.requests import STAGES, Request, next_stage
+from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, previous_stage
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
     Alive,
@@ -53,7 +53,8 @@ class Router:
         self.config = config or RouterConfig()
         self.registry = Registry()
         self.policy = make_policy(self.config.dispatch)
-        self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in STAGES}
+        self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in ROLES}
+        self.first_stage = MONOLITH if self.config.colocated else "encoder"
         self.requests: dict[str, Request] = {}
         self.stats = Stats()
         self.started_at = now
@@ -135,7 +136,7 @@ class Router:
         timeout = msg.timeout_s or self.config.request_timeout_s
         req = Request(id=msg.request_id, params=params, client=identity, submitted_at=now, deadline=now + timeout)
         self.requests[req.id] = req
-        self.enqueue(req, "encoder", now)
+        self.enqueue(req, self.first_stage, now)
 
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
@@ -217,8 +218,8 @@ class Router:
         # learnt from inputs that did fit: one that cannot must not block the instance for good
         inst.largest_input = max(inst.largest_input, req.source.slot.nbytes if req.source else 0)
         # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
-        previous = STAGES[STAGES.index(inst.role) - 1]
-        if f"staged_{previous}" in req.marks:
+        previous = previous_stage(inst.role)
+        if previous and f"staged_{previous}" in req.marks:
             req.timings[f"handoff_{inst.role}"] = round(now - req.marks[f"staged_{previous}"], 6)
         self.release_source(req, out)
 
@@ -229,9 +230,9 @@ class Router:
             return
         inst.completed += 1
         req.mark("done", now)
-        req.span("stage_decoder", "run_decoder", "done")
-        req.timings["compute_decoder"] = msg.compute_s
-        inst.record_stage_time(msg.compute_s + req.timings.get("fetch_decoder", 0.0))
+        req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
+        req.timings[f"compute_{inst.role}"] = msg.compute_s
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0))
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,
@@ -261,7 +262,7 @@ class Router:
     # --- loop phases ------------------------------------------------------------------------
 
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
-        for role in STAGES:
+        for role in ROLES:
             queue = self.queues[role]
             candidates = None
             while queue:
@@ -391,8 +392,8 @@ class Router:
         req.attempt += 1
         log.info("request %s: attempt %d (%s)", req.id, req.attempt, cause)
         producer = self.registry.get(req.source.slot.instance_id) if req.source else None
-        stage = req.stage if producer is not None and producer.state != "dead" else "encoder"
-        if stage == "encoder":
+        stage = req.stage if producer is not None and producer.state != "dead" else self.first_stage
+        if stage == self.first_stage:
             self.release_source(req, out)
         self.enqueue(req, stage, now, front=True)
 

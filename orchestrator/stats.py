@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import os
 
-from orchestrator.requests import STAGES
+from orchestrator.requests import ROLES
 from transport.messages import RequestCounts, StatusReport
 
 THROUGHPUT_WINDOW_S = 10.0
@@ -35,7 +35,7 @@ class Stats:
 
 def snapshot(router, now: float) -> StatusReport:
     """What `disagg status` shows, from a Router's state."""
-    instances = sorted(router.registry.by_id.values(), key=lambda i: (STAGES.index(i.role), i.id))
+    instances = sorted(router.registry.by_id.values(), key=lambda i: (ROLES.index(i.role), i.id))
     return StatusReport(
         orchestrator={
             "pid": os.getpid(),

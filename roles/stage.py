@@ -46,5 +46,7 @@ class Stage:
             return StageOutput(tensors=self.adapter.encode(p))
         if self.role == "denoiser":
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
+        if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
+            inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
         images = self.adapter.decode(inputs, p)
         return StageOutput(images=[encode_png(im) for im in images])

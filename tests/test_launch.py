@@ -135,3 +135,25 @@ def test_dashboard_renders_every_instance_and_events():
     assert "encoder-0 (encoder, pid 100, cpu) is ready" in events
     assert "denoiser-0 (denoiser, pid 100, cpu) is dead" in events
     assert any("4 completed, 1 failed" in e for e in events)
+
+
+def test_colocated_baseline_gives_the_same_pixels(tmp_path):
+    """`--colocated 1`: one process runs all three stages; the image equals diffusers' own."""
+    import numpy as np
+    import torch
+
+    from roles.pipelines.tiny import build_tiny_flux_pipeline
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text('{"prompt": "a red fox", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 5}')
+    out = tmp_path / "out"
+    res = disagg("launch", "--colocated", "1", "--submit", str(prompts), "--out", str(out),
+                 "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
+    assert logs == ["monolith-0", "orchestrator"]
+    [png] = out.glob("*.png")
+    got = np.asarray(Image.open(png).convert("RGB"), dtype=np.int16)
+    want = build_tiny_flux_pipeline()("a red fox", width=64, height=64, num_inference_steps=2,
+                                      generator=torch.Generator("cpu").manual_seed(5)).images[0]
+    assert np.abs(got - np.asarray(want, dtype=np.int16)).max() <= 1

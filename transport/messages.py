@@ -17,10 +17,10 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Largest total of the raw frames that may follow a message (images, inline tensors).
 MAX_FRAMES_BYTES = 512 * 1024 * 1024
 
-ROLES = ("encoder", "denoiser", "decoder")
+ROLES = ("encoder", "denoiser", "decoder", "monolith")
 STATES = ("starting", "ready", "draining", "dead")
 
-Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder)$")]
+Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
 Count = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]

@@ -28,6 +28,8 @@ class ModelSpec:
 
     def largest_payload(self, role: str, max_images: int = 1) -> int:
         """The most bytes a request moves into or out of `role` at the maximum size."""
+        if role not in ROLES:  # a monolithic instance stages nothing
+            return 0
         i = ROLES.index(role)
         sizes = [self.output_bytes(role, self.max_width, self.max_height, max_images)]
         if i > 0:
@@ -78,7 +80,7 @@ def load_adapter(model: str, role: str, device: str = "cpu"):
     if model == "tiny":
         from roles.pipelines.tiny import TinyFluxAdapter
 
-        return TinyFluxAdapter(role, device)
+        return TinyFluxAdapter("all" if role == "monolith" else role, device)
     from roles.pipelines.payload import PayloadAdapter
 
     return PayloadAdapter(role, device)
