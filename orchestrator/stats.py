@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import os
 
-from orchestrator.requests import ROLES
+from orchestrator.requests import ROLES, STAGES
 from transport.messages import RequestCounts, StatusReport
 
 THROUGHPUT_WINDOW_S = 10.0
@@ -46,7 +46,11 @@ def snapshot(router, now: float) -> StatusReport:
             "state": "draining" if (router.draining or router.stopping) else "ready",
         },
         instances=[i.status(now) for i in instances],
-        queues={role: sum(1 for rid in q if rid in router.requests) for role, q in router.queues.items()},
+        queues={
+            role: sum(1 for rid in q if rid in router.requests)
+            for role, q in router.queues.items()
+            if role in STAGES or router.config.colocated
+        },
         requests=RequestCounts(
             in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed
         ),
