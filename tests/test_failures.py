@@ -96,6 +96,7 @@ def test_kill_9_under_load_loses_nothing(deployment, role):
     # the killed instance comes back under its id, with a new pid, and registers again
     back = wait_until(lambda: (i := instance(deployment, iid)).state == "ready" and i.pid != old_pid and i, timeout=90)
     RECOVERY[role] = round(time.monotonic() - t_kill, 1)
+    RECOVERY[f"{role}_retried"] = sum(o.attempts > 1 for o in outcomes)
     assert back.restarts >= 1 and not pid_alive(old_pid)
     assert any(o.attempts > 1 for o in outcomes)  # the kill hit requests in flight, which were retried
 
@@ -205,6 +206,8 @@ def test_zz_kill_9_orchestrator(deployment):
     assert time.monotonic() - t_kill < 30  # an error, not a hang
     lost = [o for o in outcomes if not o.ok]
     assert all("orchestrator" in o.error for o in lost), [o.error for o in lost]
+    RECOVERY["orchestrator_requests_lost_with_error"] = f"{len(lost)}/{len(outcomes)}"
+    RECOVERY["orchestrator_error_after_s"] = round(max((o.latency_s for o in lost), default=0.0), 1)
     # a new orchestrator, the same role processes, all registered and ready again
     report = wait_until(lambda: (r := status(deployment)).orchestrator["pid"] != old.pid
                         and sum(i.state == "ready" for i in r.instances) == N_INSTANCES and r, timeout=60)
