@@ -265,7 +265,7 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
     if ctx.invoked_subcommand is not None:
         return
     from launcher.bench_load import run_load
-    from transport.messages import GenerationParams, MessageError, params_from_obj
+    from transport.messages import MessageError, params_from_obj
 
     if concurrency and request_rate:
         raise click.UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")

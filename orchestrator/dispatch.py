@@ -28,32 +28,35 @@ class RoundRobin:
         return None
 
 
-class MaxFreeSlots:
-    """The instance with the most free slots; ties rotate so equal instances share work."""
+class TieRotation:
+    """Picks among equally good instances in turn, so they share the work."""
 
     def __init__(self):
         self._turn: dict[str, int] = {}
+
+    def rotate(self, role: str, tied: list[Instance]) -> Instance:
+        turn = self._turn.get(role, 0)
+        self._turn[role] = turn + 1
+        return tied[turn % len(tied)]
+
+
+class MaxFreeSlots(TieRotation):
+    """The instance with the most free slots; ties rotate so equal instances share work."""
 
     def pick(self, role: str, instances: list[Instance]) -> Instance | None:
         ready = [i for i in instances if i.dispatchable]
         if not ready:
             return None
         most = max(i.free_slots for i in ready)
-        tied = [i for i in ready if i.free_slots == most]
-        turn = self._turn.get(role, 0)
-        self._turn[role] = turn + 1
-        return tied[turn % len(tied)]
+        return self.rotate(role, [i for i in ready if i.free_slots == most])
 
 
-class LeastWork:
+class LeastWork(TieRotation):
     """Earliest expected finish: (work it holds + this one) x its measured stage time / capacity.
 
     Instances without a measurement yet are tried first (their speed is unknown, and learning
     it is the only way to use them well); ties rotate.
     """
-
-    def __init__(self):
-        self._turn: dict[str, int] = {}
 
     def pick(self, role: str, instances: list[Instance]) -> Instance | None:
         ready = [i for i in instances if i.dispatchable]
@@ -64,10 +67,7 @@ class LeastWork:
             return (len(i.running) + 1) * i.stage_s_avg / i.capacity
 
         best = min(finish(i) for i in ready)
-        tied = [i for i in ready if finish(i) <= best * 1.0001]
-        turn = self._turn.get(role, 0)
-        self._turn[role] = turn + 1
-        return tied[turn % len(tied)]
+        return self.rotate(role, [i for i in ready if finish(i) <= best * 1.0001])
 
 
 POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}

@@ -18,26 +18,8 @@ from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, previous_stage
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
-    Alive,
-    Dead,
-    Done,
-    Failed,
-    Fetched,
-    Heartbeat,
-    Register,
-    Registered,
-    Rejected,
-    Release,
-    Result,
-    Run,
-    Shutdown,
-    Source,
-    Staged,
-    StatusQuery,
-    StatusReport,
-    Stop,
-    Stopping,
-    Submit,
+    Alive, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release, Result,
+    Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop, Stopping, Submit,
 )
 from transport.selection import choose_engine
 

@@ -10,7 +10,6 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from launcher.client import Client
 from launcher.dashboard import events_between, status_view
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
 from transport.shm import list_segments
