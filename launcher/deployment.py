@@ -55,8 +55,9 @@ class Deployment:
         def on_signal(signum, _frame):
             self.interrupted = True
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        # SIGHUP too: a closed terminal must still stop everything cleanly
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, on_signal)
 
     def start(self) -> None:
         """Spawn everything; return once every instance is ready. Raises BootError."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -19,6 +20,7 @@ from transport.messages import (
     MessageError,
     Rejected,
     RoleMessage,
+    Stop,
     decode,
     encode,
 )
@@ -72,6 +74,7 @@ class OrchestratorServer:
         poller.register(self.backend, zmq.POLLIN)
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
+        parent = os.getppid()
         while not self._stop_requested:
             events = dict(poller.poll(TICK_S * 1000))
             if self.backend in events:
@@ -82,6 +85,9 @@ class OrchestratorServer:
             if now >= next_tick:
                 self.send(self.router.tick(now))
                 next_tick = now + TICK_S
+                if os.getppid() != parent:  # the launcher was killed: do not linger as an orphan
+                    log.warning("launcher is gone; stopping the roles and exiting")
+                    self.send(self.router.handle_client(b"", Stop(), [], now))
             if self.router.stopping:
                 break
         if self.router.stopping:
