@@ -1,6 +1,6 @@
 """The compute side of a role: pull inputs, run the stage, stage outputs; runs on executor threads.
 
-It owns the pool's lock and the transfer engines; it talks to the socket loop only through the
+It owns the staged-output bookkeeping and the transfer engines; it talks to the socket loop only through the
 `report` callable, so it can be driven without any socket.
 """
 
@@ -30,7 +30,7 @@ class StageRunner:
         self.engines = engines
         self.report = report
         self.stage: Stage | None = None
-        self.lock = threading.Lock()  # the allocator is shared by executor threads and the loop
+        self.lock = threading.Lock()  # guards `staged`: executor threads add, the loop releases
         #: grows with every stage start, step and end: the orchestrator's stall detector reads it
         self.progress = 0
         #: request id -> attempt of what is computing now
@@ -67,8 +67,7 @@ class StageRunner:
             inputs = {}
             if run.source is not None:
                 nbytes = run.source.slot.nbytes
-                with self.lock:
-                    local_slot = self.pool.alloc(nbytes)
+                local_slot = self.pool.alloc(nbytes)
                 dst = self.pool.view(local_slot, nbytes)
                 engine = self.engines.get(run.source.engine)
                 if engine is None:
@@ -84,8 +83,8 @@ class StageRunner:
                             image_format=out.image_format, compute_s=compute_s)
                 self.report(done, out.images)
             else:
+                slot = self.pool.stage(self.instance_id, out.tensors)
                 with self.lock:
-                    slot = self.pool.stage(self.instance_id, out.tensors)
                     self.staged.add(slot.offset)
                 extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s), extra)
@@ -98,8 +97,7 @@ class StageRunner:
                                error=f"{type(exc).__name__}: {exc}", retryable=retryable))
         finally:
             if local_slot is not None:
-                with self.lock:
-                    self.pool.free(local_slot)
+                self.pool.free(local_slot)
             self.busy.pop(run.request_id, None)
             self.tick()
             self.report(None)

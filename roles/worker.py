@@ -98,7 +98,6 @@ class Worker:
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
         self.ready = False
-        self.registered = False
         self.orchestrator_id = ""
         self.stop = False
         self.parent_pid = os.getppid()
@@ -146,7 +145,6 @@ class Worker:
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
         apply_client_curve(self.sock, self.curve)
         self.sock.connect(self.spec.endpoint)
-        self.registered = False
         self.register()
 
     def register(self) -> None:
@@ -270,7 +268,6 @@ class Worker:
             freed = self.runner.release_all()
             self.log.warning("orchestrator restarted; freed %d staged outputs", freed)
         self.orchestrator_id = msg.orchestrator_id
-        self.registered = True
         self.backoff_s = HEARTBEAT_INTERVAL_S
         self.log.info("registered, session %d", msg.session)
 
@@ -282,7 +279,6 @@ class Worker:
     def handle_rejected(self, msg: Rejected, frames) -> None:
         self.log.warning("orchestrator rejected a message: %s", msg.reason)
         if "register" in msg.reason:
-            self.registered = False
             self.register()
 
     def handle_run(self, msg: Run, frames) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 
 import torch
 
@@ -27,6 +28,9 @@ class Pool:
         self.nbytes = nbytes
         self.allocator = SlotAllocator(nbytes)
         self.buffer: torch.Tensor | None = None
+        # guards the allocator only: copies into slots run unlocked, so a Release handled on a
+        # role's loop thread never waits behind another thread's multi-MiB copy
+        self._lock = threading.Lock()
 
     @property
     def free_bytes(self) -> int:
@@ -38,10 +42,12 @@ class Pool:
                 f"a payload of {nbytes} bytes does not fit the {self.nbytes}-byte pool of this instance "
                 f"(raise pool_mib for its role)"
             )
-        return self.allocator.alloc(nbytes)
+        with self._lock:
+            return self.allocator.alloc(nbytes)
 
     def free(self, offset: int) -> None:
-        self.allocator.free(offset)
+        with self._lock:
+            self.allocator.free(offset)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
