@@ -12,8 +12,13 @@ from launcher.client import Client, Outcome
 from transport.messages import GenerationParams
 
 
+EXTENSIONS = {"jpeg": "jpg"}
+
+
 def save_images(outcome: Outcome, out_dir: Path) -> list[Path]:
-    ext = outcome.image_format.lower()
+    """One file per image (or video), named by request id, with the extension of its format."""
+    fmt = outcome.image_format.lower()
+    ext = EXTENSIONS.get(fmt, fmt)
     paths = []
     for k, data in enumerate(outcome.images):
         suffix = "" if len(outcome.images) == 1 else f"_{k}"

@@ -81,11 +81,13 @@ def cli(verbose: bool) -> None:
 
 @cli.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in tiny deployment, as in configs/tiny.yaml).")
-@click.option("--model", help="Model to serve: 'tiny' (embedded default).")
+@click.option("--model", help="Model to serve: 'tiny' (embedded default), a diffusers checkpoint (local folder or Hugging Face id: Flux, SD3, SDXL, Wan 2.1/2.2) or sim:PROFILE.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Checkpoint weights' dtype (default auto: bf16 on a GPU, fp32 on the CPU).")
 @click.option("-e", "--encoders", type=click.IntRange(1, 256), help="Number of encoder instances.")
 @click.option("-d", "--denoisers", type=click.IntRange(1, 256), help="Number of denoiser instances.")
 @click.option("-k", "--decoders", type=click.IntRange(1, 256), help="Number of decoder instances.")
 @click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
+@click.option("--max-batch", type=click.IntRange(1, 256), help="Denoisers: requests of one shape sharing each forward, joining at step boundaries (continuous batching; default 1).")
 @click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
 @click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
 @click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
@@ -105,7 +107,7 @@ def cli(verbose: bool) -> None:
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
-def launch(config_path, model, encoders, denoisers, decoders, capacity, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir,
            run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -117,7 +119,7 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, colocate
         config = load_config(config_path)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--config") from None
-    for key, value in (("model", model), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
+    for key, value in (("model", model), ("dtype", dtype), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
@@ -132,6 +134,8 @@ def launch(config_path, model, encoders, denoisers, decoders, capacity, colocate
         if min(caps) < 1:
             raise click.BadParameter("every capacity must be at least 1", param_hint="--capacity")
         config.encoders.capacity, config.denoisers.capacity, config.decoders.capacity = caps
+    if max_batch is not None:
+        config.denoisers.max_batch = max_batch
     gpu_list = _int_list(gpus, "--gpus")
     if gpu_list is not None:
         config.gpus = gpu_list

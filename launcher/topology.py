@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -29,12 +29,17 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: None: sized from the model's largest payload (see default_pool_bytes)
     pool_mib: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
     gpus: list[Annotated[int, Meta(ge=0)]] | None = None
+    #: denoisers only: requests of one shape that share a forward, joining at step boundaries
+    #: (continuous batching); capacity is raised to at least this
+    max_batch: Annotated[int, Meta(ge=1, le=256)] = 1
 
 
 class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `disagg launch` needs; configs/tiny.yaml holds these defaults, commented."""
 
     model: str = "tiny"
+    #: checkpoints: auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16 or float16
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65534)] = 5555
     transfer: str = "auto"
@@ -57,6 +62,9 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: > 0: the colocated baseline instead: this many monolithic instances, each running all
     #: three stages in one process (capacity from denoisers, devices from `gpus`)
     colocated: Annotated[int, Meta(ge=0, le=256)] = 0
+    #: sim models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for
+    #: one denoiser three times slower than the others (dispatch policy experiments)
+    sim_slowdown: dict[str, Annotated[float, Meta(gt=0)]] = {}
 
     def role(self, role: str) -> RoleConfig:
         return getattr(self, ROLE_KEYS[role])
@@ -108,6 +116,13 @@ def validate(config: DeploymentConfig) -> None:
     for role in ROLE_KEYS:
         if config.role(role).count < 1:
             raise ConfigError(f"{ROLE_KEYS[role]}.count must be at least 1")
+        if role != "denoiser" and config.role(role).max_batch > 1:
+            raise ConfigError(f"{ROLE_KEYS[role]}.max_batch: only denoisers batch")
+    if config.sim_slowdown and not config.model.startswith("sim:"):
+        raise ConfigError("sim_slowdown applies to sim: models only")
+    if config.denoisers.max_batch > 1 and not model_spec(config.model).step_batching:
+        raise ConfigError(f"denoisers.max_batch {config.denoisers.max_batch}: model {config.model!r} cannot batch "
+                          "denoising steps; use max_batch 1")
 
 
 @dataclass
@@ -121,6 +136,7 @@ class Placement:
     gpu: int | None
     cpus: list[int]
     threads: int = 1  # torch compute threads
+    max_batch: int = 1
 
     simulated: bool = False  # a sim: model: the "GPU" is a simulated device on the CPU
 
@@ -157,12 +173,13 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
                                         simulated=simulated))
     for role in ROLE_KEYS if not config.colocated else ():
         rc = config.role(role)
-        pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, rc.capacity)
+        capacity = max(rc.capacity, rc.max_batch)
+        pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, capacity)
         gpus = rc.gpus if rc.gpus is not None else config.gpus
         for i in range(rc.count):
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
-            placements.append(Placement(role, f"{role}-{i}", rc.capacity, pool_bytes, gpu, [],
-                                        simulated=config.model.startswith("sim:")))
+            placements.append(Placement(role, f"{role}-{i}", capacity, pool_bytes, gpu, [],
+                                        simulated=simulated, max_batch=rc.max_batch))
     # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
     # Spread: with more CPUs than instances each gets its own equal share; with fewer, pinning
     # one instance per CPU would stack several on one CPU while another idles, so each may run

@@ -38,6 +38,8 @@ class Instance:
     #: moving average of its stage time (the least-work policy's estimate)
     stage_s_avg: float = 0.0
     restarts: int = 0
+    max_batch: int = 1
+    components: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -57,10 +59,17 @@ class Instance:
             pool_free_bytes=msg.pool.pool_bytes,
             progress_at=now,
             restarts=msg.restarts,
+            max_batch=msg.max_batch,
         )
 
-    def record_stage_time(self, seconds: float) -> None:
-        self.busy_s += seconds
+    def record_stage_time(self, seconds: float, device_s: float | None = None) -> None:
+        """`device_s`: the request's share of a batched forward; it then counts as busy time, and
+        x capacity as the stage time, since requests in a batch finish together rather than side by side."""
+        if device_s is not None:
+            self.busy_s += device_s
+            seconds = device_s * self.capacity
+        else:
+            self.busy_s += seconds
         self.stage_s_avg = seconds if not self.stage_s_avg else 0.8 * self.stage_s_avg + 0.2 * seconds
 
     @property
@@ -100,6 +109,8 @@ class Instance:
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             restarts=self.restarts,
             busy_s=round(self.busy_s, 6),
+            max_batch=self.max_batch,
+            components=self.components,
         )
 
 

@@ -161,6 +161,8 @@ class Router:
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
         inst.pool_free_bytes = msg.pool_free_bytes
+        if msg.components:
+            inst.components = msg.components
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
@@ -186,7 +188,7 @@ class Router:
         req.mark(f"staged_{role}", now)
         req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
         req.timings[f"compute_{role}"] = msg.compute_s
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0))
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -214,7 +216,7 @@ class Router:
         req.mark("done", now)
         req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
         req.timings[f"compute_{inst.role}"] = msg.compute_s
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0))
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,
@@ -254,11 +256,25 @@ class Router:
                     continue
                 if candidates is None:
                     candidates = self.registry.of_role(role)
-                inst = self.policy.pick(role, candidates)
+                inst = None
+                if role == "denoiser" and any(i.max_batch > 1 for i in candidates):
+                    # batches hold one shape: an instance whose batch this request can join comes first
+                    inst = self.policy.pick(role, [i for i in candidates if self.can_join(i, req)])
+                if inst is None:
+                    inst = self.policy.pick(role, candidates)
                 if inst is None:
                     break
                 queue.popleft()
                 self.assign(req, inst, now, out)
+
+    def can_join(self, inst: Instance, req: Request) -> bool:
+        """Whether `req` would join `inst`'s running batch (or start one) rather than wait behind another shape."""
+        key = (req.params.width, req.params.height)
+        for rid in inst.running:
+            other = self.requests.get(rid)
+            if other is not None and (other.params.width, other.params.height) != key:
+                return False
+        return True
 
     def expire_instances(self, now: float, out: list[Out]) -> None:
         for inst in self.registry.alive():

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         from roles.stage import Stage
 
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
-        return Stage(spec.role, load_adapter(spec.model, spec.role, spec.device))
+        return Stage(spec.role, load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown), spec.max_batch)
 
     from transport.engines import EngineUnavailable
 

@@ -21,6 +21,39 @@ from transport.pool import Pool
 log = logging.getLogger("disagg.role")
 
 
+class BusyMeter:
+    """Splits an instance's busy time among the requests it works on at once.
+
+    A virtual clock advances by dt / n while n requests are in progress; a request's share is how
+    far it advanced between its start and end. The shares sum to the time the instance had any work,
+    so utilization stays a fraction even with several requests in flight on one device."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._last = time.perf_counter()
+        self._virtual = 0.0
+
+    def _advance(self) -> float:
+        now = time.perf_counter()
+        if self._active:
+            self._virtual += (now - self._last) / self._active
+        self._last = now
+        return self._virtual
+
+    def enter(self) -> float:
+        with self._lock:
+            start = self._advance()
+            self._active += 1
+            return start
+
+    def leave(self, start: float) -> float:
+        with self._lock:
+            share = self._advance() - start
+            self._active -= 1
+            return share
+
+
 class StageRunner:
     """Runs Run messages against a Stage, a Pool and the transfer engines."""
 
@@ -37,6 +70,7 @@ class StageRunner:
         self.busy: dict[str, int] = {}
         #: offsets of outputs staged here and not yet released
         self.staged: set[int] = set()
+        self.meter = BusyMeter()
 
     def tick(self, *_args) -> None:
         self.progress += 1
@@ -63,6 +97,7 @@ class StageRunner:
         self.busy[run.request_id] = run.attempt
         self.tick()
         local_slot = None
+        busy_from = self.meter.enter()
         try:
             inputs = {}
             if run.source is not None:
@@ -78,16 +113,21 @@ class StageRunner:
             t0 = time.perf_counter()
             out = self.stage.run(run.params, inputs, self.tick)
             compute_s = time.perf_counter() - t0
+            # a batched forward knows each request's share itself; else the meter splits the busy time
+            share = self.meter.leave(busy_from)
+            busy_from = None
+            device_s = out.device_s if out.device_s is not None else share
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
-                            image_format=out.image_format, compute_s=compute_s)
+                            image_format=out.image_format, compute_s=compute_s, device_s=device_s)
                 self.report(done, out.images)
             else:
                 slot = self.pool.stage(self.instance_id, out.tensors)
                 with self.lock:
                     self.staged.add(slot.offset)
                 extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
-                self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s), extra)
+                self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
+                                   device_s=device_s), extra)
         except Exception as exc:  # a request error: report it and keep serving
             # a dead peer or a momentarily full pool may go better on another try; a model error not
             retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
@@ -96,6 +136,8 @@ class StageRunner:
             self.report(Failed(request_id=run.request_id, attempt=run.attempt,
                                error=f"{type(exc).__name__}: {exc}", retryable=retryable))
         finally:
+            if busy_from is not None:
+                self.meter.leave(busy_from)
             if local_slot is not None:
                 self.pool.free(local_slot)
             self.busy.pop(run.request_id, None)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
+from roles.media import check_format, encode_image, encode_mp4
 from transport.messages import GenerationParams
 
 
@@ -18,6 +18,8 @@ class StageOutput:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     images: list[bytes] = field(default_factory=list)
     image_format: str = "png"
+    #: this request's share of device seconds when it shared a batched forward (None: compute time)
+    device_s: float | None = None
 
 
 def params_dict(params: GenerationParams) -> dict:
@@ -25,28 +27,37 @@ def params_dict(params: GenerationParams) -> dict:
     return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
 
 
-def encode_png(image) -> bytes:
-    buf = io.BytesIO()
-    # PNG is lossless; level 1 keeps the decoder's CPU time on compute, not compression
-    image.save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
 class Stage:
     """Runs one role's part of the pipeline through a model adapter."""
 
-    def __init__(self, role: str, adapter):
+    def __init__(self, role: str, adapter, max_batch: int = 1):
         self.role = role
         self.adapter = adapter
+        self.batcher = None
+        if role == "denoiser" and max_batch > 1:
+            if not hasattr(adapter, "denoise_steps"):
+                raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
+            from roles.batcher import StepBatcher
+
+            self.batcher = StepBatcher(adapter, max_batch)
 
     def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         """`progress()` is called at each denoising step, so a live role is told from a hung one."""
         p = {**self.adapter.defaults(), **params_dict(params)}
+        # every role checks, so a format the model cannot make fails before any compute
+        fmt = check_format(params.response_format, getattr(self.adapter, "video", False))
         if self.role == "encoder":
             return StageOutput(tensors=self.adapter.encode(p))
         if self.role == "denoiser":
+            if self.batcher is not None:
+                tensors, device_s = self.batcher.denoise(inputs, p, progress)
+                return StageOutput(tensors=tensors, device_s=device_s)
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
             inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
-        images = self.adapter.decode(inputs, p)
-        return StageOutput(images=[encode_png(im) for im in images])
+        outputs = self.adapter.decode(inputs, p)
+        if fmt == "mp4":  # one list of frames per video
+            return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt)
+        if getattr(self.adapter, "video", False):  # lossless frames: each video's frames in order
+            outputs = [frame for frames in outputs for frame in frames]
+        return StageOutput(images=[encode_image(im, fmt) for im in outputs], image_format=fmt)

@@ -59,6 +59,8 @@ class WorkerSpec:
     model: str = "tiny"
     device: str = "cpu"
     capacity: int = 1
+    #: denoisers: requests of one shape sharing each forward (roles/batcher.py)
+    max_batch: int = 1
     pool_bytes: int = 64 * 1024 * 1024
     pool_name: str = ""
     host_id: str = ""
@@ -73,6 +75,10 @@ class WorkerSpec:
     #: silence after which we give up and exit (the launcher, if alive, restarts us)
     orphan_grace_s: float = 600.0
     restarts: int = 0
+    #: checkpoints: float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on the CPU)
+    dtype: str = "auto"
+    #: sim models: this instance's simulated times are multiplied by this (a slower device)
+    sim_slowdown: float = 1.0
     #: CurveZMQ keys directory (disagg keys generate); empty = no authentication
     keys_dir: str = ""
 
@@ -98,6 +104,7 @@ class Worker:
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
         self.ready = False
+        self.components: dict[str, int] = {}
         self.orchestrator_id = ""
         self.stop = False
         self.parent_pid = os.getppid()
@@ -156,6 +163,7 @@ class Worker:
                 host_id=self.spec.host_id,
                 device=self.spec.device,
                 capacity=self.spec.capacity,
+                max_batch=self.spec.max_batch,
                 pool=self.pool_info(),
                 ready=self.ready,
                 busy=dict(self.runner.busy),
@@ -171,13 +179,16 @@ class Worker:
                 in_flight=self.in_flight,
                 pool_free_bytes=self.pool.free_bytes,
                 progress=self.runner.progress,
+                components=self.components,
             )
         )
 
     def boot(self) -> None:
         """Load the model off the loop thread, so heartbeats go on while it loads."""
         try:
-            self.runner.stage = self.load_stage()
+            stage = self.load_stage()
+            self.components = stage.adapter.components_loaded()
+            self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process
             self.log.exception("cannot load the model")
             self.report(None, [f"{type(exc).__name__}: {exc}".encode()], kind=b"boot-failed")

@@ -475,3 +475,36 @@ def test_least_work_avoids_the_slow_instance():
     assert pol.pick("denoiser", [fast, slow]).id == "d-slow"
     unknown = Instance("d-new", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=4)
     assert pol.pick("denoiser", [fast, slow, unknown]).id == "d-new"
+
+
+def test_batching_denoisers_get_requests_whose_shape_joins_their_batch():
+    h = Harness()
+    [enc] = h.add("encoder", capacity=8)
+    dens = []
+    for _ in range(2):
+        iid = f"denoiser-{len(dens)}"
+        pool = PoolInfo(host_id="h", engines=["shm"], pool_name=f"p-{iid}", pool_bytes=1 << 20)
+        h.role(iid, Register(role="denoiser", instance_id=iid, pid=1, host_id="h", device="cpu", capacity=4,
+                             max_batch=4, pool=pool))
+        h.role(iid, Heartbeat(instance_id=iid, ready=True))
+        dens.append(iid)
+    h.add("decoder")
+    assert h.router.registry.get(dens[0]).status(h.now).max_batch == 4
+    sizes = [256, 512, 256, 256, 512]
+    for k, size in enumerate(sizes):
+        h.submit(f"r{k}", width=size, height=size)
+    placed = {}
+    for k in range(len(sizes)):
+        [(den, run)] = runs(h.role(enc, staged(enc, f"r{k}", offset=k * 256)))
+        placed[f"r{k}"] = den
+    # r0 (256) and r1 (512) start batches on the two idle denoisers; later requests follow their shape
+    assert placed["r0"] != placed["r1"]
+    assert placed["r2"] == placed["r3"] == placed["r0"] and placed["r4"] == placed["r1"]
+
+
+def test_batched_results_count_their_device_share_as_busy_time():
+    inst = Instance("d", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=4, max_batch=4)
+    inst.record_stage_time(0.8, device_s=0.2)  # four requests shared 0.8 s of steps
+    assert inst.busy_s == pytest.approx(0.2) and inst.stage_s_avg == pytest.approx(0.8)
+    inst.record_stage_time(0.5)
+    assert inst.busy_s == pytest.approx(0.7)

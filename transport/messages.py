@@ -7,7 +7,7 @@ neither run code here nor smuggle in a malformed message.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -43,7 +43,13 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     num_inference_steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
     guidance_scale: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    #: images (videos, for a video model) per prompt
     num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1
+    #: video models: frames per video
+    num_frames: Annotated[int, Meta(ge=1, le=1024)] | None = None
+    #: png, jpeg or webp for images; mp4 for video, or png for its frames one by one (lossless);
+    #: None = png, or mp4 for a video model
+    response_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
 
 
 # --- data plane descriptors ---------------------------------------------------------------
@@ -170,6 +176,10 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     restarts: int = 0
     #: seconds spent computing (fetch + stage) since registration, for utilization
     busy_s: float = 0.0
+    #: requests that may share one forward (continuous batching); 1 = no batching
+    max_batch: int = 1
+    #: model components this instance loaded -> parameters (0: tokenizer, scheduler)
+    components: dict[str, int] = {}
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -212,6 +222,8 @@ class Register(_Msg, tag="register", kw_only=True):
     host_id: Annotated[str, Meta(max_length=256)]
     device: Annotated[str, Meta(max_length=64)]
     capacity: Annotated[int, Meta(ge=1, le=4096)]
+    #: requests that may share one batched forward (denoisers with continuous batching)
+    max_batch: Annotated[int, Meta(ge=1, le=4096)] = 1
     pool: PoolInfo
     ready: bool = False
     #: work still computing from before this registration: request id -> attempt
@@ -238,6 +250,8 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     pool_free_bytes: Count = 0
     #: grows while the role makes progress (stages started and finished, denoising steps)
     progress: Count = 0
+    #: once loaded: parameters held per model component (the role loads only its own)
+    components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
@@ -272,6 +286,8 @@ class Staged(_Msg, tag="staged", kw_only=True):
     attempt: Count
     slot: SlotRef
     compute_s: Seconds = 0.0
+    #: its share of the instance's device time when it shared a batched forward; None = compute_s
+    device_s: Seconds | None = None
 
 
 class Release(_Msg, tag="release", kw_only=True):
@@ -289,6 +305,8 @@ class Done(_Msg, tag="done", kw_only=True):
     num_images: Count
     image_format: str = "png"
     compute_s: Seconds = 0.0
+    #: as in Staged
+    device_s: Seconds | None = None
 
 
 class Failed(_Msg, tag="failed", kw_only=True):

@@ -25,6 +25,10 @@ class ModelSpec:
     max_height: int
     #: bytes of what `role` stages for the next role, for one request of this size
     output_bytes: Callable[[str, int, int, int], int]
+    #: its denoiser can run requests in a batch that they join at step boundaries (max_batch > 1)
+    step_batching: bool = False
+    #: a diffusers checkpoint's family (flux, sd3, sdxl, wan); empty for built-in models
+    family: str = ""
 
     def largest_payload(self, role: str, max_images: int = 1) -> int:
         """The most bytes a request moves into or out of `role` at the maximum size."""
@@ -49,6 +53,14 @@ def _payload_bytes(role: str, width: int, height: int, n: int) -> int:
     return width * height * 4 if role == "encoder" else (64 if role == "denoiser" else 0)
 
 
+#: family -> (module, class) of its adapter
+FAMILY_ADAPTERS = {
+    "flux": ("roles.pipelines.flux", "FluxAdapter"),
+    "sd3": ("roles.pipelines.sd3", "SD3Adapter"),
+    "sdxl": ("roles.pipelines.sdxl", "SDXLAdapter"),
+    "wan": ("roles.pipelines.wan", "WanAdapter"),
+}
+
 SPECS = {
     "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes),
     "payload": ModelSpec("payload", 4096, 2048, _payload_bytes),
@@ -63,20 +75,34 @@ def model_spec(model: str) -> ModelSpec:
             profile = load_profile(model[4:])
         except ValueError as exc:
             raise ModelError(str(exc)) from None
-        return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n))
-    try:
+        return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n), step_batching=True)
+    if model in SPECS:
         return SPECS[model]
-    except KeyError:
-        raise ModelError(f"unknown model {model!r}: this version serves {', '.join(SPECS)}, sim:PROFILE") from None
+    from roles.pipelines.checkpoint import MAX_SIZE, CheckpointError, load_checkpoint, output_bytes
+
+    try:
+        ck = load_checkpoint(model)
+    except CheckpointError as exc:
+        raise ModelError(f"{exc}; built in: {', '.join(SPECS)}, sim:PROFILE") from None
+    width, height = MAX_SIZE[ck.family]
+    return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family)
 
 
-def load_adapter(model: str, role: str, device: str = "cpu"):
-    """The adapter for `model`, holding only `role`'s components, on `device`."""
-    model_spec(model)
+def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):
+    """The adapter for `model`, holding only `role`'s components, on `device`.
+
+    `dtype`: checkpoints only (auto = bf16 on a GPU, fp32 on the CPU); `sim_slowdown`: sim models
+    only, every simulated time of this instance is multiplied by it."""
+    spec = model_spec(model)
+    if spec.family:
+        import importlib
+
+        module, cls = FAMILY_ADAPTERS[spec.family]
+        return getattr(importlib.import_module(module), cls)(model, role, device, dtype)
     if model.startswith("sim:"):
         from roles.pipelines.sim import SimAdapter
 
-        return SimAdapter(model[4:], role, device)
+        return SimAdapter(model[4:], role, device, slowdown=sim_slowdown)
     if model == "tiny":
         from roles.pipelines.tiny import TinyFluxAdapter
 

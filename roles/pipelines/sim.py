@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from contextlib import contextmanager
 
@@ -18,14 +19,28 @@ from PIL import Image
 from roles.pipelines.sim_profile import load_profile
 
 
+class _SimState:
+    """One request in a simulated batch."""
+
+    def __init__(self, params: dict, steps: int):
+        self.params = params
+        self.steps_left = steps
+
+    @property
+    def done(self) -> bool:
+        return self.steps_left <= 0
+
+
 class SimAdapter:
     """Sleeps for each stage's simulated time; emits zero tensors of the real payload size."""
 
-    def __init__(self, profile: str, role: str, device: str = "cpu"):
+    def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0):
         self.profile = load_profile(profile)
+        self.slowdown = slowdown
         self.role = role
         self._zeros = torch.zeros(0)
         self._lock_fd = None
+        self._thread_turn = threading.Lock()
         if device.startswith("sim:"):
             run = os.environ.get("DISAGG_RUN_ID", "local")
             path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
@@ -40,16 +55,18 @@ class SimAdapter:
         if self._lock_fd is None:
             yield
             return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        # flock excludes other processes only (threads share the open file), so threads take turns first
+        with self._thread_turn:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _busy(self, ms: float) -> None:
         if ms > 0:
             with self.device_turn():
-                time.sleep(ms / 1000)
+                time.sleep(ms * self.slowdown / 1000)
 
     def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
         n = max(self.profile.payload(role, p["width"] * p["height"], p["num_images_per_prompt"]), 64) // 4
@@ -71,6 +88,28 @@ class SimAdapter:
             if progress:
                 progress()
         return self._tensor("denoiser", p)
+
+    # --- step-level batching (roles/batcher.py) ---
+
+    @staticmethod
+    def batch_key(p: dict):
+        return (p["width"], p["height"])
+
+    def denoise_start(self, inputs, p: dict) -> "_SimState":
+        self._busy(self.profile.denoiser.fixed_ms(p["width"] * p["height"]))
+        return _SimState(p, p["num_inference_steps"])
+
+    def denoise_steps(self, states: list["_SimState"]) -> None:
+        p = states[0].params
+        pixels = p["width"] * p["height"]
+        cost = self.profile.denoiser
+        rows = sum(s.params["num_images_per_prompt"] for s in states)
+        self._busy(cost.step_ms(pixels) * cost.batch_factor(pixels, rows))
+        for s in states:
+            s.steps_left -= 1
+
+    def denoise_result(self, state: "_SimState") -> dict[str, torch.Tensor]:
+        return self._tensor("denoiser", state.params)
 
     def decode(self, inputs, p: dict) -> list[Image.Image]:
         self._busy(self.profile.decoder.fixed_ms(p["width"] * p["height"]))

@@ -27,6 +27,18 @@ class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def fixed_ms(self, pixels: int) -> float:
         return self.base_ms + self.per_pixel_ms * pixels
 
+    def batch_factor(self, pixels: int, size: int) -> float:
+        """Step time at batch `size` / step time at batch 1, from the curve of the nearest resolution:
+        linear between measured sizes and beyond the largest; no curve = no gain (factor = size)."""
+        if size <= 1 or not self.batch:
+            return float(max(size, 1))
+        curve = sorted({1: 1.0, **self.batch[min(self.batch, key=lambda px: abs(px - pixels))]}.items())
+        for (b0, f0), (b1, f1) in zip(curve, curve[1:]):
+            if size <= b1:
+                return f0 + (f1 - f0) * (size - b0) / (b1 - b0)
+        (b0, f0), (b1, f1) = curve[-2], curve[-1]
+        return f1 + (f1 - f0) / (b1 - b0) * (size - b1)
+
 
 class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One simulated model: a cost per stage."""

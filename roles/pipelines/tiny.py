@@ -7,8 +7,9 @@ import string
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
-from PIL import Image
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+from roles.pipelines.flux import T5_MAX_LENGTH, FluxSplit
 
 # Seeds are per component so that a process building only one component gets the same weights as one building all.
 COMPONENT_SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "transformer": 3, "vae": 4}
@@ -25,7 +26,6 @@ _WORDS = ("a the an of and in on with at cat dog man woman car tree house sky su
 _CHARS = string.ascii_lowercase + string.digits + ".,!?'-"
 
 CLIP_MAX_LENGTH = 77
-T5_MAX_LENGTH = 512
 HIDDEN = 32  # shared width: CLIP pooled dim == pooled_projection_dim, T5 d_model == joint_attention_dim
 
 TRANSFORMER_CONFIG = dict(
@@ -133,20 +133,8 @@ def build_tiny_flux_pipeline(device: str = "cpu") -> FluxPipeline:
     return _pipeline(ROLE_COMPONENTS["all"], device)
 
 
-def _step_callback(progress):
-    """A diffusers step-end callback that reports progress (the stall detector's heartbeat)."""
-    if progress is None:
-        return None
-
-    def on_step_end(pipe, step, timestep, kwargs):
-        progress()
-        return kwargs
-
-    return on_step_end
-
-
-class TinyFluxAdapter:
-    """Runs one stage (or all) of the tiny FluxPipeline on plain dicts of tensors."""
+class TinyFluxAdapter(FluxSplit):
+    """Runs one stage (or all) of the tiny FluxPipeline built in memory."""
 
     def __init__(self, role: str, device: str = "cpu"):
         if role not in ROLE_COMPONENTS:
@@ -159,47 +147,6 @@ class TinyFluxAdapter:
     def defaults() -> dict:
         return dict(width=128, height=128, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1,
                     negative_prompt=None, seed=0)
-
-    def _params(self, params: dict) -> dict:
-        # negative_prompt is accepted but unused: Flux only applies it when true_cfg_scale > 1.
-        return {**self.defaults(), **params}
-
-    def encode(self, params: dict) -> dict[str, torch.Tensor]:
-        p = self._params(params)
-        with torch.inference_mode():
-            # One copy per prompt; denoise repeats for num_images_per_prompt, keeping the transfer small.
-            embeds, pooled, _ = self.pipe.encode_prompt(
-                prompt=p["prompt"], prompt_2=None, device=self.device, num_images_per_prompt=1,
-                max_sequence_length=T5_MAX_LENGTH,
-            )
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def denoise(self, inputs: dict[str, torch.Tensor], params: dict, progress=None) -> dict[str, torch.Tensor]:
-        p = self._params(params)
-        n = p["num_images_per_prompt"]
-        # encode_prompt does not repeat precomputed embeds; batch-1 embeds would silently broadcast in the
-        # transformer (~3e-7 off, not bit-exact), so expand exactly as encode_prompt would (copies adjacent).
-        embeds = inputs["prompt_embeds"].to(self.device).repeat_interleave(n, dim=0)
-        pooled = inputs["pooled_prompt_embeds"].to(self.device).repeat_interleave(n, dim=0)
-        with torch.inference_mode():
-            latents = self.pipe(
-                prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=p["height"], width=p["width"],
-                num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
-                num_images_per_prompt=1, generator=torch.Generator("cpu").manual_seed(p["seed"]),
-                output_type="latent", callback_on_step_end=_step_callback(progress),
-            ).images
-        return {"latents": latents}
-
-    def decode(self, inputs: dict[str, torch.Tensor], params: dict) -> list[Image.Image]:
-        p = self._params(params)
-        pipe = self.pipe
-        # Mirrors the output_type="pil" tail of FluxPipeline.__call__.
-        with torch.inference_mode():
-            latents = pipe._unpack_latents(inputs["latents"].to(self.device), p["height"], p["width"],
-                                           pipe.vae_scale_factor)
-            latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-            image = pipe.vae.decode(latents, return_dict=False)[0]
-            return pipe.image_processor.postprocess(image, output_type="pil")
 
     def components_loaded(self) -> dict[str, int]:
         out = {}

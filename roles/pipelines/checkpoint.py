@@ -1,0 +1,143 @@
+"""Diffusers checkpoints (a local folder or a Hugging Face id): family detection and sizes, torch-free.
+
+The launcher calls this before starting any role, so a checkpoint we cannot serve fails at once,
+naming the pipeline class it found, and pools are sized from the configs without loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+#: diffusers pipeline class -> our family name
+FAMILIES = {
+    "FluxPipeline": "flux",
+    "StableDiffusion3Pipeline": "sd3",
+    "StableDiffusionXLPipeline": "sdxl",
+    "WanPipeline": "wan",
+}
+VIDEO_FAMILIES = {"wan"}
+#: components each role loads, by name prefix in model_index.json (the rest are left out)
+ROLE_PREFIXES = {
+    "encoder": ("text_encoder", "tokenizer"),
+    "denoiser": ("transformer", "unet", "scheduler"),
+    "decoder": ("vae",),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be found, read or served."""
+
+
+class NoSuchModel(CheckpointError):
+    """Neither a local folder nor something that looks like a Hugging Face id."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What model_index.json and the component configs say, without any weights."""
+
+    source: str  # as given: a folder or a hub id
+    path: Path  # local folder holding model_index.json
+    pipeline_class: str
+    family: str
+    index: dict
+    #: component name -> its config.json (or scheduler_config.json) as a dict
+    configs: dict[str, dict]
+
+    @property
+    def components(self) -> list[str]:
+        """Names of the pipeline's components (entries that name a library and a class)."""
+        return [k for k, v in self.index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
+
+    def role_components(self, role: str) -> list[str]:
+        if role in ("all", "monolith"):
+            return self.components
+        return [c for c in self.components if c.startswith(ROLE_PREFIXES[role])]
+
+    @property
+    def video(self) -> bool:
+        return self.family in VIDEO_FAMILIES
+
+
+def _local_folder(source: str) -> Path:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise NoSuchModel(f"unknown model {source!r}: no such folder, and not a Hugging Face id (owner/name)")
+    try:  # a hub id: fetch only the small json files now; each role downloads its own weights
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, allow_patterns=["model_index.json", "*/config.json", "*/*_config.json"]))
+    except Exception as exc:  # noqa: BLE001 - offline, gated, unknown id: all mean we cannot serve it
+        raise CheckpointError(f"model {source!r}: cannot fetch model_index.json from the Hugging Face hub: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def load_checkpoint(source: str) -> Checkpoint:
+    """Read a checkpoint's model_index.json and component configs; raise CheckpointError if unsupported."""
+    path = _local_folder(source)
+    index_path = path / "model_index.json"
+    if not index_path.is_file():
+        raise CheckpointError(f"model {source!r}: {index_path} not found (is it a diffusers-format folder?)")
+    index = _read_json(index_path, "model index")
+    cls = index.get("_class_name")
+    if cls not in FAMILIES:
+        raise CheckpointError(f"model {source!r} is a {cls or 'pipeline of unknown class'}; disagg serves "
+                              f"{', '.join(FAMILIES)}")
+    configs = {}
+    for name in [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]:
+        for fname in ("config.json", "scheduler_config.json"):
+            if (path / name / fname).is_file():
+                configs[name] = _read_json(path / name / fname, f"{name} config")
+                break
+    return Checkpoint(source, path, cls, FAMILIES[cls], index, configs)
+
+
+def vae_scale_factors(ck: Checkpoint) -> tuple[int, int]:
+    """(spatial, temporal) downsampling of the checkpoint's VAE, from its config."""
+    vae = ck.configs.get("vae", {})
+    if ck.family == "wan":
+        down = vae.get("temperal_downsample", [False, True, True])
+        return 2 ** len(down), 2 ** sum(bool(d) for d in down)
+    return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), 1
+
+
+#: defaults per family: the size and the most frames a deployment is sized for
+MAX_SIZE = {"flux": (2048, 2048), "sd3": (2048, 2048), "sdxl": (2048, 2048), "wan": (1280, 1280)}
+MAX_FRAMES = 81
+
+
+def output_bytes(ck: Checkpoint, role: str, width: int, height: int, images: int) -> int:
+    """An upper bound on what `role` stages for one request (float32, CFG doubled where used)."""
+    c = ck.configs
+    if role == "encoder":
+        if ck.family == "flux":
+            t = c.get("transformer", {})
+            return (512 * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 768)) * 4
+        if ck.family == "sd3":
+            t = c.get("transformer", {})
+            return 2 * ((77 + 256) * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 2048)) * 4
+        if ck.family == "sdxl":
+            u = c.get("unet", {})
+            return 2 * (77 * u.get("cross_attention_dim", 2048) + u.get("projection_class_embeddings_input_dim", 2816)) * 4
+        if ck.family == "wan":
+            return 2 * 512 * c.get("text_encoder", {}).get("d_model", 4096) * 4
+    if role == "denoiser":
+        spatial, temporal = vae_scale_factors(ck)
+        vae = c.get("vae", {})
+        channels = vae.get("z_dim") or vae.get("latent_channels", 16)
+        frames = (MAX_FRAMES - 1) // temporal + 1 if ck.video else 1
+        return images * channels * frames * (height // spatial + 2) * (width // spatial + 2) * 4
+    return 0

@@ -1,0 +1,121 @@
+"""Continuous batching in the denoiser (roles/batcher.py), driven with the simulated model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from roles.batcher import StepBatcher
+from roles.pipelines.sim import SimAdapter
+from roles.pipelines.sim_profile import load_profile
+from roles.stage import Stage
+from transport.messages import GenerationParams
+
+
+class Recorder(SimAdapter):
+    """The sim adapter, recording which requests shared each step."""
+
+    def __init__(self, fail_seed: int | None = None):
+        super().__init__("flux-h200", "denoiser")
+        self.steps: list[list[int]] = []
+        self.fail_seed = fail_seed
+
+    def denoise_steps(self, states):
+        self.steps.append(sorted(s.params["seed"] for s in states))
+        if any(s.params["seed"] == self.fail_seed for s in states):
+            raise RuntimeError("forward failed")
+        super().denoise_steps(states)
+
+
+def params(seed, size=256, steps=4):
+    return dict(width=size, height=size, num_inference_steps=steps, num_images_per_prompt=1, seed=seed)
+
+
+def test_requests_join_the_running_batch_at_step_boundaries():
+    adapter = Recorder()
+    batcher = StepBatcher(adapter, max_batch=3)
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(batcher.denoise, {}, params(0, steps=6))
+        time.sleep(0.1)  # request 0 is mid-loop when 1 and 2 arrive
+        later = [pool.submit(batcher.denoise, {}, params(s, steps=2)) for s in (1, 2)]
+        time.sleep(0.02)
+        queued = pool.submit(batcher.denoise, {}, params(3, steps=1))  # batch full: waits for room
+        results = [f.result(timeout=10) for f in (first, *later, queued)]
+    assert adapter.steps[0] == [0]
+    joined = adapter.steps.index([0, 1, 2])
+    assert joined >= 1 and adapter.steps[joined + 1] == [0, 1, 2]
+    assert [0, 3] in adapter.steps[joined + 2:]  # 3 joined once 1 and 2 were done
+    assert sum(len(s) for s in adapter.steps) == 6 + 2 + 2 + 1
+    assert all(out["x"].numel() > 0 and share > 0 for out, share in results)
+    # a request's device share: each step's time split among the batch, so shares sum to the busy time
+    assert results[0][1] < 6 * 0.065 * 1.1
+
+
+def test_other_shapes_wait_for_the_batch_to_drain_and_are_not_starved():
+    adapter = Recorder()
+    batcher = StepBatcher(adapter, max_batch=4)
+    with ThreadPoolExecutor(8) as pool:
+        a = pool.submit(batcher.denoise, {}, params(0, 256, steps=3))
+        time.sleep(0.02)
+        b = pool.submit(batcher.denoise, {}, params(1, 512, steps=1))  # other shape
+        time.sleep(0.02)
+        c = pool.submit(batcher.denoise, {}, params(2, 256, steps=1))  # same shape as 0, but after 1
+        for f in (a, b, c):
+            f.result(timeout=10)
+    assert all(1 not in s or s == [1] for s in adapter.steps)  # never mixed with another shape
+    assert adapter.steps.index([1]) < adapter.steps.index([2])  # first come, first served
+
+
+def test_a_failed_forward_fails_its_batch_and_the_batcher_keeps_serving():
+    adapter = Recorder(fail_seed=7)
+    batcher = StepBatcher(adapter, max_batch=4)
+    with ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(batcher.denoise, {}, params(7, steps=2))
+        with pytest.raises(RuntimeError, match="forward failed"):
+            bad.result(timeout=10)
+        good = pool.submit(batcher.denoise, {}, params(8, steps=2))
+        assert good.result(timeout=10)[0]["x"].numel() > 0
+
+
+def test_batched_throughput_follows_the_profile_curve():
+    """8 same-shape requests at 256^2 through one simulated denoiser: 2.5x the unbatched rate."""
+    curve = load_profile("flux-h200").denoiser
+    assert curve.batch_factor(256 * 256, 8) == pytest.approx(3.154)
+    assert curve.batch_factor(256 * 256, 2) == pytest.approx(1 + 0.646 / 3)  # linear between measured sizes
+    stage = Stage("denoiser", SimAdapter("flux-h200", "denoiser"), max_batch=8)
+    gp = GenerationParams(prompt="x", width=256, height=256, num_inference_steps=2)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=stage.run, args=(gp, {})) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    unbatched = 8 * 2 * 0.065
+    assert took < unbatched / 2, f"8 requests took {took:.3f} s batched vs {unbatched:.3f} s one by one"
+    assert max(stage.batcher.batch_sizes) == 8
+
+
+def test_a_model_without_step_batching_refuses_max_batch():
+    from roles.pipelines.payload import PayloadAdapter
+
+    with pytest.raises(ValueError, match="cannot batch denoising steps"):
+        Stage("denoiser", PayloadAdapter("denoiser"), max_batch=4)
+
+
+def test_busy_meter_splits_overlapping_work_so_shares_sum_to_busy_time():
+    from roles.compute import BusyMeter
+
+    meter = BusyMeter()
+    a = meter.enter()
+    time.sleep(0.05)
+    b = meter.enter()  # 0.05 s alone, then 0.05 s together
+    time.sleep(0.05)
+    share_a = meter.leave(a)
+    time.sleep(0.05)  # b alone again
+    share_b = meter.leave(b)
+    assert share_a == pytest.approx(0.075, abs=0.01) and share_b == pytest.approx(0.075, abs=0.01)
+    assert share_a + share_b == pytest.approx(0.15, abs=0.015)
