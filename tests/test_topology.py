@@ -75,3 +75,28 @@ def test_bad_configs_name_the_field(tmp_path, text, needle):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_model_configs_parse_and_name_their_family(tmp_path):
+    """configs/models/*.yaml name hub checkpoints (not reachable offline): check them with a tiny
+    checkpoint of the same family in place of the hub id."""
+    import msgspec
+    import yaml
+
+    from roles.pipelines.checkpoint import FAMILIES
+    from launcher.topology import validate, place
+
+    for path in (CONFIGS / "models").glob("*.yaml"):
+        family = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",
+                  "wan": "WanPipeline"}[next(f for f in ("flux", "sd3", "sdxl", "wan") if path.stem.startswith(f))]
+        assert family in FAMILIES
+        data = yaml.safe_load(path.read_text())
+        assert "/" in data["model"], path
+        folder = tmp_path / path.stem
+        folder.mkdir()
+        (folder / "model_index.json").write_text(f'{{"_class_name": "{family}"}}')
+        config = msgspec.convert({**data, "model": str(folder)}, DeploymentConfig)
+        validate(config)
+        placed = place(config, cpu_ids=list(range(16)))
+        assert {p.role for p in placed} == {"encoder", "denoiser", "decoder"}
+        assert all(p.gpu is not None for p in placed), path
