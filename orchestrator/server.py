@@ -122,7 +122,8 @@ class OrchestratorServer:
             return
         identity, payload, rest = frames[0], frames[1], frames[2:]
         try:
-            sender = identity.decode("ascii")
+            # a role's compute threads report on their own sockets, as INSTANCE#THREAD
+            sender = identity.decode("ascii").split("#", 1)[0]
             msg = decode(payload, RoleMessage)
         except (MessageError, UnicodeDecodeError) as exc:
             self._drop("backend", str(exc))

@@ -98,6 +98,8 @@ class Worker:
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.bind(REPORTS)
         self._local = threading.local()
+        self._dealers: list[zmq.Socket] = []
+        self._dealers_lock = threading.Lock()
         self.runner = StageRunner(spec.instance_id, pool, self.engines, self.report)
         self.executor = ThreadPoolExecutor(max_workers=spec.capacity, thread_name_prefix=spec.instance_id)
         self.sock: zmq.Socket | None = None
@@ -310,7 +312,14 @@ class Worker:
     # --- compute side (executor threads) ---------------------------------------------------
 
     def report(self, msg, frames=(), kind: bytes = b"finished") -> None:
-        """Hand a message (or, with msg None, a local event `kind`) to the loop thread."""
+        """Send a stage's report to the orchestrator straight from this compute thread (one hop
+        fewer than through the loop), or hand a local event `kind` (msg None) to the loop thread."""
+        if msg is not None and self.sock is not None:
+            try:
+                self._thread_dealer().send_multipart([encode(msg), *frames], zmq.NOBLOCK)
+            except zmq.Again:
+                self.log.warning("orchestrator not accepting messages; %s dropped", type(msg).__name__)
+            return
         sock = getattr(self._local, "push", None)
         if sock is None:
             sock = self._local.push = self.ctx.socket(zmq.PUSH)
@@ -318,11 +327,28 @@ class Worker:
             sock.connect(REPORTS)
         sock.send_multipart([encode(msg) if msg is not None else kind, *frames])
 
+    def _thread_dealer(self) -> zmq.Socket:
+        """This thread's own DEALER to the orchestrator, as INSTANCE#THREAD (it maps that to INSTANCE)."""
+        sock = getattr(self._local, "dealer", None)
+        if sock is None:
+            sock = self._local.dealer = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"{self.spec.instance_id}#{threading.current_thread().name}".encode())
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            apply_client_curve(sock, self.curve)
+            sock.connect(self.spec.endpoint)
+            with self._dealers_lock:
+                self._dealers.append(sock)
+        return sock
+
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
             engine.close()
         self.sock.close(linger=500)
+        with self._dealers_lock:
+            for sock in self._dealers:
+                sock.close(linger=500)
         self.reports.close(linger=0)
         self.pool.close()
 
