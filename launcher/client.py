@@ -196,6 +196,11 @@ class Client:
                     orchestrator_id = reply.orchestrator.get("id")
                 continue
             rid = getattr(reply, "request_id", None)
+            if isinstance(reply, Rejected) and rid is None:
+                # the orchestrator could not read our Submit at all (e.g. a version without a field we
+                # sent): nothing we sent will be answered, so end every pending request with its reason
+                lose_pending(f"refused by the orchestrator: {reply.reason}")
+                continue
             if rid not in pending:
                 continue
             p, t0 = pending.pop(rid)

@@ -92,3 +92,44 @@ def test_bad_instance_id_rejected():
     msg["instance_id"] = "../../etc"
     with pytest.raises(m.MessageError, match="instance_id"):
         m.decode(msgspec.msgpack.encode(msg), m.RoleMessage)
+
+
+def test_unset_request_fields_stay_off_the_wire():
+    """An older orchestrator (without newer optional fields) still reads requests that do not use them."""
+    import msgspec
+
+    from transport.messages import GenerationParams, Submit, encode
+
+    raw = msgspec.msgpack.decode(encode(Submit(request_id="r1", params=GenerationParams(prompt="a cat", seed=3))))
+    assert raw["params"] == {"prompt": "a cat", "seed": 3}
+
+
+def test_client_ends_pending_requests_when_the_orchestrator_cannot_read_them():
+    import threading
+
+    import zmq
+
+    from launcher.client import Client
+    from launcher.ports import free_port_pair
+    from transport.messages import (ClientMessage, GenerationParams, Rejected, RequestCounts, StatusQuery, StatusReport,
+                                    decode, encode)
+
+    port = free_port_pair()
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(f"tcp://127.0.0.1:{port}")
+
+    def serve():  # answers status, and refuses every Submit as unreadable (as an older version would)
+        for _ in range(2):
+            ident, payload = server.recv_multipart()
+            msg = decode(payload, ClientMessage)
+            reply = StatusReport(orchestrator={"id": "x"}, instances=[], queues={}, requests=RequestCounts()) if isinstance(msg, StatusQuery) else Rejected(reason="bad message: unknown field")
+            server.send_multipart([ident, encode(reply)])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with Client(f"tcp://127.0.0.1:{port}") as client:
+        [outcome] = client.run_all([GenerationParams(prompt="a cat")], concurrency=1)
+    t.join(5)
+    server.close(linger=0)
+    assert not outcome.ok and "unknown field" in outcome.error

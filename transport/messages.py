@@ -33,8 +33,11 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only
 # --- request parameters -------------------------------------------------------------------
 
 
-class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One generation request, named as in diffusers; unset fields take the model's defaults."""
+class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One generation request, named as in diffusers; unset fields take the model's defaults.
+
+    Unset fields are left off the wire, so a request that uses no new field still reaches an
+    orchestrator of an older version."""
 
     prompt: Annotated[str, Meta(min_length=1, max_length=20_000)]
     negative_prompt: Annotated[str, Meta(max_length=20_000)] | None = None
