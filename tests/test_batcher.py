@@ -119,3 +119,35 @@ def test_busy_meter_splits_overlapping_work_so_shares_sum_to_busy_time():
     share_b = meter.leave(b)
     assert share_a == pytest.approx(0.075, abs=0.01) and share_b == pytest.approx(0.075, abs=0.01)
     assert share_a + share_b == pytest.approx(0.15, abs=0.015)
+
+
+def test_flux_requests_sharing_forwards_match_the_pipeline_one_by_one():
+    """Tiny Flux: three requests (other prompts, seeds, step counts, 2 images for one) in one batch,
+    joining and leaving at different steps, against each run alone through FluxPipeline."""
+    import numpy as np
+
+    from roles.pipelines.tiny import TinyFluxAdapter
+
+    enc, den, dec = (TinyFluxAdapter(r) for r in ("encoder", "denoiser", "decoder"))
+    reqs = [
+        {**TinyFluxAdapter.defaults(), "prompt": "a red cat", "seed": 1, "num_inference_steps": 4, "width": 64, "height": 48},
+        {**TinyFluxAdapter.defaults(), "prompt": "a dog in the sky", "seed": 2, "num_inference_steps": 3, "width": 64,
+         "height": 48, "num_images_per_prompt": 2},
+        {**TinyFluxAdapter.defaults(), "prompt": "a blue house", "seed": 3, "num_inference_steps": 5, "width": 64, "height": 48},
+    ]
+    alone = [[np.asarray(im, dtype=int) for im in dec.decode(den.denoise(enc.encode(p), p), p)] for p in reqs]
+    states = [den.denoise_start(enc.encode(p), p) for p in reqs]
+    active, sizes = [states[0]], []
+    for step in range(8):
+        if step == 1:
+            active += states[1:]  # the other two join at a step boundary
+        active = [s for s in active if not s.done]
+        if not active:
+            break
+        sizes.append(len(active))
+        den.denoise_steps(active)
+    assert 3 in sizes and all(s.done for s in states)
+    for p, state, want in zip(reqs, states, alone):
+        got = [np.asarray(im, dtype=int) for im in dec.decode(den.denoise_result(state), p)]
+        assert len(got) == len(want)
+        assert max(int(np.abs(g - w).max()) for g, w in zip(got, want)) <= 1

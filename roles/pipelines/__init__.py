@@ -61,8 +61,11 @@ FAMILY_ADAPTERS = {
     "wan": ("roles.pipelines.wan", "WanAdapter"),
 }
 
+#: families whose adapter batches denoising steps (denoise_start / denoise_steps / denoise_result)
+STEP_BATCHING = {"flux"}
+
 SPECS = {
-    "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes),
+    "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes, step_batching=True),
     "payload": ModelSpec("payload", 4096, 2048, _payload_bytes),
 }
 
@@ -85,7 +88,8 @@ def model_spec(model: str) -> ModelSpec:
     except CheckpointError as exc:
         raise ModelError(f"{exc}; built in: {', '.join(SPECS)}, sim:PROFILE") from None
     width, height = MAX_SIZE[ck.family]
-    return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family)
+    return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family,
+                     step_batching=ck.family in STEP_BATCHING)
 
 
 def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):

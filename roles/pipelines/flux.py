@@ -7,7 +7,11 @@ true_cfg_scale > 1, which requests do not set).
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
@@ -63,6 +67,66 @@ class FluxSplit:
     @staticmethod
     def generator(p: dict) -> torch.Generator:
         return torch.Generator("cpu").manual_seed(p["seed"])
+
+    # --- step-level batching (roles/batcher.py): FluxPipeline.__call__'s loop, one step at a time,
+    # with each request's own latents, schedule and guidance, and one transformer forward per step ---
+
+    @staticmethod
+    def batch_key(p: dict):
+        return (p["width"], p["height"])
+
+    def denoise_start(self, inputs: dict[str, torch.Tensor], p: dict) -> "FluxState":
+        pipe, n, steps = self.pipe, p["num_images_per_prompt"], p["num_inference_steps"]
+        embeds = repeat_rows(inputs["prompt_embeds"], n, self.device)
+        pooled = repeat_rows(inputs["pooled_prompt_embeds"], n, self.device)
+        with torch.inference_mode():
+            latents, image_ids = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, p["height"],
+                                                      p["width"], embeds.dtype, self.device, self.generator(p), None)
+            scheduler = copy.deepcopy(pipe.scheduler)  # its step index is this request's own
+            sigmas = None if scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+            mu = calculate_shift(latents.shape[1], scheduler.config.get("base_image_seq_len", 256),
+                                 scheduler.config.get("max_image_seq_len", 4096), scheduler.config.get("base_shift", 0.5),
+                                 scheduler.config.get("max_shift", 1.15))
+            timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+            scheduler.set_begin_index(0)
+        guidance = (torch.full([n], p["guidance_scale"], device=self.device, dtype=torch.float32)
+                    if pipe.transformer.config.guidance_embeds else None)
+        return FluxState(latents, image_ids, embeds, pooled, guidance, scheduler, timesteps)
+
+    def denoise_steps(self, states: list["FluxState"]) -> None:
+        pipe = self.pipe
+        first = states[0]
+        with torch.inference_mode():
+            latents = torch.cat([s.latents for s in states])
+            timestep = torch.cat([s.timesteps[s.i].expand(s.latents.shape[0]) for s in states]).to(latents.dtype)
+            embeds = torch.cat([s.embeds for s in states])
+            text_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
+            with pipe.transformer.cache_context("cond"):
+                noise = pipe.transformer(
+                    hidden_states=latents, timestep=timestep / 1000,
+                    guidance=torch.cat([s.guidance for s in states]) if first.guidance is not None else None,
+                    pooled_projections=torch.cat([s.pooled for s in states]), encoder_hidden_states=embeds,
+                    txt_ids=text_ids, img_ids=first.image_ids, joint_attention_kwargs={}, return_dict=False,
+                )[0]
+            for s, part in zip(states, noise.split([s.latents.shape[0] for s in states])):
+                s.latents = s.scheduler.step(part, s.timesteps[s.i], s.latents, return_dict=False)[0]
+                s.i += 1
+
+    def denoise_result(self, state: "FluxState") -> dict[str, torch.Tensor]:
+        return {"latents": state.latents}
+
+
+class FluxState:
+    """One request inside a batched Flux denoising loop."""
+
+    def __init__(self, latents, image_ids, embeds, pooled, guidance, scheduler, timesteps):
+        self.latents, self.image_ids, self.embeds, self.pooled = latents, image_ids, embeds, pooled
+        self.guidance, self.scheduler, self.timesteps = guidance, scheduler, timesteps
+        self.i = 0
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.timesteps)
 
 
 class FluxAdapter(FluxSplit, SplitPipeline):

@@ -1,0 +1,73 @@
+"""Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline) split into encoder / denoiser / decoder.
+
+Three text encoders (CLIP-L, CLIP-G, T5) make one joint sequence (77 CLIP tokens padded to T5's
+width, then the T5 tokens) and one pooled vector; classifier-free guidance when guidance_scale > 1,
+with the negative prompt ("" when unset) encoded the same way. The VAE decode adds SD3's shift factor.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+
+from roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
+
+T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default max_sequence_length
+EMBEDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+
+
+class SD3Adapter(SplitPipeline):
+    """SD3 / SD3.5 from a diffusers checkpoint (folder or hub id)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        transformer = self.pipe.transformer
+        if transformer is not None and transformer.dtype != self.dtype:
+            # Without `accelerate`, diffusers loads a float32 file into SD3Transformer2DModel by assigning the file's
+            # tensors (its first state key, the pos_embed buffer, is float32 in both), ignoring torch_dtype: cast
+            # it as the accelerate path would, or bf16 text embeddings meet float32 weights.
+            transformer.to(self.dtype)
+
+    @staticmethod
+    def defaults() -> dict:
+        # StableDiffusion3Pipeline.__call__'s defaults; 1024 = transformer sample_size 128 x vae_scale_factor 8
+        return dict(width=1024, height=1024, num_inference_steps=28, guidance_scale=7.0, num_images_per_prompt=1,
+                    negative_prompt=None, seed=0)
+
+    def encode(self, p: dict) -> dict[str, torch.Tensor]:
+        cfg = p["guidance_scale"] > 1  # StableDiffusion3Pipeline.do_classifier_free_guidance
+        with torch.inference_mode():
+            # one copy per prompt; denoise repeats it for num_images_per_prompt, keeping the transfer small
+            out = self.pipe.encode_prompt(
+                prompt=p["prompt"], prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
+                do_classifier_free_guidance=cfg, negative_prompt=p.get("negative_prompt"),
+                max_sequence_length=T5_MAX_LENGTH,
+            )
+        return {name: t for name, t in zip(EMBEDS, out) if t is not None}
+
+    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
+        n = p["num_images_per_prompt"]
+        # batch-1 embeds would not match the pipeline's own batch: expand as encode_prompt does
+        embeds = {name: repeat_rows(inputs.get(name), n, self.device) for name in EMBEDS}
+        with torch.inference_mode():
+            latents = self.pipe(
+                **embeds, height=p["height"], width=p["width"], num_inference_steps=p["num_inference_steps"],
+                guidance_scale=p["guidance_scale"], num_images_per_prompt=1, generator=self.generator(p),
+                output_type="latent", callback_on_step_end=step_callback(progress),
+            ).images
+        return {"latents": latents}
+
+    def decode(self, inputs: dict[str, torch.Tensor], p: dict) -> list[Image.Image]:
+        vae = self.pipe.vae
+        # the output_type="pil" tail of StableDiffusion3Pipeline.__call__ (whose latents already have the VAE's dtype)
+        with torch.inference_mode():
+            latents = inputs["latents"].to(self.device, vae.dtype)
+            latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+            image = vae.decode(latents, return_dict=False)[0]
+            return self.pipe.image_processor.postprocess(image, output_type="pil")
+
+    def fix_without_vae(self, spatial: int, temporal: int) -> None:
+        # The pipeline assumes 8 without a VAE; it sizes the latents (and checks height/width) with it.
+        self.pipe.vae_scale_factor = spatial
+        self.pipe.image_processor = VaeImageProcessor(vae_scale_factor=spatial)

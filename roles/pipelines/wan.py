@@ -1,0 +1,180 @@
+"""Wan 2.1 / 2.2 text-to-video (diffusers WanPipeline) split into encoder / denoiser / decoder.
+
+encoder:  UMT5 text encoder + tokenizer -> prompt_embeds (+ negative_prompt_embeds when CFG is on)
+denoiser: transformer (Wan 2.2 A14B: also transformer_2, switched at boundary_ratio) + scheduler -> latents
+decoder:  AutoencoderKLWan -> frames, exactly the non-latent tail of WanPipeline.__call__
+
+Diffusers quirks handled here:
+* WanTransformer3DModel declares `_keep_in_fp32_modules`, and diffusers refuses to load such a model when
+  accelerate is not installed (it falls back to low_cpu_mem_usage=False, then raises). `wan_loadable()` lifts
+  that guard while loading and then keeps those parameters in float32 itself, as diffusers would.
+* Without a VAE, WanPipeline assumes 8x spatial / 4x temporal downsampling; `fix_without_vae` sets the
+  checkpoint's own factors (the VAE config's `scale_factor_*` when present, e.g. 16x for Wan 2.2 TI2V-5B).
+* The pipeline encodes with max_sequence_length=512 (encode_prompt's own default is 226).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
+
+from roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default (encode_prompt alone would use 226)
+
+
+@contextlib.contextmanager
+def wan_loadable():
+    """Let WanPipeline.from_pretrained load WanTransformer3DModel when accelerate is not installed.
+
+    Yields a function to call on the loaded pipeline: it puts the transformers' `_keep_in_fp32_modules`
+    parameters back in float32 (diffusers' rule: a parameter whose dotted name has one of them as a part).
+    A no-op when accelerate is installed: diffusers then does all of this itself.
+    """
+    from diffusers import WanTransformer3DModel
+    from diffusers.utils import is_accelerate_available
+
+    keep = WanTransformer3DModel.__dict__.get("_keep_in_fp32_modules")
+    if is_accelerate_available() or not keep:
+        yield lambda pipe: None
+        return
+
+    def restore_fp32(pipe) -> None:
+        for name in ("transformer", "transformer_2"):
+            model = getattr(pipe, name, None)
+            if model is None:
+                continue
+            for pname, param in model.named_parameters():
+                if param.is_floating_point() and param.dtype != torch.float32 and any(
+                        m in pname.split(".") for m in keep):
+                    param.data = param.data.to(torch.float32)
+
+    WanTransformer3DModel._keep_in_fp32_modules = None
+    try:
+        yield restore_fp32
+    finally:
+        WanTransformer3DModel._keep_in_fp32_modules = keep
+
+
+class WanAdapter(SplitPipeline):
+    """Wan 2.1 / 2.2 text-to-video from a diffusers checkpoint (folder or hub id)."""
+
+    #: the decoder makes videos: one list of PIL frames per video, encoded as MP4
+    video = True
+
+    def __init__(self, *args, **kwargs):
+        with wan_loadable() as restore_fp32:
+            super().__init__(*args, **kwargs)
+        restore_fp32(self.pipe)
+
+    @staticmethod
+    def defaults() -> dict:
+        # WanPipeline.__call__'s defaults (480x832, 81 frames, 50 steps, guidance 5.0); 16 fps is Wan 2.1's
+        # frame rate (diffusers' examples export_to_video(..., fps=16))
+        return dict(width=832, height=480, num_frames=81, num_inference_steps=50, guidance_scale=5.0,
+                    num_images_per_prompt=1, negative_prompt=None, seed=0, fps=16)
+
+    @staticmethod
+    def cfg(p: dict) -> bool:
+        """Classifier-free guidance on: WanPipeline.do_classifier_free_guidance (guidance_scale > 1)."""
+        return p["guidance_scale"] > 1.0
+
+    def encode(self, p: dict) -> dict[str, torch.Tensor]:
+        with torch.inference_mode():
+            # one copy per prompt; denoise repeats it for the videos per prompt, keeping the transfer small
+            embeds, negative = self.pipe.encode_prompt(
+                prompt=p["prompt"], negative_prompt=p.get("negative_prompt"),
+                do_classifier_free_guidance=self.cfg(p), num_videos_per_prompt=1,
+                max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device,
+            )
+        out = {"prompt_embeds": embeds}
+        if negative is not None:
+            out["negative_prompt_embeds"] = negative
+        return out
+
+    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
+        pipe = self.pipe
+        n = p["num_images_per_prompt"]
+        negative = inputs.get("negative_prompt_embeds")
+        if self.cfg(p) and negative is None:
+            # the pipeline would try to encode "" with the text encoder this process does not hold
+            raise ValueError("guidance_scale > 1 needs negative_prompt_embeds from the encoder")
+        extra = {}
+        if pipe.config.boundary_ratio is not None and p.get("guidance_scale_2") is not None:
+            extra["guidance_scale_2"] = p["guidance_scale_2"]  # Wan 2.2: the low-noise stage's scale
+        with torch.inference_mode():
+            latents = pipe(
+                # rows adjacent per prompt, exactly as encode_prompt's repeat + view
+                prompt_embeds=repeat_rows(inputs["prompt_embeds"], n, self.device),
+                negative_prompt_embeds=repeat_rows(negative, n, self.device) if self.cfg(p) else None,
+                height=p["height"], width=p["width"], num_frames=p["num_frames"],
+                num_inference_steps=p["num_inference_steps"], guidance_scale=p["guidance_scale"],
+                num_videos_per_prompt=1, generator=self.generator(p), output_type="latent",
+                callback_on_step_end=step_callback(progress), max_sequence_length=MAX_SEQUENCE_LENGTH, **extra,
+            ).frames
+        return {"latents": latents}
+
+    def decode(self, inputs: dict[str, torch.Tensor], p: dict) -> list[list[Image.Image]]:
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        pipe = self.pipe
+        vae = pipe.vae
+        # the output_type != "latent" tail of WanPipeline.__call__, then "pil" frames
+        with torch.inference_mode():
+            latents = inputs["latents"].to(get_module_execution_device(vae), dtype=vae.dtype)
+            z = vae.config.z_dim
+            latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+            latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(
+                latents.device, latents.dtype)
+            latents = latents / latents_std + latents_mean
+            video = vae.decode(latents, return_dict=False)[0]
+            # "pil": a list (one per video) of lists of PIL frames
+            return pipe.video_processor.postprocess_video(video, output_type="pil")
+
+    def fix_without_vae(self, spatial: int, temporal: int) -> None:
+        # what WanPipeline.__init__ reads from vae.config; the explicit scale_factor_* keys win (Wan 2.2's
+        # TI2V VAE patchifies: 16x spatial with three down stages), else the factors from the stages
+        vae = self.ck.configs.get("vae", {})
+        spatial = int(vae.get("scale_factor_spatial") or spatial)
+        temporal = int(vae.get("scale_factor_temporal") or temporal)
+        self.pipe.vae_scale_factor_spatial = spatial
+        self.pipe.vae_scale_factor_temporal = temporal
+        self.pipe.video_processor = VideoProcessor(vae_scale_factor=spatial)
+
+
+#: libx264 through imageio-ffmpeg. quality 8 of 10 is CRF 10 (imageio maps q to int((1 - q/10) * 51)):
+#: visually lossless, well under the usual CRF 17-18 threshold, at a fraction of lossless' size; yuv420p
+#: and the default High profile play everywhere (browsers, QuickTime); +faststart puts the index first
+#: so a browser can start playing before the whole file has arrived.
+MP4_SETTINGS = dict(codec="libx264", quality=8, pixelformat="yuv420p", output_params=["-movflags", "+faststart"])
+
+
+def _rgb(frame) -> np.ndarray:
+    return np.asarray(frame.convert("RGB") if isinstance(frame, Image.Image) else frame, dtype=np.uint8)
+
+
+def encode_mp4(frames: list[Image.Image], fps: int = 16) -> bytes:
+    """H.264 MP4 bytes from frames of one size (PIL images or HxWx3 uint8 arrays).
+
+    yuv420p halves the chroma planes, so libx264 needs even widths and heights (ffmpeg fails on odd ones,
+    and imageio then returns no bytes). Odd sizes are padded by one row / column repeating the edge,
+    instead of imageio's default of rescaling every frame to a multiple of 16 (macro_block_size=1 turns
+    that off): Wan's sizes are multiples of 16 already, so normally nothing changes.
+    """
+    import imageio.v3 as iio
+
+    if not frames:
+        raise ValueError("encode_mp4: no frames")
+    stack = np.stack([_rgb(f) for f in frames])
+    pad_h, pad_w = stack.shape[1] % 2, stack.shape[2] % 2
+    if pad_h or pad_w:
+        stack = np.pad(stack, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    data = iio.imwrite("<bytes>", stack, extension=".mp4", plugin="FFMPEG", fps=fps, macro_block_size=1,
+                       **MP4_SETTINGS)
+    if not data:  # ffmpeg failed: imageio logs its stderr and returns nothing
+        raise RuntimeError(f"ffmpeg could not encode {len(frames)} frames of {stack.shape[2]}x{stack.shape[1]}")
+    return data
