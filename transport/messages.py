@@ -45,6 +45,8 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     height: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
     num_inference_steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
     guidance_scale: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    #: Wan 2.2 (two experts): guidance of the low-noise expert; None = the model's default
+    guidance_scale_2: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     #: images (videos, for a video model) per prompt
     num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1

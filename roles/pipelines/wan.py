@@ -5,9 +5,8 @@ denoiser: transformer (Wan 2.2 A14B: also transformer_2, switched at boundary_ra
 decoder:  AutoencoderKLWan -> frames, exactly the non-latent tail of WanPipeline.__call__
 
 Diffusers quirks handled here:
-* WanTransformer3DModel declares `_keep_in_fp32_modules`, and diffusers refuses to load such a model when
-  accelerate is not installed (it falls back to low_cpu_mem_usage=False, then raises). `wan_loadable()` lifts
-  that guard while loading and then keeps those parameters in float32 itself, as diffusers would.
+* WanTransformer3DModel declares `_keep_in_fp32_modules`; diffusers loads such a model only with
+  accelerate installed (a dependency of ours for this reason).
 * Without a VAE, WanPipeline assumes 8x spatial / 4x temporal downsampling; `fix_without_vae` sets the
   checkpoint's own factors (the VAE config's `scale_factor_*` when present, e.g. 16x for Wan 2.2 TI2V-5B).
 * The pipeline encodes with max_sequence_length=512 (encode_prompt's own default is 226).
@@ -15,9 +14,6 @@ Diffusers quirks handled here:
 
 from __future__ import annotations
 
-import contextlib
-
-import numpy as np
 import torch
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
@@ -27,49 +23,11 @@ from roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default (encode_prompt alone would use 226)
 
 
-@contextlib.contextmanager
-def wan_loadable():
-    """Let WanPipeline.from_pretrained load WanTransformer3DModel when accelerate is not installed.
-
-    Yields a function to call on the loaded pipeline: it puts the transformers' `_keep_in_fp32_modules`
-    parameters back in float32 (diffusers' rule: a parameter whose dotted name has one of them as a part).
-    A no-op when accelerate is installed: diffusers then does all of this itself.
-    """
-    from diffusers import WanTransformer3DModel
-    from diffusers.utils import is_accelerate_available
-
-    keep = WanTransformer3DModel.__dict__.get("_keep_in_fp32_modules")
-    if is_accelerate_available() or not keep:
-        yield lambda pipe: None
-        return
-
-    def restore_fp32(pipe) -> None:
-        for name in ("transformer", "transformer_2"):
-            model = getattr(pipe, name, None)
-            if model is None:
-                continue
-            for pname, param in model.named_parameters():
-                if param.is_floating_point() and param.dtype != torch.float32 and any(
-                        m in pname.split(".") for m in keep):
-                    param.data = param.data.to(torch.float32)
-
-    WanTransformer3DModel._keep_in_fp32_modules = None
-    try:
-        yield restore_fp32
-    finally:
-        WanTransformer3DModel._keep_in_fp32_modules = keep
-
-
 class WanAdapter(SplitPipeline):
     """Wan 2.1 / 2.2 text-to-video from a diffusers checkpoint (folder or hub id)."""
 
     #: the decoder makes videos: one list of PIL frames per video, encoded as MP4
     video = True
-
-    def __init__(self, *args, **kwargs):
-        with wan_loadable() as restore_fp32:
-            super().__init__(*args, **kwargs)
-        restore_fp32(self.pipe)
 
     @staticmethod
     def defaults() -> dict:
@@ -144,37 +102,3 @@ class WanAdapter(SplitPipeline):
         self.pipe.vae_scale_factor_spatial = spatial
         self.pipe.vae_scale_factor_temporal = temporal
         self.pipe.video_processor = VideoProcessor(vae_scale_factor=spatial)
-
-
-#: libx264 through imageio-ffmpeg. quality 8 of 10 is CRF 10 (imageio maps q to int((1 - q/10) * 51)):
-#: visually lossless, well under the usual CRF 17-18 threshold, at a fraction of lossless' size; yuv420p
-#: and the default High profile play everywhere (browsers, QuickTime); +faststart puts the index first
-#: so a browser can start playing before the whole file has arrived.
-MP4_SETTINGS = dict(codec="libx264", quality=8, pixelformat="yuv420p", output_params=["-movflags", "+faststart"])
-
-
-def _rgb(frame) -> np.ndarray:
-    return np.asarray(frame.convert("RGB") if isinstance(frame, Image.Image) else frame, dtype=np.uint8)
-
-
-def encode_mp4(frames: list[Image.Image], fps: int = 16) -> bytes:
-    """H.264 MP4 bytes from frames of one size (PIL images or HxWx3 uint8 arrays).
-
-    yuv420p halves the chroma planes, so libx264 needs even widths and heights (ffmpeg fails on odd ones,
-    and imageio then returns no bytes). Odd sizes are padded by one row / column repeating the edge,
-    instead of imageio's default of rescaling every frame to a multiple of 16 (macro_block_size=1 turns
-    that off): Wan's sizes are multiples of 16 already, so normally nothing changes.
-    """
-    import imageio.v3 as iio
-
-    if not frames:
-        raise ValueError("encode_mp4: no frames")
-    stack = np.stack([_rgb(f) for f in frames])
-    pad_h, pad_w = stack.shape[1] % 2, stack.shape[2] % 2
-    if pad_h or pad_w:
-        stack = np.pad(stack, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    data = iio.imwrite("<bytes>", stack, extension=".mp4", plugin="FFMPEG", fps=fps, macro_block_size=1,
-                       **MP4_SETTINGS)
-    if not data:  # ffmpeg failed: imageio logs its stderr and returns nothing
-        raise RuntimeError(f"ffmpeg could not encode {len(frames)} frames of {stack.shape[2]}x{stack.shape[1]}")
-    return data

@@ -1,0 +1,135 @@
+"""Real model families end to end: a tiny random checkpoint saved with save_pretrained, served by
+`disagg launch --model <folder>` (real processes, each role loading only its components), compared
+pixel by pixel with `DiffusionPipeline.from_pretrained(folder)` run in this process."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from launcher.client import Client
+from tests.checkpoints import save_tiny
+from tests.conftest import Launched, disagg, free_port_pair
+from transport.messages import GenerationParams
+
+pytestmark = pytest.mark.e2e
+
+VIDEO = {"wan21", "wan22"}
+#: what each role may hold, by component name prefix
+ROLE_PREFIXES = {"encoder": ("text_encoder", "tokenizer"), "denoiser": ("transformer", "unet", "scheduler"),
+                 "decoder": ("vae",)}
+
+
+def requests(family: str) -> list[GenerationParams]:
+    if family in VIDEO:
+        common = dict(width=32, height=32, num_frames=5, num_inference_steps=2, response_format="png")
+        return [
+            GenerationParams(prompt="a cat on a beach", negative_prompt="blurry", guidance_scale=5.0, seed=1,
+                             num_images_per_prompt=2, **common),
+            GenerationParams(prompt="a red car", guidance_scale=1.0, seed=2, **common),
+        ]
+    cfg = 3.5 if family.startswith("flux") else 5.0
+    return [
+        GenerationParams(prompt="a cat on a beach", negative_prompt="blurry, dark", width=64, height=32,
+                         num_inference_steps=2, guidance_scale=cfg, seed=1, num_images_per_prompt=2),
+        GenerationParams(prompt="a red car at night", width=48, height=64, num_inference_steps=3,
+                         guidance_scale=1.0, seed=2),
+    ]
+
+
+def reference(folder, family: str, p: GenerationParams) -> list[np.ndarray]:
+    """The same request through diffusers in one process: a list of HxWx3 uint8 arrays (frames for video)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt=p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
+              guidance_scale=p.guidance_scale, generator=torch.Generator("cpu").manual_seed(p.seed))
+    if not family.startswith("flux"):  # Flux has no negative prompt (it is guidance-distilled)
+        kw["negative_prompt"] = p.negative_prompt
+    if family in VIDEO:
+        videos = pipe(**kw, num_frames=p.num_frames, num_videos_per_prompt=p.num_images_per_prompt, output_type="np").frames
+        return [np.round(frame * 255).astype(np.uint8) for video in videos for frame in video]
+    return [np.asarray(im) for im in pipe(**kw, num_images_per_prompt=p.num_images_per_prompt).images]
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "wan21", "wan22"])
+def test_family_matches_diffusers_through_disagg(family, tmp_path):
+    folder = tmp_path / family
+    save_tiny(family, folder)
+    dep = Launched(["--model", str(folder), "--no-dashboard", "-e", "1", "-d", "1", "-k", "1"], tmp_path)
+    try:
+        status = dep.wait_ready(3)
+        for inst in status.instances:  # each role loaded its own components, and only those
+            assert inst.components, inst.id
+            assert all(name.startswith(ROLE_PREFIXES[inst.role]) for name in inst.components), (inst.id, inst.components)
+            assert sum(inst.components.values()) > 0
+        params = requests(family)
+        with Client(dep.endpoint) as client:
+            outcomes = client.run_all(params, concurrency=2, timeout_s=300)
+    finally:
+        dep.stop()
+    for outcome in outcomes:
+        assert outcome.ok, outcome.error
+        got = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in outcome.images]
+        want = reference(folder, family, outcome.params)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            diff = int(np.abs(g.astype(int) - w.astype(int)).max())
+            assert diff <= 1, f"{family}: max pixel difference {diff}/255"
+
+
+def test_outputs_in_every_format_and_video_as_mp4(tmp_path):
+    """JPEG / WebP for an image model, MP4 for a video model; the client saves the right extension."""
+    import imageio.v3 as iio
+
+    for family, items, exts in (
+        ("flux", [{"prompt": "a cat", "width": 32, "height": 32, "num_inference_steps": 1, "response_format": f}
+                  for f in ("jpeg", "webp", "png")], {".jpg", ".webp", ".png"}),
+        ("wan21", [{"prompt": "a cat", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 1}], {".mp4"}),
+    ):
+        folder = tmp_path / family
+        save_tiny(family, folder)
+        prompts = tmp_path / f"{family}.json"
+        prompts.write_text(json.dumps(items))
+        out = tmp_path / f"out-{family}"
+        res = disagg("launch", "--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
+                     "--submit", str(prompts), "--out", str(out), "--port", str(free_port_pair()), timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        files = sorted(out.iterdir())
+        assert {f.suffix for f in files} == exts
+        for f in files:
+            if f.suffix == ".mp4":
+                frames = iio.imread(f, extension=".mp4")
+                assert frames.shape == (5, 32, 32, 3)
+            else:
+                assert Image.open(f).size == (32, 32)
+
+
+def test_an_unsupported_family_fails_at_launch_naming_its_pipeline(tmp_path):
+    folder = tmp_path / "sd15"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                         "unet": ["diffusers", "UNet2DConditionModel"]}))
+    res = disagg("launch", "--model", str(folder), "--no-dashboard", "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert res.returncode == 2
+    assert "StableDiffusionPipeline" in res.stderr and "FluxPipeline" in res.stderr
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # no process started
+    res = disagg("launch", "--model", str(tmp_path / "missing"), "--no-dashboard", timeout=60)
+    assert res.returncode == 2 and "missing" in res.stderr
+
+
+def test_a_request_in_a_format_the_model_cannot_make_fails_clearly(tmp_path):
+    from roles.media import FormatError, check_format
+
+    assert check_format(None, video=True) == "mp4" and check_format(None, video=False) == "png"
+    with pytest.raises(FormatError, match="mp4.*video models"):
+        check_format("mp4", video=False)
+    with pytest.raises(FormatError, match="makes video"):
+        check_format("jpeg", video=True)
