@@ -175,6 +175,9 @@ class Router:
         self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
 
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
+        if msg.fetch_s is not None:  # the role folded its Fetched into this report
+            self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
+                                (), now, out)
         inst = self.registry.get(sender)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
@@ -208,6 +211,9 @@ class Router:
         self.release_source(req, out)
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
+        if msg.fetch_s is not None:
+            self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
+                                (), now, out)
         inst = self.registry.get(sender)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:

@@ -6,6 +6,7 @@ It owns the staged-output bookkeeping and the transfer engines; it talks to the 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -19,6 +20,11 @@ from transport.messages import Done, Failed, Fetched, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
+
+#: computes shorter than this (moving average) fold their Fetched report into Staged / Done
+FOLD_FETCHED_BELOW_S = 0.002
+#: when each of the last 32 computes took less than this, an idle role runs the next on its loop thread
+RUN_INLINE_BELOW_S = 0.005
 
 
 class BusyMeter:
@@ -71,6 +77,22 @@ class StageRunner:
         #: offsets of outputs staged here and not yet released
         self.staged: set[int] = set()
         self.meter = BusyMeter()
+        #: moving average of compute time (None until the first request, which reports Fetched on its own)
+        self.compute_s_avg: float | None = None
+        #: the last computes' times (short_computes reads them)
+        self.recent: collections.deque[float] = collections.deque(maxlen=32)
+
+    @property
+    def short_computes(self) -> bool:
+        """Every recent compute was short: running the next one on the socket loop's own thread costs less
+        than waking a compute thread for it, and delays heartbeats by no more than that."""
+        return len(self.recent) == self.recent.maxlen and max(self.recent) < RUN_INLINE_BELOW_S
+
+    @property
+    def fold_fetched(self) -> bool:
+        """Fold Fetched into the Staged / Done that follows when computes are this short: the producer's
+        slot is then freed a moment later, and the request saves a control message."""
+        return self.compute_s_avg is not None and self.compute_s_avg < FOLD_FETCHED_BELOW_S
 
     def tick(self, *_args) -> None:
         self.progress += 1
@@ -97,6 +119,7 @@ class StageRunner:
         self.busy[run.request_id] = run.attempt
         self.tick()
         local_slot = None
+        fetch_s = None
         busy_from = self.meter.enter()
         try:
             inputs = {}
@@ -109,17 +132,23 @@ class StageRunner:
                     raise TransferError(f"transfer engine {run.source.engine!r} is not available here")
                 engine.read(run.source, dst, frames)
                 inputs = unpack(dst, run.source.slot.tensors)
-                self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=time.perf_counter() - received))
+                fetch_s = time.perf_counter() - received
+                if not self.fold_fetched:  # tell now, so the producer's slot is freed while we compute
+                    self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
+                    fetch_s = None
             t0 = time.perf_counter()
             out = self.stage.run(run.params, inputs, self.tick)
             compute_s = time.perf_counter() - t0
+            avg = self.compute_s_avg
+            self.compute_s_avg = compute_s if avg is None else 0.9 * avg + 0.1 * compute_s
+            self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)
             busy_from = None
             device_s = out.device_s if out.device_s is not None else share
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
-                            image_format=out.image_format, compute_s=compute_s, device_s=device_s)
+                            image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s)
                 self.report(done, out.images)
             else:
                 slot = self.pool.stage(self.instance_id, out.tensors)
@@ -127,7 +156,7 @@ class StageRunner:
                     self.staged.add(slot.offset)
                 extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
-                                   device_s=device_s), extra)
+                                   fetch_s=fetch_s, device_s=device_s), extra)
         except Exception as exc:  # a request error: report it and keep serving
             # a dead peer or a momentarily full pool may go better on another try; a model error not
             retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))

@@ -98,6 +98,7 @@ class Worker:
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.bind(REPORTS)
         self._local = threading.local()
+        self._loop_ident = threading.get_ident()  # built on the thread that runs serve_forever
         self._dealers: list[zmq.Socket] = []
         self._dealers_lock = threading.Lock()
         self.runner = StageRunner(spec.instance_id, pool, self.engines, self.report)
@@ -105,6 +106,7 @@ class Worker:
         self.sock: zmq.Socket | None = None
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
+        self._count_lock = threading.Lock()
         self.ready = False
         self.components: dict[str, int] = {}
         self.orchestrator_id = ""
@@ -257,9 +259,7 @@ class Worker:
             except zmq.Again:
                 return
             kind = frames[0]
-            if kind == b"finished":
-                self.in_flight -= 1
-            elif kind == b"ready":
+            if kind == b"ready":
                 self.ready = True
                 self.log.info("model loaded; ready")
                 self.heartbeat()
@@ -298,8 +298,13 @@ class Worker:
         if self.runner.stage is None:
             self.send(Failed(request_id=msg.request_id, attempt=msg.attempt, error="model not loaded yet", retryable=True))
             return
-        self.in_flight += 1
-        self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
+        with self._count_lock:
+            self.in_flight += 1
+            inline = self.in_flight == 1 and self.runner.short_computes
+        if inline:  # idle, and computes here are all short: skip the wake-up of a compute thread
+            self.runner.execute(msg, frames, time.perf_counter())
+        else:
+            self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
 
     def handle_release(self, msg: Release, frames) -> None:
         if not self.runner.release(msg.offset):
@@ -314,6 +319,13 @@ class Worker:
     def report(self, msg, frames=(), kind: bytes = b"finished") -> None:
         """Send a stage's report to the orchestrator straight from this compute thread (one hop
         fewer than through the loop), or hand a local event `kind` (msg None) to the loop thread."""
+        if msg is None and kind == b"finished":  # counted here: waking the loop for it costs a hop
+            with self._count_lock:
+                self.in_flight -= 1
+            return
+        if msg is not None and threading.get_ident() == self._loop_ident:
+            self.send(msg, frames)  # a compute run inline on the loop thread
+            return
         if msg is not None and self.sock is not None:
             try:
                 self._thread_dealer().send_multipart([encode(msg), *frames], zmq.NOBLOCK)

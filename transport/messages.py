@@ -291,6 +291,8 @@ class Staged(_Msg, tag="staged", kw_only=True):
     attempt: Count
     slot: SlotRef
     compute_s: Seconds = 0.0
+    #: set when the role pulled its input and sent no Fetched for it (short computes fold it in here)
+    fetch_s: Seconds | None = None
     #: its share of the instance's device time when it shared a batched forward; None = compute_s
     device_s: Seconds | None = None
 
@@ -310,6 +312,8 @@ class Done(_Msg, tag="done", kw_only=True):
     num_images: Count
     image_format: str = "png"
     compute_s: Seconds = 0.0
+    #: as in Staged
+    fetch_s: Seconds | None = None
     #: as in Staged
     device_s: Seconds | None = None
 
