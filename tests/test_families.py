@@ -133,3 +133,45 @@ def test_a_request_in_a_format_the_model_cannot_make_fails_clearly(tmp_path):
         check_format("mp4", video=False)
     with pytest.raises(FormatError, match="makes video"):
         check_format("jpeg", video=True)
+
+
+def test_a_hugging_face_id_is_served_from_the_hub_cache(tmp_path):
+    """`--model owner/name`: the launcher reads model_index.json through huggingface_hub, and every role
+    loads its own components by the id (here from a hub cache, offline, as on a machine that downloaded it)."""
+    import os
+
+    cache, rev = tmp_path / "hub", "0" * 40
+    repo = cache / "models--test--tiny-flux"
+    save_tiny("flux", repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"prompt": "a cat", "width": 32, "height": 32, "num_inference_steps": 1, "seed": 4,
+                                   "guidance_scale": 3.5}]))
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    res = disagg("launch", "--model", "test/tiny-flux", "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
+                 "--submit", str(prompts), "--out", str(tmp_path / "out"), "--port", str(free_port_pair()),
+                 env=env, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").iterdir()
+    got = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    want = reference(repo / "snapshots" / rev, "flux", GenerationParams(prompt="a cat", width=32, height=32,
+                                                                         num_inference_steps=1, seed=4,
+                                                                         guidance_scale=3.5))[0]
+    assert np.abs(got - want.astype(int)).max() <= 1
+
+
+def test_colocated_instance_runs_a_whole_checkpoint_in_one_stage(tmp_path):
+    """`--colocated`: the monolith role loads every component and runs all three stages itself."""
+    from roles.pipelines.sd3 import SD3Adapter
+    from roles.stage import Stage
+
+    folder = tmp_path / "sd3"
+    save_tiny("sd3", folder)
+    adapter = SD3Adapter(str(folder), "monolith")
+    assert {"text_encoder", "text_encoder_3", "transformer", "vae"} <= set(adapter.components_loaded())
+    p = GenerationParams(prompt="a cat on a beach", negative_prompt="blurry", width=64, height=32,
+                         num_inference_steps=2, guidance_scale=5.0, seed=1)
+    out = Stage("monolith", adapter).run(p, {})
+    got = np.asarray(Image.open(io.BytesIO(out.images[0])).convert("RGB")).astype(int)
+    assert np.abs(got - reference(folder, "sd3", p)[0].astype(int)).max() <= 1

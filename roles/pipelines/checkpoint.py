@@ -57,6 +57,11 @@ class Checkpoint:
         return [c for c in self.components if c.startswith(ROLE_PREFIXES[role])]
 
     @property
+    def hub(self) -> bool:
+        """Named by a Hugging Face id (not a local folder): each role fetches only its own weights."""
+        return not Path(self.source).expanduser().is_dir()
+
+    @property
     def video(self) -> bool:
         return self.family in VIDEO_FAMILIES
 

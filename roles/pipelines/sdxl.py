@@ -13,9 +13,8 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
+from roles.pipelines.split import CFG_EMBEDS, SplitPipeline
 
-EMBEDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
 
 
 class SDXLAdapter(SplitPipeline):
@@ -46,19 +45,7 @@ class SDXLAdapter(SplitPipeline):
                 prompt=p["prompt"], prompt_2=None, device=self.device, num_images_per_prompt=1,
                 do_classifier_free_guidance=self._cfg(p), negative_prompt=p.get("negative_prompt"),
             )
-        return {name: t for name, t in zip(EMBEDS, out) if t is not None}
-
-    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
-        n = p["num_images_per_prompt"]
-        # batch-1 embeds would not match the pipeline's own batch: expand as encode_prompt does
-        embeds = {name: repeat_rows(inputs.get(name), n, self.device) for name in EMBEDS}
-        with torch.inference_mode():
-            latents = self.pipe(
-                **embeds, height=p["height"], width=p["width"], num_inference_steps=p["num_inference_steps"],
-                guidance_scale=p["guidance_scale"], num_images_per_prompt=1, generator=self.generator(p),
-                output_type="latent", callback_on_step_end=step_callback(progress),
-            ).images
-        return {"latents": latents}
+        return {name: t for name, t in zip(CFG_EMBEDS, out) if t is not None}
 
     def decode(self, inputs: dict[str, torch.Tensor], p: dict) -> list[Image.Image]:
         pipe, vae = self.pipe, self.pipe.vae

@@ -16,6 +16,9 @@ import torch
 
 from roles.pipelines.checkpoint import Checkpoint, load_checkpoint, vae_scale_factors
 
+#: what encode_prompt returns for the CFG families (SD3, SDXL), in its order
+CFG_EMBEDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -56,7 +59,8 @@ class SplitPipeline:
         mine = self.ck.role_components(self.role)
         skip = {name: None for name in self.ck.components if name not in mine}
         cls = getattr(diffusers, self.ck.pipeline_class)
-        self.pipe = cls.from_pretrained(self.ck.path, torch_dtype=self.dtype, **skip)
+        # a hub id, not its snapshot folder: diffusers then downloads only the components not skipped
+        self.pipe = cls.from_pretrained(self.ck.source if self.ck.hub else self.ck.path, torch_dtype=self.dtype, **skip)
         self.pipe.set_progress_bar_config(disable=True)
         self.pipe.to(device)
         self.loaded = mine
@@ -65,6 +69,19 @@ class SplitPipeline:
 
     def fix_without_vae(self, spatial: int, temporal: int) -> None:
         """Set what the pipeline derives from its VAE, for a role that holds none."""
+
+    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
+        """The pipeline from precomputed CFG_EMBEDS (those the encoder sent) to latents (SD3, SDXL)."""
+        n = p["num_images_per_prompt"]
+        # batch-1 embeds would not match the pipeline's own batch: expand as encode_prompt does
+        embeds = {name: repeat_rows(inputs.get(name), n, self.device) for name in CFG_EMBEDS}
+        with torch.inference_mode():
+            latents = self.pipe(
+                **embeds, height=p["height"], width=p["width"], num_inference_steps=p["num_inference_steps"],
+                guidance_scale=p["guidance_scale"], num_images_per_prompt=1, generator=self.generator(p),
+                output_type="latent", callback_on_step_end=step_callback(progress),
+            ).images
+        return {"latents": latents}
 
     def generator(self, p: dict) -> torch.Generator:
         return torch.Generator("cpu").manual_seed(p["seed"])
