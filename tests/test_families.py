@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -175,3 +176,23 @@ def test_colocated_instance_runs_a_whole_checkpoint_in_one_stage(tmp_path):
     out = Stage("monolith", adapter).run(p, {})
     got = np.asarray(Image.open(io.BytesIO(out.images[0])).convert("RGB")).astype(int)
     assert np.abs(got - reference(folder, "sd3", p)[0].astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("variant", ["flux", "flux-schnell"])
+def test_flux_dev_and_schnell_split_roles_match_the_pipeline(variant, tmp_path):
+    """Guidance-distilled (dev: guidance is a transformer input) and not (schnell), role by role in process."""
+    from roles.pipelines.flux import FluxAdapter
+
+    folder = tmp_path / variant
+    save_tiny(variant, folder)
+    enc, den, dec = (FluxAdapter(str(folder), role) for role in ("encoder", "denoiser", "decoder"))
+    assert den.pipe.transformer.config.guidance_embeds == (variant == "flux")
+    assert set(den.components_loaded()) == {"transformer", "scheduler"} and set(dec.components_loaded()) == {"vae"}
+    p = GenerationParams(prompt="a red car at night", width=48, height=32, num_inference_steps=2, guidance_scale=3.5,
+                         seed=7, num_images_per_prompt=2)
+    q = {**FluxAdapter.defaults(), **{k: v for k, v in msgspec.structs.asdict(p).items() if v is not None}}
+    embeds = {k: v.contiguous().clone() for k, v in enc.encode(q).items()}
+    latents = {k: v.contiguous().clone() for k, v in den.denoise(embeds, q).items()}
+    got = [np.asarray(im).astype(int) for im in dec.decode(latents, q)]
+    want = reference(folder, "flux", p)
+    assert len(got) == 2 and max(int(np.abs(g - w.astype(int)).max()) for g, w in zip(got, want)) <= 1
