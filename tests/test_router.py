@@ -1,5 +1,6 @@
 """The Router driven by scripted messages and a fake clock: no sockets, no processes."""
 
+import msgspec
 import pytest
 
 from orchestrator.dispatch import MaxFreeSlots, RoundRobin
@@ -508,3 +509,17 @@ def test_batched_results_count_their_device_share_as_busy_time():
     assert inst.busy_s == pytest.approx(0.2) and inst.stage_s_avg == pytest.approx(0.8)
     inst.record_stage_time(0.5)
     assert inst.busy_s == pytest.approx(0.7)
+
+
+def test_a_fetched_folded_into_staged_or_done_releases_the_source():
+    h = Harness()
+    [enc], [den], [dec] = h.add("encoder"), h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    h.role(enc, staged(enc, "r1"))
+    outs = h.role(den, msgspec.structs.replace(staged(den, "r1"), fetch_s=0.001))  # no Fetched of its own
+    assert any(isinstance(o.msg, Release) and o.to_instance == enc for o in outs)
+    assert h.router.registry.get(enc).staged == {}
+    outs = h.role(dec, Done(request_id="r1", attempt=1, num_images=1, fetch_s=0.002))
+    assert any(isinstance(o.msg, Release) and o.to_instance == den for o in outs)
+    [res] = [o.msg for o in outs if isinstance(o.msg, Result)]
+    assert res.ok and res.timings["fetch_denoiser"] == 0.001 and res.timings["fetch_decoder"] == 0.002
