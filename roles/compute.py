@@ -23,7 +23,7 @@ log = logging.getLogger("disagg.role")
 
 #: computes shorter than this (moving average) fold their Fetched report into Staged / Done
 FOLD_FETCHED_BELOW_S = 0.002
-#: when each of the last 32 computes took less than this, an idle role runs the next on its loop thread
+#: when each of the last 32 computes took less than this, a role runs the next ones on its loop thread
 RUN_INLINE_BELOW_S = 0.005
 
 
@@ -84,8 +84,8 @@ class StageRunner:
 
     @property
     def short_computes(self) -> bool:
-        """Every recent compute was short: running the next one on the socket loop's own thread costs less
-        than waking a compute thread for it, and delays heartbeats by no more than that."""
+        """Every recent compute was short: running the next ones on the socket loop's own thread, one after
+        another, costs less than waking compute threads for them (the loop bounds how long it does so)."""
         return len(self.recent) == self.recent.maxlen and max(self.recent) < RUN_INLINE_BELOW_S
 
     @property

@@ -47,6 +47,8 @@ from transport.pool import Pool
 HEARTBEAT_INTERVAL_S = 1.0
 RECONNECT_MAX_BACKOFF_S = 5.0
 REPORTS = "inproc://reports"
+#: the most time one pass over the inbox spends before the loop looks at its heartbeat again
+INLINE_BUDGET_S = 0.1
 
 
 @dataclass
@@ -239,7 +241,11 @@ class Worker:
             self.backoff_s = min(self.backoff_s * 2, RECONNECT_MAX_BACKOFF_S)
 
     def drain_inbox(self) -> None:
+        # bounded in count and time: computes run inline here must not hold back the heartbeat
+        until = time.monotonic() + INLINE_BUDGET_S
         for _ in range(256):
+            if time.monotonic() > until:
+                return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -300,8 +306,8 @@ class Worker:
             return
         with self._count_lock:
             self.in_flight += 1
-            inline = self.in_flight == 1 and self.runner.short_computes
-        if inline:  # idle, and computes here are all short: skip the wake-up of a compute thread
+            inline = self.runner.short_computes
+        if inline:  # computes here are all short: run it now rather than wake a compute thread for it
             self.runner.execute(msg, frames, time.perf_counter())
         else:
             self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
