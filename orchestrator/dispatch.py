@@ -70,6 +70,23 @@ class LeastWork(TieRotation):
         return self.rotate(role, [i for i in ready if finish(i) <= best * 1.0001])
 
 
+def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instance], req, requests: dict):
+    """The policy's pick, but where denoisers batch (max_batch > 1) an instance whose running batch `req`
+    can join (or that runs nothing) comes first: a batch holds one shape, others wait behind it.
+    `requests`: request id -> request, to read the shapes of what each instance runs."""
+    if role == "denoiser" and any(i.max_batch > 1 for i in instances):
+        key = (req.params.width, req.params.height)
+
+        def joinable(inst: Instance) -> bool:
+            shapes = ((r.params.width, r.params.height) for r in map(requests.get, inst.running) if r is not None)
+            return all(shape == key for shape in shapes)
+
+        inst = policy.pick(role, [i for i in instances if joinable(i)])
+        if inst is not None:
+            return inst
+    return policy.pick(role, instances)
+
+
 POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}
 
 

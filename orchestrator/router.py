@@ -12,7 +12,7 @@ import uuid
 
 import msgspec
 
-from orchestrator.dispatch import make_policy
+from orchestrator.dispatch import make_policy, pick_joining_batch
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, previous_stage
@@ -175,9 +175,7 @@ class Router:
         self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
 
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
-        if msg.fetch_s is not None:  # the role folded its Fetched into this report
-            self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
-                                (), now, out)
+        self.folded_fetch(sender, msg, now, out)
         inst = self.registry.get(sender)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
@@ -210,10 +208,14 @@ class Router:
             req.timings[f"handoff_{inst.role}"] = round(now - req.marks[f"staged_{previous}"], 6)
         self.release_source(req, out)
 
-    def handle_done(self, sender, msg: Done, frames, now, out) -> None:
+    def folded_fetch(self, sender, msg: Staged | Done, now, out) -> None:
+        """A role with short computes reports its pull inside Staged / Done instead of a Fetched of its own."""
         if msg.fetch_s is not None:
             self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
                                 (), now, out)
+
+    def handle_done(self, sender, msg: Done, frames, now, out) -> None:
+        self.folded_fetch(sender, msg, now, out)
         inst = self.registry.get(sender)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
@@ -262,25 +264,11 @@ class Router:
                     continue
                 if candidates is None:
                     candidates = self.registry.of_role(role)
-                inst = None
-                if role == "denoiser" and any(i.max_batch > 1 for i in candidates):
-                    # batches hold one shape: an instance whose batch this request can join comes first
-                    inst = self.policy.pick(role, [i for i in candidates if self.can_join(i, req)])
-                if inst is None:
-                    inst = self.policy.pick(role, candidates)
+                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests)
                 if inst is None:
                     break
                 queue.popleft()
                 self.assign(req, inst, now, out)
-
-    def can_join(self, inst: Instance, req: Request) -> bool:
-        """Whether `req` would join `inst`'s running batch (or start one) rather than wait behind another shape."""
-        key = (req.params.width, req.params.height)
-        for rid in inst.running:
-            other = self.requests.get(rid)
-            if other is not None and (other.params.width, other.params.height) != key:
-                return False
-        return True
 
     def expire_instances(self, now: float, out: list[Out]) -> None:
         for inst in self.registry.alive():

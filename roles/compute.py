@@ -21,7 +21,7 @@ from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
 
-#: computes shorter than this (moving average) fold their Fetched report into Staged / Done
+#: computes shorter than this (mean of the last 32) fold their Fetched report into Staged / Done
 FOLD_FETCHED_BELOW_S = 0.002
 #: when each of the last 32 computes took less than this, a role runs the next ones on its loop thread
 RUN_INLINE_BELOW_S = 0.005
@@ -77,9 +77,7 @@ class StageRunner:
         #: offsets of outputs staged here and not yet released
         self.staged: set[int] = set()
         self.meter = BusyMeter()
-        #: moving average of compute time (None until the first request, which reports Fetched on its own)
-        self.compute_s_avg: float | None = None
-        #: the last computes' times (short_computes reads them)
+        #: the last computes' times (short_computes and fold_fetched read them)
         self.recent: collections.deque[float] = collections.deque(maxlen=32)
 
     @property
@@ -92,7 +90,7 @@ class StageRunner:
     def fold_fetched(self) -> bool:
         """Fold Fetched into the Staged / Done that follows when computes are this short: the producer's
         slot is then freed a moment later, and the request saves a control message."""
-        return self.compute_s_avg is not None and self.compute_s_avg < FOLD_FETCHED_BELOW_S
+        return bool(self.recent) and sum(self.recent) / len(self.recent) < FOLD_FETCHED_BELOW_S
 
     def tick(self, *_args) -> None:
         self.progress += 1
@@ -139,8 +137,6 @@ class StageRunner:
             t0 = time.perf_counter()
             out = self.stage.run(run.params, inputs, self.tick)
             compute_s = time.perf_counter() - t0
-            avg = self.compute_s_avg
-            self.compute_s_avg = compute_s if avg is None else 0.9 * avg + 0.1 * compute_s
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)

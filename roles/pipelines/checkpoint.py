@@ -114,8 +114,10 @@ def vae_scale_factors(ck: Checkpoint) -> tuple[int, int]:
     """(spatial, temporal) downsampling of the checkpoint's VAE, from its config."""
     vae = ck.configs.get("vae", {})
     if ck.family == "wan":
+        # explicit scale_factor_* keys win (Wan 2.2 TI2V's VAE patchifies: 16x with three down stages)
         down = vae.get("temperal_downsample", [False, True, True])
-        return 2 ** len(down), 2 ** sum(bool(d) for d in down)
+        return (int(vae.get("scale_factor_spatial") or 2 ** len(down)),
+                int(vae.get("scale_factor_temporal") or 2 ** sum(bool(d) for d in down)))
     return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), 1
 
 

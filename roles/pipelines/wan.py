@@ -8,7 +8,8 @@ Diffusers quirks handled here:
 * WanTransformer3DModel declares `_keep_in_fp32_modules`; diffusers loads such a model only with
   accelerate installed (a dependency of ours for this reason).
 * Without a VAE, WanPipeline assumes 8x spatial / 4x temporal downsampling; `fix_without_vae` sets the
-  checkpoint's own factors (the VAE config's `scale_factor_*` when present, e.g. 16x for Wan 2.2 TI2V-5B).
+  checkpoint's own factors (checkpoint.vae_scale_factors: the VAE config's `scale_factor_*` when present,
+  e.g. 16x for Wan 2.2 TI2V-5B).
 * The pipeline encodes with max_sequence_length=512 (encode_prompt's own default is 226).
 """
 
@@ -94,11 +95,7 @@ class WanAdapter(SplitPipeline):
             return pipe.video_processor.postprocess_video(video, output_type="pil")
 
     def fix_without_vae(self, spatial: int, temporal: int) -> None:
-        # what WanPipeline.__init__ reads from vae.config; the explicit scale_factor_* keys win (Wan 2.2's
-        # TI2V VAE patchifies: 16x spatial with three down stages), else the factors from the stages
-        vae = self.ck.configs.get("vae", {})
-        spatial = int(vae.get("scale_factor_spatial") or spatial)
-        temporal = int(vae.get("scale_factor_temporal") or temporal)
+        # what WanPipeline.__init__ reads from vae.config (vae_scale_factors prefers its scale_factor_* keys)
         self.pipe.vae_scale_factor_spatial = spatial
         self.pipe.vae_scale_factor_temporal = temporal
         self.pipe.video_processor = VideoProcessor(vae_scale_factor=spatial)
