@@ -16,6 +16,7 @@ from transport.auth import apply_client_curve
 from transport.messages import (
     GenerationParams,
     MessageError,
+    Outbox,
     Rejected,
     Result,
     ServerReply,
@@ -24,7 +25,7 @@ from transport.messages import (
     Stop,
     Stopping,
     Submit,
-    decode,
+    decode_frames,
     encode,
 )
 
@@ -86,14 +87,25 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _recv(self, timeout_s: float) -> tuple[object, list[bytes]] | None:
+    def _recv(self, timeout_s: float, most: int = 1) -> list[tuple[object, list[bytes]]]:
+        """The replies of up to `most` waiting ZeroMQ messages (a Bundle holds several); waits
+        up to `timeout_s` for the first one. Empty when nothing came."""
         if not self.sock.poll(timeout_s * 1000):
-            return None
-        frames = self.sock.recv_multipart()
-        try:
-            return decode(frames[0], ServerReply), frames[1:]
-        except MessageError as exc:
-            raise RuntimeError(f"bad reply from the orchestrator: {exc}") from None
+            return []
+        replies = []
+        for _ in range(most):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                replies.extend(decode_frames(frames, ServerReply))
+            except MessageError as exc:
+                raise RuntimeError(f"bad reply from the orchestrator: {exc}") from None
+        for reply, _ in replies:
+            if isinstance(reply, MessageError):
+                raise RuntimeError(f"bad reply from the orchestrator: {reply}")
+        return replies
 
     def probe(self) -> None:
         """Fail at once when nothing listens at a tcp endpoint (ZeroMQ would wait silently)."""
@@ -112,14 +124,14 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
-            if got is None:
+            if not got:
                 hint = "" if self.secured else " (if it uses keys, pass --keys)"
                 raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s){hint}")
-            reply, _ = got
-            if isinstance(reply, expect):
-                return reply
-            if isinstance(reply, Rejected) and reply.request_id is None:
-                raise RuntimeError(f"orchestrator refused: {reply.reason}")
+            for reply, _ in got:
+                if isinstance(reply, expect):
+                    return reply
+                if isinstance(reply, Rejected) and reply.request_id is None:
+                    raise RuntimeError(f"orchestrator refused: {reply.reason}")
 
     def status(self, timeout_s: float = CONNECT_TIMEOUT_S) -> StatusReport:
         if not self._probed:
@@ -163,6 +175,7 @@ class Client:
                 settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0))
             pending.clear()
 
+        outbox = Outbox()
         while nxt < len(todo) or pending:
             if cancelled is not None and cancelled():
                 raise KeyboardInterrupt
@@ -170,15 +183,18 @@ class Client:
                 time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(pending) < concurrency
             ):
                 rid, p = id_list[nxt], todo[nxt]
-                self.sock.send_multipart([encode(Submit(request_id=rid, params=p, timeout_s=timeout_s))])
+                outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s))
                 pending[rid] = (p, time.monotonic())
                 nxt += 1
+            # the submits of this turn leave as one message
+            outbox.flush(lambda _dest, frames: self.sock.send_multipart(frames))
             wait_s = 0.25
             if arrivals is not None and nxt < len(todo):
                 wait_s = min(wait_s, max(0.0, start + arrivals[nxt] - time.monotonic()))
-            got = self._recv(wait_s)
+            # everything that is already here, so the next submits go out together
+            got = self._recv(wait_s, most=256)
             now = time.monotonic()
-            if got is None:
+            if not got:
                 if not pending:
                     continue
                 # quiet: make sure the orchestrator that holds our requests is still there
@@ -189,24 +205,24 @@ class Client:
                     last_probe = now
                 continue
             last_heard = now
-            reply, frames = got
-            if isinstance(reply, StatusReport):
-                if reply.orchestrator.get("id") != orchestrator_id:
-                    lose_pending("the orchestrator restarted and lost this request; submit it again")
-                    orchestrator_id = reply.orchestrator.get("id")
-                continue
-            rid = getattr(reply, "request_id", None)
-            if isinstance(reply, Rejected) and rid is None:
-                # the orchestrator could not read our Submit at all (e.g. a version without a field we
-                # sent): nothing we sent will be answered, so end every pending request with its reason
-                lose_pending(f"refused by the orchestrator: {reply.reason}")
-                continue
-            if rid not in pending:
-                continue
-            p, t0 = pending.pop(rid)
-            if isinstance(reply, Result):
-                settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                    reply.timings, now - t0, reply.attempts))
-            else:
-                settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
+            for reply, frames in got:
+                if isinstance(reply, StatusReport):
+                    if reply.orchestrator.get("id") != orchestrator_id:
+                        lose_pending("the orchestrator restarted and lost this request; submit it again")
+                        orchestrator_id = reply.orchestrator.get("id")
+                    continue
+                rid = getattr(reply, "request_id", None)
+                if isinstance(reply, Rejected) and rid is None:
+                    # the orchestrator could not read our Submit at all (e.g. a version without a field we
+                    # sent): nothing we sent will be answered, so end every pending request with its reason
+                    lose_pending(f"refused by the orchestrator: {reply.reason}")
+                    continue
+                if rid not in pending:
+                    continue
+                p, t0 = pending.pop(rid)
+                if isinstance(reply, Result):
+                    settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
+                                        reply.timings, now - t0, reply.attempts))
+                else:
+                    settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
         return [outcomes[rid] for rid in id_list if rid in outcomes]

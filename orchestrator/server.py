@@ -18,11 +18,11 @@ from transport.messages import (
     MAX_MESSAGE_BYTES,
     ClientMessage,
     MessageError,
+    Outbox,
     Rejected,
     RoleMessage,
     Stop,
-    decode,
-    encode,
+    decode_frames,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -62,6 +62,8 @@ class OrchestratorServer:
         router.endpoint = self.endpoint
         self._stop_requested = False
         self._dropped = 0
+        #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
+        self.outbox = Outbox()
 
     def request_stop(self, *_args) -> None:
         self._stop_requested = True
@@ -88,6 +90,7 @@ class OrchestratorServer:
                 if os.getppid() != parent:  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
                     self.send(self.router.handle_client(b"", Stop(), [], now))
+            self.flush()
             if self.router.stopping:
                 break
         if self.router.stopping:
@@ -107,28 +110,34 @@ class OrchestratorServer:
         if len(frames) < 2:
             self._drop("frontend", "message without a payload frame")
             return
-        identity, payload, rest = frames[0], frames[1], frames[2:]
+        identity = frames[0]
         try:
-            msg = decode(payload, ClientMessage)
+            items = decode_frames(frames[1:], ClientMessage)
         except MessageError as exc:
-            self._drop("frontend", str(exc))
-            self.send([Out(identity, None, Rejected(reason=f"bad message: {exc}"))])
-            return
-        self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
+            items = [(exc, [])]
+        for msg, rest in items:
+            if isinstance(msg, MessageError):
+                self._drop("frontend", str(msg))
+                self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}"))])
+                continue
+            self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
 
     def handle_backend_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             self._drop("backend", "message without a payload frame")
             return
-        identity, payload, rest = frames[0], frames[1], frames[2:]
         try:
             # a role's compute threads report on their own sockets, as INSTANCE#THREAD
-            sender = identity.decode("ascii").split("#", 1)[0]
-            msg = decode(payload, RoleMessage)
+            sender = frames[0].decode("ascii").split("#", 1)[0]
+            items = decode_frames(frames[1:], RoleMessage)
         except (MessageError, UnicodeDecodeError) as exc:
             self._drop("backend", str(exc))
             return
-        self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
+        for msg, rest in items:
+            if isinstance(msg, MessageError):
+                self._drop("backend", str(msg))
+                continue
+            self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 
     def _drop(self, where: str, why: str) -> None:
         self._dropped += 1
@@ -137,16 +146,24 @@ class OrchestratorServer:
             log.warning("dropped a bad message on the %s socket (%d so far): %s", where, self._dropped, why[:200])
 
     def send(self, outs: list[Out]) -> None:
+        """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer."""
         for out in outs:
             if out.to_client is not None:
-                sock, identity = self.frontend, out.to_client
+                self.outbox.add((True, out.to_client), out.msg, out.frames)
             else:
-                sock, identity = self.backend, out.to_instance.encode()
-            try:
-                sock.send_multipart([identity, encode(out.msg), *out.frames], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                # the peer is gone (client quit, role died): nothing to deliver to
-                log.debug("could not send %s: %s", type(out.msg).__name__, exc)
+                self.outbox.add((False, out.to_instance.encode()), out.msg, out.frames)
+
+    def flush(self) -> None:
+        self.outbox.flush(self._send_frames)
+
+    def _send_frames(self, destination: tuple[bool, bytes], frames: list) -> None:
+        to_client, identity = destination
+        sock = self.frontend if to_client else self.backend
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # the peer is gone (client quit, role died): nothing to deliver to
+            log.debug("could not send to %r: %s", identity, exc)
 
     def close(self) -> None:
         if self.auth is not None:

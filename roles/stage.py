@@ -55,6 +55,8 @@ class Stage:
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
             inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
+        if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
+            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt), image_format=fmt)
         outputs = self.adapter.decode(inputs, p)
         if fmt == "mp4":  # one list of frames per video
             return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt)

@@ -32,6 +32,7 @@ from transport.messages import (
     Heartbeat,
     MessageError,
     OrchestratorCommand,
+    Outbox,
     PoolInfo,
     Register,
     Registered,
@@ -39,7 +40,7 @@ from transport.messages import (
     Release,
     Run,
     Shutdown,
-    decode,
+    decode_frames,
     encode,
 )
 from transport.pool import Pool
@@ -106,6 +107,8 @@ class Worker:
         self.runner = StageRunner(spec.instance_id, pool, self.engines, self.report)
         self.executor = ThreadPoolExecutor(max_workers=spec.capacity, thread_name_prefix=spec.instance_id)
         self.sock: zmq.Socket | None = None
+        #: messages from the loop thread, sent together at the end of each loop turn
+        self.outbox = Outbox()
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
         self._count_lock = threading.Lock()
@@ -129,10 +132,11 @@ class Worker:
     # --- socket side (loop thread only) ----------------------------------------------------
 
     def send(self, msg, frames=()) -> None:
-        try:
-            self.sock.send_multipart([encode(msg), *frames], zmq.NOBLOCK)
-        except zmq.Again:
-            self.log.warning("orchestrator not accepting messages; %s dropped", type(msg).__name__)
+        """Queue a message for the orchestrator; it leaves at the end of this loop turn (flush)."""
+        self.outbox.add(None, msg, frames)
+
+    def flush(self) -> None:
+        self.outbox.flush(lambda _dest, frames: self.send_frames(frames))
 
     def pool_info(self) -> PoolInfo:
         advertised = {}
@@ -150,6 +154,7 @@ class Worker:
     def connect(self) -> None:
         """A fresh DEALER to the orchestrator (again after it went silent), then Register."""
         if self.sock is not None:
+            self.outbox = Outbox()  # what was meant for the silent orchestrator goes with its socket
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.spec.instance_id.encode())
@@ -226,6 +231,7 @@ class Worker:
                 if os.getppid() != self.parent_pid:
                     self.log.warning("launcher is gone; exiting")
                     self.stop = True
+            self.flush()
         self.close()
 
     def watch_orchestrator(self, now: float) -> None:
@@ -252,11 +258,14 @@ class Worker:
                 return
             self.last_heard = time.monotonic()
             try:
-                msg = decode(frames[0], OrchestratorCommand)
+                items = decode_frames(frames, OrchestratorCommand)
             except MessageError as exc:
-                self.log.warning("dropped a bad message from the orchestrator: %s", exc)
-                continue
-            self._handlers[type(msg)](msg, frames[1:])
+                items = [(exc, [])]
+            for msg, rest in items:
+                if isinstance(msg, MessageError):
+                    self.log.warning("dropped a bad message from the orchestrator: %s", msg)
+                    continue
+                self._handlers[type(msg)](msg, rest)
 
     def forward_reports(self) -> None:
         for _ in range(256):
@@ -360,6 +369,7 @@ class Worker:
         return sock
 
     def close(self) -> None:
+        self.flush()
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
             engine.close()

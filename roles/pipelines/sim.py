@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from PIL import Image
 
+from roles.media import encode_image
 from roles.pipelines.sim_profile import load_profile
 
 
@@ -39,6 +40,7 @@ class SimAdapter:
         self.slowdown = slowdown
         self.role = role
         self._zeros = torch.zeros(0)
+        self._encoded: dict[str, bytes] = {}
         self._lock_fd = None
         self._thread_turn = threading.Lock()
         if device.startswith("sim:"):
@@ -114,6 +116,15 @@ class SimAdapter:
     def decode(self, inputs, p: dict) -> list[Image.Image]:
         self._busy(self.profile.decoder.fixed_ms(p["width"] * p["height"]))
         return [Image.new("L", (1, 1), 0) for _ in range(p["num_images_per_prompt"])]
+
+    def decode_encoded(self, inputs, p: dict, fmt: str) -> list[bytes]:
+        """decode(), already encoded: the image is always the same, so it is encoded once per format
+        (encoding a blank image on every request would be simulated work no profile asked for)."""
+        images = self.decode(inputs, p)
+        data = self._encoded.get(fmt)
+        if data is None:
+            data = self._encoded[fmt] = encode_image(images[0], fmt)
+        return [data] * len(images)
 
     def components_loaded(self) -> dict[str, int]:
         return {}
