@@ -102,13 +102,14 @@ def cli(verbose: bool) -> None:
 @click.option("--max-retries", type=click.IntRange(0, 100), help="New attempts when an instance dies under a request (default 2).")
 @click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
 @click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")
+@click.option("--lane/--no-lane", default=None, help="Same-host control messages over a Unix-socket fast lane instead of ZeroMQ (default on).")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where per-process logs go (default $TMPDIR/disagg/RUN_ID).")
 @click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
 def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
-           heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir,
+           heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
     """Start the orchestrator and every role process, and show them live.
 
@@ -123,7 +124,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
-                       ("keys", keys_dir), ("colocated", colocated)):
+                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane)):
         if value is not None:
             setattr(config, key, value)
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):

@@ -78,6 +78,7 @@ class Deployment:
                 "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
                 "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
                 *(["--colocated"] if c.colocated else []),
+                *([] if c.lane else ["--no-lane"]),
             ),
             env=self._env(),
         )
@@ -107,6 +108,7 @@ class Deployment:
             "visible_gpus": self.visible_gpus(p),
             "orchestrator_timeout_s": self.config.heartbeat_timeout_s,
             "keys_dir": self.keys_dir,
+            "use_lane": self.config.lane,
         }
         env = self._env()
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))

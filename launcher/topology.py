@@ -55,6 +55,9 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_queue: Annotated[int, Meta(ge=1)] = 4096
     #: CurveZMQ keys directory (`disagg keys generate`); empty = no authentication
     keys: str = ""
+    #: control messages between processes on one host take a Unix-socket fast lane instead of
+    #: ZeroMQ (about 100 µs less per hop on a small VM); false = ZeroMQ for everything
+    lane: bool = True
     ready_timeout_s: Annotated[float, Meta(gt=0)] = 180.0
     encoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
     denoisers: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=2))

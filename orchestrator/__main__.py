@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dispatch", default="max-free-slots")
     ap.add_argument("--transfer", default="auto")
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
+    ap.add_argument("--no-lane", action="store_true",
+                    help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         router = Router(config, now=time.monotonic())
         router.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
-        server = OrchestratorServer(router, args.host, args.port, args.keys)
+        server = OrchestratorServer(router, args.host, args.port, args.keys, lane=not args.no_lane)
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
         return BOOT_ERROR_EXIT

@@ -46,6 +46,7 @@ class Router:
         self.draining = False
         self._drain_client: bytes | None = None
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
+        self.lane = ""  # the same-host fast lane's path, likewise; told to roles in Registered
         self._warned_pairs: set[tuple[str, str]] = set()
         #: producer id -> whether some consumer needs its output inline; reset when instances change
         self._inline_cache: dict[str, bool] = {}
@@ -154,7 +155,8 @@ class Router:
         out.append(
             to_instance(
                 inst.id,
-                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S, orchestrator_id=self.id),
+                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S, orchestrator_id=self.id,
+                           lane=self.lane),
             )
         )
 

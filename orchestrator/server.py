@@ -13,6 +13,7 @@ import zmq
 
 from orchestrator.router import Out, Router
 from transport.auth import secure_server
+from transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
@@ -39,7 +40,8 @@ STOP_LINGER_MS = 500
 class OrchestratorServer:
     """Owns the sockets and the loop; every decision is the Router's."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555, keys_dir: str = ""):
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555, keys_dir: str = "",
+                 lane: bool = True):
         self.router = router
         self.ctx = zmq.Context()
         self.frontend = self.ctx.socket(zmq.ROUTER)
@@ -60,6 +62,16 @@ class OrchestratorServer:
         self.backend.bind(f"tcp://{host}:{port + 1}")
         self.endpoint = f"tcp://{host}:{port}"
         router.endpoint = self.endpoint
+        # the same-host fast lane (transport/lane.py): roles and clients here connect after their handshake
+        self.lane_listener = LaneListener(lane_path(port)) if lane else None
+        router.lane = self.lane_listener.path if self.lane_listener else ""
+        #: fd -> lane not yet introduced (its first packet says who it is)
+        self._new_lanes: dict[int, Lane] = {}
+        #: fd -> (lane, True for a client / False for a role, identity)
+        self._lanes: dict[int, tuple[Lane, bool, bytes]] = {}
+        #: (is client, identity) -> lane, for sending
+        self._lane_to: dict[tuple[bool, bytes], Lane] = {}
+        self._client_lanes = 0
         self._stop_requested = False
         self._dropped = 0
         #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
@@ -71,14 +83,19 @@ class OrchestratorServer:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        if self.lane_listener is not None:
+            poller.register(self.lane_listener, zmq.POLLIN)
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         parent = os.getppid()
         while not self._stop_requested:
             events = dict(poller.poll(TICK_S * 1000))
+            for fd in events:
+                if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
+                    self.serve_lane(fd)
             if self.backend in events:
                 self.drain_inbox(self.backend, self.handle_backend_frames)
             if self.frontend in events:
@@ -96,6 +113,72 @@ class OrchestratorServer:
         if self.router.stopping:
             time.sleep(STOP_LINGER_MS / 1000)
         self.close()
+
+    # --- the fast lane ------------------------------------------------------------------------
+
+    def serve_lane(self, fd: int) -> None:
+        if self.lane_listener is not None and fd == self.lane_listener.fileno():
+            for lane in self.lane_listener.accept():
+                self._new_lanes[lane.fileno()] = lane
+                self.poller.register(lane.fileno(), zmq.POLLIN)
+            return
+        lane = self._new_lanes.get(fd) or (self._lanes[fd][0] if fd in self._lanes else None)
+        if lane is None:
+            return
+        try:
+            packets = lane.recv()
+        except LaneClosed:
+            self.drop_lane(fd)
+            return
+        for frames in packets:
+            if isinstance(frames, LaneError):
+                self._drop("lane", str(frames))
+                continue
+            if fd in self._new_lanes:
+                self.introduce_lane(fd, frames)
+                continue
+            _, is_client, identity = self._lanes[fd]
+            (self.handle_frontend_frames if is_client else self.handle_backend_frames)([identity, *frames])
+
+    def introduce_lane(self, fd: int, hello: list[bytes]) -> None:
+        """A lane's first packet: [b"role", instance id, orchestrator id] or [b"client", orchestrator id]."""
+        lane = self._new_lanes.pop(fd)
+        kind, rest = hello[0], hello[1:]
+        if kind == b"role" and len(rest) == 2 and rest[1] == self.router.id.encode():
+            inst = self.router.registry.get(rest[0].decode("ascii", "replace"))
+            if inst is not None and inst.state != "dead":
+                identity, is_client = inst.id.encode(), False
+            else:
+                identity = None
+        elif kind == b"client" and len(rest) == 1 and rest[0] == self.router.id.encode():
+            self._client_lanes += 1
+            identity, is_client = b"\0lane-%d" % self._client_lanes, True
+        else:
+            identity = None
+        if identity is None:  # not ours, or an instance we do not know: it talks over ZeroMQ
+            self.poller.unregister(fd)
+            lane.close()
+            return
+        old = self._lane_to.get((is_client, identity))
+        if old is not None and not old.closed:  # a role that connected again (re-registered)
+            self.drop_lane(old.fileno())
+        self._lanes[fd] = (lane, is_client, identity)
+        self._lane_to[(is_client, identity)] = lane
+        lane.send([WELCOME])  # the peer switches to the lane only now, so nothing it sends is lost
+
+    def drop_lane(self, fd: int) -> None:
+        lane = self._new_lanes.pop(fd, None)
+        entry = self._lanes.pop(fd, None)
+        if entry is not None:
+            lane = entry[0]
+            if self._lane_to.get((entry[1], entry[2])) is lane:
+                del self._lane_to[(entry[1], entry[2])]
+        try:
+            self.poller.unregister(fd)
+        except KeyError:
+            pass
+        if lane is not None:
+            lane.close()
 
     def drain_inbox(self, sock: zmq.Socket, handler) -> None:
         # bounded, so one busy socket cannot starve the other or the tick
@@ -157,6 +240,12 @@ class OrchestratorServer:
         self.outbox.flush(self._send_frames)
 
     def _send_frames(self, destination: tuple[bool, bytes], frames: list) -> None:
+        lane = self._lane_to.get(destination)
+        if lane is not None:
+            if lane.send(frames):
+                return
+            if lane.closed:  # broken or stuck peer: from now on ZeroMQ (a client's lane: the client is gone)
+                self.drop_lane_of(destination, lane)
         to_client, identity = destination
         sock = self.frontend if to_client else self.backend
         try:
@@ -165,7 +254,17 @@ class OrchestratorServer:
             # the peer is gone (client quit, role died): nothing to deliver to
             log.debug("could not send to %r: %s", identity, exc)
 
+    def drop_lane_of(self, destination, lane: Lane) -> None:
+        for fd, entry in list(self._lanes.items()):
+            if entry[0] is lane:
+                self.drop_lane(fd)
+        self._lane_to.pop(destination, None)
+
     def close(self) -> None:
+        for fd in list(self._lanes) + list(self._new_lanes):
+            self.drop_lane(fd)
+        if self.lane_listener is not None:
+            self.lane_listener.close()
         if self.auth is not None:
             self.auth.stop()
         self.frontend.close(linger=0)

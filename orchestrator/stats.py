@@ -41,6 +41,7 @@ def snapshot(router, now: float) -> StatusReport:
             "pid": os.getpid(),
             "id": router.id,
             "endpoint": router.endpoint,
+            "lane": router.lane,
             "restarts": router.restarts,
             "uptime_s": round(now - router.started_at, 3),
             "state": "draining" if (router.draining or router.stopping) else "ready",

@@ -23,6 +23,8 @@ import zmq
 from roles.compute import StageRunner
 from transport.auth import apply_client_curve, client_curve
 from transport.engines import EngineOptions, TransferEngine, make_engines
+from transport.lane import WELCOME, Lane, LaneClosed, LaneError
+from transport.lane import connect as connect_lane
 from transport.messages import (
     BOOT_ERROR_EXIT,
     MAX_FRAMES_BYTES,
@@ -84,6 +86,8 @@ class WorkerSpec:
     sim_slowdown: float = 1.0
     #: CurveZMQ keys directory (disagg keys generate); empty = no authentication
     keys_dir: str = ""
+    #: take the orchestrator's same-host fast lane when it offers one (transport/lane.py)
+    use_lane: bool = True
 
 
 class Worker:
@@ -109,6 +113,10 @@ class Worker:
         self.sock: zmq.Socket | None = None
         #: messages from the loop thread, sent together at the end of each loop turn
         self.outbox = Outbox()
+        #: the orchestrator's same-host fast lane, once connected (transport/lane.py)
+        self.lane: Lane | None = None
+        self.lane_ready = False  # the orchestrator welcomed us on it: send there from now on
+        self.poller: zmq.Poller | None = None
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
         self._count_lock = threading.Lock()
@@ -138,6 +146,47 @@ class Worker:
     def flush(self) -> None:
         self.outbox.flush(lambda _dest, frames: self.send_frames(frames))
 
+    def open_lane(self, path: str) -> None:
+        """Take the orchestrator's fast lane when it is on this host (its socket file is here)."""
+        self.close_lane()
+        if not path or not self.spec.use_lane:
+            return
+        lane = connect_lane(path, [b"role", self.spec.instance_id.encode(), self.orchestrator_id.encode()])
+        if lane is None:
+            self.log.info("no fast lane to the orchestrator here; control messages take ZeroMQ")
+            return
+        self.lane, self.lane_ready = lane, False
+        if self.poller is not None:
+            self.poller.register(lane.fileno(), zmq.POLLIN)
+
+    def close_lane(self) -> None:
+        if self.lane is not None:
+            if self.poller is not None:
+                try:
+                    self.poller.unregister(self.lane.fd)
+                except (KeyError, ValueError):
+                    pass
+            self.lane.close()
+            self.lane, self.lane_ready = None, False
+
+    def drain_lane(self) -> None:
+        try:
+            packets = self.lane.recv()
+        except LaneClosed:
+            self.log.info("the orchestrator closed the fast lane; control messages take ZeroMQ")
+            self.close_lane()
+            return
+        for frames in packets:
+            if isinstance(frames, LaneError):
+                self.log.warning("dropped a bad packet from the orchestrator: %s", frames)
+                continue
+            if not self.lane_ready:
+                self.lane_ready = frames == [WELCOME]
+                if self.lane_ready:
+                    self.log.info("control messages take the fast lane")
+                continue
+            self.handle_frames(frames)
+
     def pool_info(self) -> PoolInfo:
         advertised = {}
         for engine in self.engines.values():
@@ -155,6 +204,7 @@ class Worker:
         """A fresh DEALER to the orchestrator (again after it went silent), then Register."""
         if self.sock is not None:
             self.outbox = Outbox()  # what was meant for the silent orchestrator goes with its socket
+            self.close_lane()
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.spec.instance_id.encode())
@@ -208,15 +258,19 @@ class Worker:
 
     def serve_forever(self) -> None:
         threading.Thread(target=self.boot, name="boot", daemon=True).start()
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         poller.register(self.reports, zmq.POLLIN)
         poller.register(self.sock, zmq.POLLIN)
+        if self.lane is not None:
+            poller.register(self.lane.fd, zmq.POLLIN)
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         while not self.stop:
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
             events = dict(poller.poll(timeout_ms))
             if self.reports in events:
                 self.forward_reports()
+            if self.lane is not None and self.lane.fd in events:
+                self.drain_lane()
             if self.sock in events:
                 self.drain_inbox()
             now = time.monotonic()
@@ -256,16 +310,20 @@ class Worker:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.last_heard = time.monotonic()
-            try:
-                items = decode_frames(frames, OrchestratorCommand)
-            except MessageError as exc:
-                items = [(exc, [])]
-            for msg, rest in items:
-                if isinstance(msg, MessageError):
-                    self.log.warning("dropped a bad message from the orchestrator: %s", msg)
-                    continue
-                self._handlers[type(msg)](msg, rest)
+            self.handle_frames(frames)
+
+    def handle_frames(self, frames: list) -> None:
+        """One message from the orchestrator (or a bundle of them), by ZeroMQ or the lane."""
+        self.last_heard = time.monotonic()
+        try:
+            items = decode_frames(frames, OrchestratorCommand)
+        except MessageError as exc:
+            items = [(exc, [])]
+        for msg, rest in items:
+            if isinstance(msg, MessageError):
+                self.log.warning("dropped a bad message from the orchestrator: %s", msg)
+                continue
+            self._handlers[type(msg)](msg, rest)
 
     def forward_reports(self) -> None:
         for _ in range(256):
@@ -285,6 +343,12 @@ class Worker:
                 self.send_frames(frames)
 
     def send_frames(self, frames: list) -> None:
+        if self.lane_ready:
+            if self.lane.send(frames):
+                return
+            if self.lane.closed:
+                self.log.warning("the fast lane to the orchestrator broke; control messages take ZeroMQ")
+                self.close_lane()
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
@@ -296,6 +360,7 @@ class Worker:
             freed = self.runner.release_all()
             self.log.warning("orchestrator restarted; freed %d staged outputs", freed)
         self.orchestrator_id = msg.orchestrator_id
+        self.open_lane(msg.lane)
         self.backoff_s = HEARTBEAT_INTERVAL_S
         self.log.info("registered, session %d", msg.session)
 
@@ -370,6 +435,7 @@ class Worker:
 
     def close(self) -> None:
         self.flush()
+        self.close_lane()
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
             engine.close()

@@ -244,6 +244,8 @@ class Registered(_Msg, tag="registered", kw_only=True):
     heartbeat_interval_s: Seconds
     #: changes when the orchestrator restarts: staged outputs from before are nobody's
     orchestrator_id: str = ""
+    #: the orchestrator's same-host fast lane (transport/lane.py); empty = none, use ZeroMQ only
+    lane: str = ""
 
 
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
@@ -427,7 +429,7 @@ def bundle_frames(items: list[tuple[bytes, list]]) -> list:
 
 #: a bundle closes at this many messages or bytes (a bigger message travels alone)
 BUNDLE_MAX_MESSAGES = 1024
-BUNDLE_MAX_BYTES = 1024 * 1024
+BUNDLE_MAX_BYTES = 56 * 1024  # fits one lane packet (transport/lane.py)
 
 
 class Outbox:
