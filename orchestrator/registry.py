@@ -40,6 +40,7 @@ class Instance:
     restarts: int = 0
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
+    lane: bool = False
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -111,6 +112,7 @@ class Instance:
             busy_s=round(self.busy_s, 6),
             max_batch=self.max_batch,
             components=self.components,
+            lane=self.lane,
         )
 
 

@@ -164,6 +164,8 @@ class OrchestratorServer:
             self.drop_lane(old.fileno())
         self._lanes[fd] = (lane, is_client, identity)
         self._lane_to[(is_client, identity)] = lane
+        if not is_client:
+            inst.lane = True
         lane.send([WELCOME])  # the peer switches to the lane only now, so nothing it sends is lost
 
     def drop_lane(self, fd: int) -> None:
@@ -173,6 +175,9 @@ class OrchestratorServer:
             lane = entry[0]
             if self._lane_to.get((entry[1], entry[2])) is lane:
                 del self._lane_to[(entry[1], entry[2])]
+                inst = None if entry[1] else self.router.registry.get(entry[2].decode())
+                if inst is not None:
+                    inst.lane = False
         try:
             self.poller.unregister(fd)
         except KeyError:

@@ -88,6 +88,21 @@ def test_bench_table_and_usage_errors(deployment):
     assert res.returncode == 2 and "not both" in res.stderr
 
 
+def test_without_the_lane_everything_takes_zeromq(tmp_path):
+    """`--no-lane`: no lane is offered, roles and clients talk ZeroMQ only, and requests still complete."""
+    dep = Launched(["--model", "sim:zero", "--no-dashboard", "-d", "1", "--no-lane", "--capacity", "4,4,4"], tmp_path)
+    try:
+        status = dep.wait_ready(3)
+        assert status.orchestrator["lane"] == "" and not any(i.lane for i in status.instances)
+        res = disagg("bench", "--endpoint", dep.endpoint, "--concurrency", "16", "--num-requests", "200", "--json",
+                     timeout=120)
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert doc["completed"] == 200 and doc["failed"] == 0
+    finally:
+        dep.stop()
+
+
 def test_batching_denoiser_end_to_end(tmp_path):
     """A batching denoiser between real processes: requests share forwards, utilization stays a share."""
     dep = Launched(["--model", "sim:flux-h200", "--no-dashboard", "-d", "1", "--max-batch", "4"], tmp_path)

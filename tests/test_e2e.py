@@ -51,6 +51,9 @@ def test_status_json_lists_every_instance_ready(deployment):
     assert set(doc["queues"]) == {"encoder", "denoiser", "decoder"}
     assert {"in_flight", "completed", "failed"} <= set(doc["requests"])
     assert pid_alive(doc["orchestrator"]["pid"])
+    # every role is on this host, so its control messages take the fast lane
+    assert os.path.exists(doc["orchestrator"]["lane"])
+    assert all(inst["lane"] for inst in insts), [(i["id"], i["lane"]) for i in insts]
 
 
 def test_status_table_shows_instances(deployment):
@@ -173,6 +176,53 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
     assert outcome.ok, outcome.error
     log = (deployment.run_dir / "logs" / "orchestrator.log").read_text()
     assert "dropped a bad message" in log
+
+
+def test_garbage_on_the_lane_is_dropped(deployment):
+    """The fast lane refuses strangers, drops bad packets and messages, and keeps serving."""
+    from transport.lane import WELCOME, LaneClosed, pack
+    from transport.lane import connect as connect_lane
+    from transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport, decode_frames
+    import msgspec
+
+    with Client(deployment.endpoint) as client:
+        report = client.status()
+    path, oid = report.orchestrator["lane"], report.orchestrator["id"].encode()
+
+    def recv(lane, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = lane.recv()
+            if got:
+                return got
+            time.sleep(0.01)
+        raise AssertionError("no answer on the lane")
+
+    # strangers are closed without a word: another orchestrator's id, an unknown role, nonsense
+    for hello in ([b"client", b"not-this-one"], [b"role", b"denoiser-99", oid], [b"\xff" * 10]):
+        lane = connect_lane(path, hello)
+        with pytest.raises(LaneClosed):
+            recv(lane)
+    lane = connect_lane(path, [b"client", oid])
+    assert recv(lane) == [[WELCOME]]
+    lane.sock.send(b"\x01")  # not a packet
+    for frames in ([b"\xc1"], [b""], [encode(Bundle(messages=[msgspec.Raw(b"\xc1")], frames=[5]))],
+                   [encode(Heartbeat(instance_id="ghost"))]):
+        lane.send(frames)
+    lane.send([encode(StatusQuery())])
+    replies = []
+    while not any(isinstance(r, StatusReport) for r, _ in replies):
+        for frames in recv(lane):
+            replies.extend(decode_frames(frames, ServerReply))
+    assert sum(i.state == "ready" for i in replies[-1][0].instances) == N_INSTANCES
+    # each bad message was answered on the lane with the cause (the unframed packet is only logged)
+    bad = [r.reason for r, _ in replies if isinstance(r, Rejected)]
+    assert len(bad) == 4 and all(reason.startswith("bad message") for reason in bad), bad
+    lane.close()
+    with Client(deployment.endpoint) as client:
+        [outcome] = client.run_all([GenerationParams(prompt="lane still serving", width=32, height=32, num_inference_steps=1)])
+        assert client.lane is not None  # it went over the lane
+    assert outcome.ok, outcome.error
 
 
 def test_all_slots_and_pools_free_after_the_runs(deployment):

@@ -185,6 +185,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch: int = 1
     #: model components this instance loaded -> parameters (0: tokenizer, scheduler)
     components: dict[str, int] = {}
+    #: its control messages take the same-host fast lane (transport/lane.py), not ZeroMQ
+    lane: bool = False
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
