@@ -76,6 +76,9 @@ class Client:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # named, so the fast lane can say which ZeroMQ peer it stands for (big replies still come here)
+        self.identity = b"client-" + uuid.uuid4().hex.encode()
+        self.sock.setsockopt(zmq.IDENTITY, self.identity)
         apply_client_curve(self.sock, curve)
         self.secured = curve is not None
         self.sock.connect(self.endpoint)
@@ -94,7 +97,7 @@ class Client:
         path, oid = report.orchestrator.get("lane"), report.orchestrator.get("id", "")
         if self.lane is not None or not path:
             return
-        lane = connect_lane(path, [b"client", str(oid).encode()])
+        lane = connect_lane(path, [b"client", self.identity, str(oid).encode()])
         if lane is None:
             return
         # switch only once welcomed: a lane to some other orchestrator is closed without a word

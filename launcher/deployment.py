@@ -18,6 +18,7 @@ from transport.auth import client_curve
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, place
 from transport.messages import StatusReport
+from transport.lane import lane_path
 from transport.shm import SHM_PREFIX, remove_segments
 
 log = logging.getLogger("disagg.launcher")
@@ -195,6 +196,10 @@ class Deployment:
             except (Unreachable, RuntimeError):
                 pass
         self.supervisor.stop_all()
+        try:  # a killed orchestrator leaves its lane's socket file behind
+            os.unlink(lane_path(self.config.port))
+        except FileNotFoundError:
+            pass
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))

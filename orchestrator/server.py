@@ -71,7 +71,6 @@ class OrchestratorServer:
         self._lanes: dict[int, tuple[Lane, bool, bytes]] = {}
         #: (is client, identity) -> lane, for sending
         self._lane_to: dict[tuple[bool, bytes], Lane] = {}
-        self._client_lanes = 0
         self._stop_requested = False
         self._dropped = 0
         #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
@@ -141,7 +140,8 @@ class OrchestratorServer:
             (self.handle_frontend_frames if is_client else self.handle_backend_frames)([identity, *frames])
 
     def introduce_lane(self, fd: int, hello: list[bytes]) -> None:
-        """A lane's first packet: [b"role", instance id, orchestrator id] or [b"client", orchestrator id]."""
+        """A lane's first packet: [b"role", instance id, orchestrator id] or
+        [b"client", its ZeroMQ identity, orchestrator id]."""
         lane = self._new_lanes.pop(fd)
         kind, rest = hello[0], hello[1:]
         if kind == b"role" and len(rest) == 2 and rest[1] == self.router.id.encode():
@@ -150,9 +150,9 @@ class OrchestratorServer:
                 identity, is_client = inst.id.encode(), False
             else:
                 identity = None
-        elif kind == b"client" and len(rest) == 1 and rest[0] == self.router.id.encode():
-            self._client_lanes += 1
-            identity, is_client = b"\0lane-%d" % self._client_lanes, True
+        elif kind == b"client" and len(rest) == 2 and rest[1] == self.router.id.encode() and 0 < len(rest[0]) <= 255:
+            # its ZeroMQ identity: what is too big for the lane still reaches it there
+            identity, is_client = rest[0], True
         else:
             identity = None
         if identity is None:  # not ours, or an instance we do not know: it talks over ZeroMQ
