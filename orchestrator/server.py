@@ -86,7 +86,7 @@ class OrchestratorServer:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
         if self.lane_listener is not None:
-            poller.register(self.lane_listener, zmq.POLLIN)
+            poller.register(self.lane_listener.fileno(), zmq.POLLIN)  # raw fds come back from poll as ints
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         parent = os.getppid()
