@@ -136,7 +136,10 @@ class OrchestratorServer:
             if fd in self._new_lanes:
                 self.introduce_lane(fd, frames)
                 continue
-            _, is_client, identity = self._lanes[fd]
+            entry = self._lanes.get(fd)
+            if entry is None:  # refused at its introduction, or dropped meanwhile: the rest goes unread
+                return
+            _, is_client, identity = entry
             (self.handle_frontend_frames if is_client else self.handle_backend_frames)([identity, *frames])
 
     def introduce_lane(self, fd: int, hello: list[bytes]) -> None:

@@ -170,8 +170,9 @@ class Worker:
             self.lane, self.lane_ready = None, False
 
     def drain_lane(self) -> None:
+        lane = self.lane
         try:
-            packets = self.lane.recv()
+            packets = lane.recv()
         except LaneClosed:
             self.log.info("the orchestrator closed the fast lane; control messages take ZeroMQ")
             self.close_lane()
@@ -180,7 +181,8 @@ class Worker:
             if isinstance(frames, LaneError):
                 self.log.warning("dropped a bad packet from the orchestrator: %s", frames)
                 continue
-            if not self.lane_ready:
+            # (a Registered handled below opens a new lane: the rest of these came on the old, welcomed one)
+            if lane is self.lane and not self.lane_ready:
                 self.lane_ready = frames == [WELCOME]
                 if self.lane_ready:
                     self.log.info("control messages take the fast lane")

@@ -202,6 +202,7 @@ def test_garbage_on_the_lane_is_dropped(deployment):
     for hello in ([b"client", b"me", b"not-this-one"], [b"client", b"", oid], [b"role", b"denoiser-99", oid],
                   [b"\xff" * 10]):
         lane = connect_lane(path, hello)
+        lane.send([encode(StatusQuery())])  # at once, before it could be refused: never read
         with pytest.raises(LaneClosed):
             recv(lane)
     lane = connect_lane(path, [b"client", b"lane-test", oid])
