@@ -21,6 +21,7 @@ from transport.messages import (
     MessageError,
     Outbox,
     Rejected,
+    Release,
     RoleMessage,
     Stop,
     decode_frames,
@@ -33,6 +34,12 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 TICK_S = 0.05
+#: while few requests are in flight, a turn that handled messages is followed by this long of polling
+#: without sleeping: the reply to what it just sent often comes within it, and a loop that never slept
+#: answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control plane). Under load
+#: the loop is busy anyway and the CPU is better left to the roles.
+BUSY_POLL_S = 0.0003
+BUSY_POLL_MAX_IN_FLIGHT = 4
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
 
@@ -90,8 +97,15 @@ class OrchestratorServer:
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         parent = os.getppid()
+        busy_until = 0.0
         while not self._stop_requested:
-            events = dict(poller.poll(TICK_S * 1000))
+            events = {}
+            while not events and time.perf_counter() < busy_until:
+                events = dict(poller.poll(0))
+            if not events:
+                events = dict(poller.poll(TICK_S * 1000))
+            if events and len(self.router.requests) <= BUSY_POLL_MAX_IN_FLIGHT:
+                busy_until = time.perf_counter() + BUSY_POLL_S
             for fd in events:
                 if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
                     self.serve_lane(fd)
@@ -237,7 +251,10 @@ class OrchestratorServer:
             log.warning("dropped a bad message on the %s socket (%d so far): %s", where, self._dropped, why[:200])
 
     def send(self, outs: list[Out]) -> None:
-        """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer."""
+        """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer.
+        A Release is never urgent: the peers waiting on the rest are served first."""
+        if len(outs) > 1:
+            outs = sorted(outs, key=lambda out: isinstance(out.msg, Release))
         for out in outs:
             if out.to_client is not None:
                 self.outbox.add((True, out.to_client), out.msg, out.frames)
