@@ -32,6 +32,10 @@ SUITES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         "c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20"],
         "c64": ["--concurrency", "64", "--num-requests", "3000", "--warmup", "20"],
     }),
+    "zero32": (["--model", "sim:zero", "-d", "1", "--capacity", "32,32,32"], {
+        "c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20"],
+        "c64": ["--concurrency", "64", "--num-requests", "3000", "--warmup", "20"],
+    }),
     "zero16-nolane": (["--model", "sim:zero", "-d", "1", "--capacity", "16,16,16", "--no-lane"], {
         "c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20"],
         "c64": ["--concurrency", "64", "--num-requests", "3000", "--warmup", "20"],
