@@ -1,4 +1,6 @@
-"""The orchestrator's IO shell: two ROUTER sockets, one poll loop, the Router does the thinking."""
+"""The orchestrator's IO shell: two ROUTER sockets and the fast lane's listener (transport/lane.py),
+one poll loop; the Router does the thinking. Replies gathered in a turn leave at its end, one
+message (or Bundle) per peer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """The worker runtime shared by all three roles: register, heartbeat, receive work, report.
 
-One thread owns the DEALER socket and the poll loop; compute and transfers run on a pool of
-`capacity` threads (roles/compute.py) that hand their reports back through an inproc socket, so
-the loop never blocks on a model. The loop also watches the orchestrator: if it goes silent the
-role reconnects and registers again, with backoff, and exits only after a long grace period.
+One thread owns the DEALER socket, the same-host fast lane (transport/lane.py, once the
+orchestrator welcomes us on it) and the poll loop; what it sends in one turn leaves together at the
+end of the turn (one Bundle). Compute and transfers run on a pool of `capacity` threads
+(roles/compute.py) that send their reports on their own sockets, so the loop never blocks on a
+model; computes that all took microseconds run on the loop thread itself. The loop also watches
+the orchestrator: if it goes silent the role reconnects and registers again, with backoff, and
+exits only after a long grace period.
 """
 
 from __future__ import annotations
