@@ -72,7 +72,12 @@ class OrchestratorServer:
         self.endpoint = f"tcp://{host}:{port}"
         router.endpoint = self.endpoint
         # the same-host fast lane (transport/lane.py): roles and clients here connect after their handshake
-        self.lane_listener = LaneListener(lane_path(port)) if lane else None
+        self.lane_listener = None
+        if lane:
+            try:
+                self.lane_listener = LaneListener(lane_path(port))
+            except OSError as exc:  # a path too long for a Unix socket, a folder that is not ours
+                log.warning("no fast lane (%s); control messages take ZeroMQ", exc)
         router.lane = self.lane_listener.path if self.lane_listener else ""
         #: fd -> lane not yet introduced (its first packet says who it is)
         self._new_lanes: dict[int, Lane] = {}

@@ -168,3 +168,30 @@ def test_outbox_sends_one_message_per_destination_in_order_and_bounded():
     to_b = [f for d, f in sent if d == "b"]
     assert len(to_b) == 3  # the big Done travels alone, between the two small ones
     assert to_b[1][1] is big
+
+
+def test_a_folder_others_can_write_into_is_refused(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(OSError, match="not private"):
+        LaneListener(str(folder / "lane.sock"))
+    folder.chmod(0o700)
+    LaneListener(str(folder / "lane.sock")).close()
+
+
+def test_an_orchestrator_without_a_lane_still_serves(tmp_path, monkeypatch, caplog):
+    """A socket path too long for AF_UNIX (a long TMPDIR) costs the lane, not the orchestrator."""
+    from orchestrator.router import Router
+    from orchestrator.server import OrchestratorServer
+    from tests.conftest import free_port_pair
+
+    long_tmp = tmp_path / ("x" * 120)
+    long_tmp.mkdir()
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(long_tmp))
+    server = OrchestratorServer(Router(), port=free_port_pair())
+    try:
+        assert server.lane_listener is None and server.router.lane == ""
+        assert "no fast lane" in caplog.text
+    finally:
+        server.close()

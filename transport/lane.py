@@ -42,9 +42,17 @@ class LaneError(ValueError):
 
 def lane_path(port: int) -> str:
     """Where the orchestrator listening on `port` puts its lane (a private directory under the temp dir)."""
-    folder = os.path.join(tempfile.gettempdir(), f"disagg-{os.getuid()}")
+    return os.path.join(tempfile.gettempdir(), f"disagg-{os.getuid()}", f"lane-{port}.sock")
+
+
+def _private_folder(path: str) -> None:
+    """Make the lane's folder, and refuse one that another user could write into (they could swap
+    our socket for theirs)."""
+    folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    return os.path.join(folder, f"lane-{port}.sock")
+    st = os.stat(folder)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{folder} is not private to this user (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
 
 
 def pack(frames: list) -> bytes:
@@ -155,6 +163,7 @@ class LaneListener:
 
     def __init__(self, path: str):
         self.path = path
+        _private_folder(path)
         try:
             os.unlink(path)  # an orchestrator before us on this port is gone (we hold the port now)
         except FileNotFoundError:
