@@ -16,10 +16,10 @@ from transport.auth import apply_client_curve
 from transport.lane import WELCOME, Lane, LaneClosed, LaneError
 from transport.lane import connect as connect_lane
 
+from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     GenerationParams,
     MessageError,
-    Outbox,
     Rejected,
     Result,
     ServerReply,
@@ -28,7 +28,6 @@ from transport.messages import (
     Stop,
     Stopping,
     Submit,
-    decode_frames,
     encode,
 )
 

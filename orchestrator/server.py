@@ -16,17 +16,16 @@ import zmq
 from orchestrator.router import Out, Router
 from transport.auth import secure_server
 from transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
+from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
     ClientMessage,
     MessageError,
-    Outbox,
     Rejected,
     Release,
     RoleMessage,
     Stop,
-    decode_frames,
 )
 
 log = logging.getLogger("disagg.orchestrator")

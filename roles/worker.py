@@ -28,6 +28,7 @@ from transport.auth import apply_client_curve, client_curve
 from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.lane import WELCOME, Lane, LaneClosed, LaneError
 from transport.lane import connect as connect_lane
+from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     BOOT_ERROR_EXIT,
     MAX_FRAMES_BYTES,
@@ -37,7 +38,6 @@ from transport.messages import (
     Heartbeat,
     MessageError,
     OrchestratorCommand,
-    Outbox,
     PoolInfo,
     Register,
     Registered,
@@ -45,7 +45,6 @@ from transport.messages import (
     Release,
     Run,
     Shutdown,
-    decode_frames,
     encode,
 )
 from transport.pool import Pool

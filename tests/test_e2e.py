@@ -182,7 +182,8 @@ def test_garbage_on_the_lane_is_dropped(deployment):
     """The fast lane refuses strangers, drops bad packets and messages, and keeps serving."""
     from transport.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
     from transport.lane import connect as connect_lane
-    from transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport, decode_frames
+    from transport.bundle import decode_frames
+    from transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
     import msgspec
 
     with Client(deployment.endpoint) as client:

@@ -12,19 +12,15 @@ import struct
 import pytest
 
 from transport.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
+from transport.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
 from transport.messages import (
-    BUNDLE_MAX_BYTES,
-    BUNDLE_MAX_MESSAGES,
     Bundle,
     Done,
     MessageError,
     OrchestratorCommand,
-    Outbox,
     Release,
     RoleMessage,
     Shutdown,
-    bundle_frames,
-    decode_frames,
     encode,
 )
 
