@@ -13,8 +13,7 @@ from typing import Callable, Iterable
 import zmq
 
 from transport.auth import apply_client_curve
-from transport.lane import WELCOME, Lane, LaneClosed, LaneError
-from transport.lane import connect as connect_lane
+from transport.lane import LaneClosed, LaneError, LaneLink
 
 from transport.bundle import Outbox, decode_frames
 from transport.messages import (
@@ -83,7 +82,7 @@ class Client:
         self.sock.connect(self.endpoint)
         self._probed = False
         #: the orchestrator's same-host fast lane, when it has one here (transport/lane.py)
-        self.lane: Lane | None = None
+        self.lane: LaneLink | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
@@ -96,15 +95,15 @@ class Client:
         path, oid = report.orchestrator.get("lane"), report.orchestrator.get("id", "")
         if self.lane is not None or not path:
             return
-        lane = connect_lane(path, [b"client", self.identity, str(oid).encode()])
+        lane = LaneLink.open(path, [b"client", self.identity, str(oid).encode()])
         if lane is None:
             return
-        # switch only once welcomed: a lane to some other orchestrator is closed without a word
         try:
-            welcomed = select.select([lane.fd], [], [], CONNECT_TIMEOUT_S)[0] and lane.recv(1) == [[WELCOME]]
+            if select.select([lane.fd], [], [], CONNECT_TIMEOUT_S)[0]:
+                lane.recv(1)  # the welcome
         except LaneClosed:
-            welcomed = False
-        if not welcomed:
+            pass
+        if not lane.welcomed:
             lane.close()
             return
         self.lane = lane

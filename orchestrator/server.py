@@ -138,8 +138,8 @@ class OrchestratorServer:
     def serve_lane(self, fd: int) -> None:
         if self.lane_listener is not None and fd == self.lane_listener.fileno():
             for lane in self.lane_listener.accept():
-                self._new_lanes[lane.fileno()] = lane
-                self.poller.register(lane.fileno(), zmq.POLLIN)
+                self._new_lanes[lane.fd] = lane
+                self.poller.register(lane.fd, zmq.POLLIN)
             return
         lane = self._new_lanes.get(fd) or (self._lanes[fd][0] if fd in self._lanes else None)
         if lane is None:
@@ -184,7 +184,7 @@ class OrchestratorServer:
             return
         old = self._lane_to.get((is_client, identity))
         if old is not None and not old.closed:  # a role that connected again (re-registered)
-            self.drop_lane(old.fileno())
+            self.drop_lane(old.fd)
         self._lanes[fd] = (lane, is_client, identity)
         self._lane_to[(is_client, identity)] = lane
         if not is_client:
@@ -276,7 +276,7 @@ class OrchestratorServer:
             if lane.send(frames):
                 return
             if lane.closed:  # broken or stuck peer: from now on ZeroMQ (a client's lane: the client is gone)
-                self.drop_lane_of(destination, lane)
+                self.drop_lane(lane.fd)
         to_client, identity = destination
         sock = self.frontend if to_client else self.backend
         try:
@@ -284,12 +284,6 @@ class OrchestratorServer:
         except zmq.ZMQError as exc:
             # the peer is gone (client quit, role died): nothing to deliver to
             log.debug("could not send to %r: %s", identity, exc)
-
-    def drop_lane_of(self, destination, lane: Lane) -> None:
-        for fd, entry in list(self._lanes.items()):
-            if entry[0] is lane:
-                self.drop_lane(fd)
-        self._lane_to.pop(destination, None)
 
     def close(self) -> None:
         for fd in list(self._lanes) + list(self._new_lanes):

@@ -11,7 +11,8 @@ from transport.messages import BOOT_ERROR_EXIT
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from roles.worker import Worker, install_signal_handlers, spec_from_json
+    from roles.spec import spec_from_json
+    from roles.worker import Worker, install_signal_handlers
 
     try:
         spec = spec_from_json(argv[0])

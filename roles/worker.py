@@ -17,17 +17,15 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import zmq
 
 from roles.compute import StageRunner
+from roles.spec import WorkerSpec
 from transport.auth import apply_client_curve, client_curve
 from transport.engines import EngineOptions, TransferEngine, make_engines
-from transport.lane import WELCOME, Lane, LaneClosed, LaneError
-from transport.lane import connect as connect_lane
+from transport.lane import LaneClosed, LaneError, LaneLink
 from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     BOOT_ERROR_EXIT,
@@ -56,42 +54,6 @@ REPORTS = "inproc://reports"
 INLINE_BUDGET_S = 0.1
 
 
-@dataclass
-class WorkerSpec:
-    """What the launcher tells one role process."""
-
-    role: str
-    instance_id: str
-    endpoint: str  # the orchestrator's backend socket
-    model: str = "tiny"
-    device: str = "cpu"
-    capacity: int = 1
-    #: denoisers: requests of one shape sharing each forward (roles/batcher.py)
-    max_batch: int = 1
-    pool_bytes: int = 64 * 1024 * 1024
-    pool_name: str = ""
-    host_id: str = ""
-    threads: int = 0  # torch intra-op threads; 0 = the CPUs this process may run on
-    transfer: str = "auto"  # a forced engine must start, or the role fails to boot
-    transfer_protocol: str = "tcp"
-    ib_device: str = ""
-    data_host: str = "127.0.0.1"
-    visible_gpus: list[int] = field(default_factory=list)  # physical ids, in cuda:N order
-    #: silence from the orchestrator after which we reconnect and register again
-    orchestrator_timeout_s: float = 3.0
-    #: silence after which we give up and exit (the launcher, if alive, restarts us)
-    orphan_grace_s: float = 600.0
-    restarts: int = 0
-    #: checkpoints: float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on the CPU)
-    dtype: str = "auto"
-    #: sim models: this instance's simulated times are multiplied by this (a slower device)
-    sim_slowdown: float = 1.0
-    #: CurveZMQ keys directory (disagg keys generate); empty = no authentication
-    keys_dir: str = ""
-    #: take the orchestrator's same-host fast lane when it offers one (transport/lane.py)
-    use_lane: bool = True
-
-
 class Worker:
     """Drives a StageRunner from the orchestrator's messages."""
 
@@ -116,8 +78,7 @@ class Worker:
         #: messages from the loop thread, sent together at the end of each loop turn
         self.outbox = Outbox()
         #: the orchestrator's same-host fast lane, once connected (transport/lane.py)
-        self.lane: Lane | None = None
-        self.lane_ready = False  # the orchestrator welcomed us on it: send there from now on
+        self.lane: LaneLink | None = None
         self.poller: zmq.Poller | None = None
         self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
         self.in_flight = 0
@@ -153,13 +114,11 @@ class Worker:
         self.close_lane()
         if not path or not self.spec.use_lane:
             return
-        lane = connect_lane(path, [b"role", self.spec.instance_id.encode(), self.orchestrator_id.encode()])
-        if lane is None:
+        self.lane = LaneLink.open(path, [b"role", self.spec.instance_id.encode(), self.orchestrator_id.encode()])
+        if self.lane is None:
             self.log.info("no fast lane to the orchestrator here; control messages take ZeroMQ")
-            return
-        self.lane, self.lane_ready = lane, False
-        if self.poller is not None:
-            self.poller.register(lane.fileno(), zmq.POLLIN)
+        elif self.poller is not None:
+            self.poller.register(self.lane.fd, zmq.POLLIN)
 
     def close_lane(self) -> None:
         if self.lane is not None:
@@ -169,25 +128,21 @@ class Worker:
                 except (KeyError, ValueError):
                     pass
             self.lane.close()
-            self.lane, self.lane_ready = None, False
+            self.lane = None
 
     def drain_lane(self) -> None:
-        lane = self.lane
+        welcomed = self.lane.welcomed
         try:
-            packets = lane.recv()
+            packets = self.lane.recv()
         except LaneClosed:
             self.log.info("the orchestrator closed the fast lane; control messages take ZeroMQ")
             self.close_lane()
             return
+        if self.lane.welcomed and not welcomed:
+            self.log.info("control messages take the fast lane")
         for frames in packets:
             if isinstance(frames, LaneError):
                 self.log.warning("dropped a bad packet from the orchestrator: %s", frames)
-                continue
-            # (a Registered handled below opens a new lane: the rest of these came on the old, welcomed one)
-            if lane is self.lane and not self.lane_ready:
-                self.lane_ready = frames == [WELCOME]
-                if self.lane_ready:
-                    self.log.info("control messages take the fast lane")
                 continue
             self.handle_frames(frames)
 
@@ -347,7 +302,7 @@ class Worker:
                 self.send_frames(frames)
 
     def send_frames(self, frames: list) -> None:
-        if self.lane_ready:
+        if self.lane is not None:
             if self.lane.send(frames):
                 return
             if self.lane.closed:
@@ -460,7 +415,3 @@ def install_signal_handlers(worker: Worker) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-
-
-def spec_from_json(data: str) -> WorkerSpec:
-    return msgspec.json.decode(data, type=WorkerSpec)

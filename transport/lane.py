@@ -194,3 +194,41 @@ class LaneListener:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class LaneLink:
+    """A role's or a client's end of a lane: it carries messages only once the orchestrator has
+    welcomed it. An orchestrator that is not the one we meant closes it without a word, so nothing
+    is sent on it before the welcome, and nothing is lost."""
+
+    def __init__(self, lane: Lane):
+        self.lane = lane
+        self.fd = lane.fd
+        self.welcomed = False
+
+    @classmethod
+    def open(cls, path: str, hello: list[bytes]) -> LaneLink | None:
+        lane = connect(path, hello)
+        return cls(lane) if lane is not None else None
+
+    @property
+    def closed(self) -> bool:
+        return self.lane.closed
+
+    def send(self, frames: list) -> bool:
+        """Send one message; False before the welcome, when too big, or when the lane is gone."""
+        return self.welcomed and self.lane.send(frames)
+
+    def recv(self, most: int = 256) -> list:
+        """As Lane.recv, with the welcome taken off the front; raises LaneClosed when the
+        orchestrator refused us or went away."""
+        packets = self.lane.recv(most)
+        if not self.welcomed and packets:
+            if packets.pop(0) != [WELCOME]:
+                self.close()
+                raise LaneClosed("the orchestrator did not welcome us on its lane")
+            self.welcomed = True
+        return packets
+
+    def close(self) -> None:
+        self.lane.close()

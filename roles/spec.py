@@ -1,0 +1,47 @@
+"""What the launcher tells one role process: a WorkerSpec, passed as JSON on its command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+@dataclass
+class WorkerSpec:
+    """What the launcher tells one role process."""
+
+    role: str
+    instance_id: str
+    endpoint: str  # the orchestrator's backend socket
+    model: str = "tiny"
+    device: str = "cpu"
+    capacity: int = 1
+    #: denoisers: requests of one shape sharing each forward (roles/batcher.py)
+    max_batch: int = 1
+    pool_bytes: int = 64 * 1024 * 1024
+    pool_name: str = ""
+    host_id: str = ""
+    threads: int = 0  # torch intra-op threads; 0 = the CPUs this process may run on
+    transfer: str = "auto"  # a forced engine must start, or the role fails to boot
+    transfer_protocol: str = "tcp"
+    ib_device: str = ""
+    data_host: str = "127.0.0.1"
+    visible_gpus: list[int] = field(default_factory=list)  # physical ids, in cuda:N order
+    #: silence from the orchestrator after which we reconnect and register again
+    orchestrator_timeout_s: float = 3.0
+    #: silence after which we give up and exit (the launcher, if alive, restarts us)
+    orphan_grace_s: float = 600.0
+    restarts: int = 0
+    #: checkpoints: float32, bfloat16, float16 or auto (bf16 on a GPU, fp32 on the CPU)
+    dtype: str = "auto"
+    #: sim models: this instance's simulated times are multiplied by this (a slower device)
+    sim_slowdown: float = 1.0
+    #: CurveZMQ keys directory (disagg keys generate); empty = no authentication
+    keys_dir: str = ""
+    #: take the orchestrator's same-host fast lane when it offers one (transport/lane.py)
+    use_lane: bool = True
+
+
+def spec_from_json(data: str) -> WorkerSpec:
+    return msgspec.json.decode(data, type=WorkerSpec)
