@@ -7,6 +7,7 @@ from the busy seconds each instance reports in `status`, before and after the ru
 
 from __future__ import annotations
 
+import collections
 import random
 import statistics
 import time
@@ -82,6 +83,9 @@ def run_load(
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+        #: every distinct failure reason with its count, most common first
+        "failures": [{"reason": why, "count": n}
+                     for why, n in collections.Counter(o.error for o in outcomes if not o.ok).most_common()],
         "duration_s": round(duration, 6),
         "throughput_rps": round(len(ok) / duration, 3) if duration > 0 else 0.0,
         "latency_s": percentiles(latencies),

@@ -10,6 +10,7 @@ in-process memcpy of the same size, measured in the same run.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -81,8 +82,10 @@ def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int],
         encoders=RoleConfig(count=1, pool_mib=pool_mib), denoisers=RoleConfig(count=1, pool_mib=pool_mib),
         decoders=RoleConfig(count=1),
     )
-    dep = Deployment(config, Path(tempfile.mkdtemp(prefix=f"disagg-bench-{engine}-")))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"disagg-bench-{engine}-"))
+    dep = Deployment(config, run_dir)
     results: dict[int, dict[str, float]] = {}
+    ok = False
     try:
         dep.start()
         with Client(dep.endpoint) as client:
@@ -106,8 +109,13 @@ def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int],
                     "hop_median_us": round(statistics.median(hop), 1),
                 }
                 log(f"{engine:>8} {n:>10} B  {med:9.1f} µs")
+        ok = True
     finally:
         dep.shutdown()
+        if ok:  # its logs are kept only when they explain a failure
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            log(f"logs of the failed {engine} run: {run_dir}/logs")
     return results
 
 

@@ -25,15 +25,25 @@ from orchestrator.dispatch import POLICIES
 from transport.selection import CHOICES as TRANSFER_CHOICES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+#: how long `disagg stop` waits for the orchestrator to let go of its port
+STOP_WAIT_S = 10.0
 
 keys_option = click.option(
     "--keys", type=click.Path(file_okay=False), default=lambda: os.environ.get("DISAGG_KEYS"),
     help="CurveZMQ keys directory (from `disagg keys generate`), when the deployment uses them. [default: $DISAGG_KEYS]",
 )
 
+def _check_endpoint(ctx, param, value: str) -> str:
+    """tcp://HOST:PORT, or a usage error (exit 2) that says so."""
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    if not value.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{value!r} is not a tcp://HOST:PORT address (e.g. tcp://127.0.0.1:5555)")
+    return value
+
+
 endpoint_option = click.option(
     "--endpoint", default=default_endpoint, show_default="$DISAGG_ENDPOINT or tcp://127.0.0.1:5555",
-    help="The orchestrator's client endpoint.",
+    callback=_check_endpoint, help="The orchestrator's client endpoint, tcp://HOST:PORT.",
 )
 
 
@@ -108,9 +118,10 @@ def cli(verbose: bool) -> None:
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
+@click.option("--json", "as_json", is_flag=True, help="Batch mode: print one JSON object with every request's outcome and stage timings.")
 def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
-           run_dir, no_dashboard, submit_path, out_dir, concurrency) -> None:
+           run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json) -> None:
     """Start the orchestrator and every role process, and show them live.
 
     Flags override the config file, which overrides the built-in defaults. Ctrl-C (or SIGTERM)
@@ -157,9 +168,39 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
             prompts = load_prompts(submit_path)
         except PromptError as exc:
             raise click.BadParameter(str(exc), param_hint="--submit") from None
+        _check_out(out_dir)
+    from launcher.ports import PortBusy, check_ports
+    from launcher.topology import check_gpus
+    from transport.lane import lane_path
+
+    try:
+        check_gpus(config)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    try:  # before anything is spawned: a second launch must never disturb the deployment already there
+        check_ports(config.host, config.port, lane_path(config.port) if config.lane else None)
+    except PortBusy as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if not config.keys and not _loopback(config.host):
+        click.echo(f"warning: binding {config.host} without --keys: anyone who can reach it can submit and register",
+                   err=True)
     from launcher.run import run_deployment
 
-    sys.exit(run_deployment(config, _console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency))
+    sys.exit(run_deployment(config, _console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency, as_json))
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _check_out(out_dir: str) -> None:
+    from launcher.batch import OutDirError, check_out_dir
+
+    try:
+        check_out_dir(Path(out_dir))
+    except OutDirError as exc:
+        raise click.BadParameter(str(exc), param_hint="--out") from None
 
 
 @cli.command()
@@ -179,16 +220,16 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
             click.echo(json.dumps(msgspec.to_builtins(report), indent=2))
             return
         if not watch:
-            console.print(status_view(report, title=f"disagg at {endpoint}"))
+            console.print(status_view(report, title=f"disagg at {endpoint}", width=console.width))
             return
         from rich.live import Live
 
         try:
-            with Live(status_view(report), console=console, refresh_per_second=4) as live:
+            with Live(status_view(report, width=console.width), console=console, refresh_per_second=4) as live:
                 while True:
                     time.sleep(0.5)
                     try:
-                        live.update(status_view(client.status(), title=f"disagg at {endpoint}"))
+                        live.update(status_view(client.status(), title=f"disagg at {endpoint}", width=console.width))
                     except Unreachable as exc:
                         _unreachable(exc)
         except KeyboardInterrupt:
@@ -209,6 +250,7 @@ def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurre
         params = load_prompts(prompts)
     except PromptError as exc:
         raise click.BadParameter(str(exc), param_hint="PROMPTS") from None
+    _check_out(out_dir)
     from launcher.batch import run_prompts
 
     with _client(endpoint, keys) as client:
@@ -230,7 +272,18 @@ def stop(endpoint: str, keys: str | None, drain: bool) -> None:
             client.stop(drain=drain)
         except Unreachable as exc:
             _unreachable(exc)
-    click.echo(f"{'draining, then stopping' if drain else 'stopping'} the deployment at {endpoint}")
+        except RuntimeError as exc:  # refused
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
+        if drain:
+            click.echo(f"draining, then stopping the deployment at {endpoint}")
+            return
+        click.echo(f"stopping the deployment at {endpoint}")
+        # return once its port is free, so a launch right after this one finds it so
+        if client.wait_gone(STOP_WAIT_S):
+            click.echo("stopped")
+        else:
+            click.echo(f"warning: the orchestrator still holds {endpoint} after {STOP_WAIT_S:g} s", err=True)
 
 
 @cli.group()
@@ -240,10 +293,16 @@ def keys() -> None:
 
 @keys.command("generate")
 @click.argument("directory", type=click.Path(file_okay=False))
-def keys_generate(directory: str) -> None:
+@click.option("--force", is_flag=True, help="Replace keys already in DIRECTORY (a deployment running with them "
+                                            "then admits no client until it is restarted with the new ones).")
+def keys_generate(directory: str, force: bool) -> None:
     """Write a server and a client key pair into DIRECTORY (launch, submit, status take --keys DIRECTORY)."""
-    from transport.auth import generate_keys
+    from transport.auth import generate_keys, key_files
 
+    existing = [p for p in key_files(Path(directory)) if p.exists()]
+    if existing and not force:
+        raise click.UsageError(f"{directory} already holds keys ({', '.join(p.name for p in existing)}); a running "
+                               "deployment may use them. Pass --force to replace them, or choose another directory")
     for path in generate_keys(Path(directory)):
         click.echo(str(path))
 
@@ -292,10 +351,13 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
             _unreachable(exc)
     if as_json:
         click.echo(json.dumps(doc))
-        return
-    from launcher.dashboard import bench_view
+    else:
+        from launcher.dashboard import bench_view
 
-    _console().print(bench_view(doc))
+        _console().print(bench_view(doc))
+    if doc["failed"]:
+        click.echo(f"error: {doc['failed']} of {doc['failed'] + doc['completed']} requests failed", err=True)
+        sys.exit(EXIT_FAILED)
 
 
 @bench.command("transfer")

@@ -60,6 +60,8 @@ class Outcome:
     timings: dict[str, float] = field(default_factory=dict)
     latency_s: float = 0.0
     attempts: int = 1
+    #: the parameters the model ran with, its defaults filled in (Result.resolved)
+    resolved: dict = field(default_factory=dict)
 
 
 def new_request_id() -> str:
@@ -173,11 +175,15 @@ class Client:
             raise Unreachable(f"cannot reach the orchestrator at {self.endpoint}: {exc.strerror or exc}") from None
 
     def _ask(self, msg, expect: type, timeout_s: float):
+        if not self._probed:
+            self.probe()
+            self._probed = True
         self.sock.send_multipart([encode(msg)])
         deadline = time.monotonic() + timeout_s
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
             if not got:
+                self.probe()  # gone (connection refused) rather than silent: say that
                 hint = "" if self.secured else " (if it uses keys, pass --keys)"
                 raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s){hint}")
             for reply, _ in got:
@@ -186,14 +192,23 @@ class Client:
                 if isinstance(reply, Rejected) and reply.request_id is None:
                     raise RuntimeError(f"orchestrator refused: {reply.reason}")
 
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Wait until nothing listens at the endpoint any more (after a Stop); False if still there."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.probe()
+            except Unreachable:
+                return True
+            time.sleep(0.05)
+        return False
+
     def status(self, timeout_s: float = CONNECT_TIMEOUT_S) -> StatusReport:
-        if not self._probed:
-            self.probe()
-            self._probed = True
         return self._ask(StatusQuery(), StatusReport, timeout_s)
 
-    def stop(self, timeout_s: float = CONNECT_TIMEOUT_S, drain: bool = False) -> Stopping:
-        return self._ask(Stop(drain=drain), Stopping, timeout_s)
+    def stop(self, timeout_s: float = CONNECT_TIMEOUT_S, drain: bool = False, orchestrator_id: str = "") -> Stopping:
+        """Stop the deployment; with `orchestrator_id`, only if that orchestrator is the one answering."""
+        return self._ask(Stop(drain=drain, orchestrator_id=orchestrator_id), Stopping, timeout_s)
 
     def run_all(
         self,
@@ -229,6 +244,13 @@ class Client:
             for rid, (p, t0) in list(pending.items()):
                 settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0))
             pending.clear()
+
+        def stop_sending(why: str) -> None:
+            """The deployment is stopping: what was not sent yet never will be."""
+            nonlocal nxt
+            for rid, p in zip(id_list[nxt:], todo[nxt:]):
+                settle(rid, Outcome(rid, p, False, f"not sent: {why}"))
+            nxt = len(todo)
 
         outbox = Outbox()
         while nxt < len(todo) or pending:
@@ -277,7 +299,11 @@ class Client:
                 p, t0 = pending.pop(rid)
                 if isinstance(reply, Result):
                     settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                        reply.timings, now - t0, reply.attempts))
+                                        reply.timings, now - t0, reply.attempts, dict(reply.resolved)))
+                    if reply.stopping:
+                        stop_sending(f"the deployment at {self.endpoint} is stopping")
                 else:
                     settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
+                    if reply.reason.startswith(("shutting down", "draining")):
+                        stop_sending(f"the deployment at {self.endpoint} is {reply.reason.split(':')[0]}")
         return [outcomes[rid] for rid in id_list if rid in outcomes]

@@ -15,21 +15,49 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def status_view(report: StatusReport, title: str = "disagg") -> Group:
-    """A Rich renderable of one snapshot: the instance table and a line of totals."""
+#: the instance table's columns, most important first: a narrow terminal drops them from the end
+#: (the id names the role already, so the role column goes early)
+COLUMNS = (
+    ("id", "left"), ("state", "left"), ("free/cap", "right"), ("in flight", "right"), ("done", "right"),
+    ("failed", "right"), ("device", "left"), ("pid", "right"), ("restarts", "right"), ("engine", "left"),
+    ("pool MiB used/total", "right"), ("role", "left"),
+)
+#: what one column costs beside its text: Rich's padding and the border
+COLUMN_EXTRA = 3
+
+
+def _cells(i) -> dict[str, str]:
+    return {
+        "role": i.role, "id": i.id, "pid": str(i.pid), "device": i.device, "state": i.state,
+        "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
+        "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
+        "restarts": str(i.restarts),
+    }
+
+
+def fit_columns(rows: list[dict[str, str]], width: int | None) -> list[tuple[str, str]]:
+    """The columns that fit `width` characters whole, in table order (None: all of them)."""
+    keep = list(COLUMNS)
+    if width is not None:
+        need = {name: max([len(name), *(len(r[name]) for r in rows)]) + COLUMN_EXTRA for name, _ in COLUMNS}
+        while len(keep) > 2 and sum(need[name] for name, _ in keep) + 1 > width:
+            keep.pop()
+    order = ("role", "id", "pid", "device", "state", "free/cap", "in flight", "done", "failed", "engine",
+             "pool MiB used/total", "restarts")
+    return sorted(keep, key=lambda col: order.index(col[0]))
+
+
+def status_view(report: StatusReport, title: str = "disagg", width: int | None = None) -> Group:
+    """A Rich renderable of one snapshot: the instance table and a line of totals. With `width` (the
+    terminal's), only the columns that fit whole are shown, the least important dropped first."""
+    rows = [_cells(i) for i in report.instances]
+    columns = fit_columns(rows, width)
     table = Table(title=title, title_justify="left", expand=False)
-    for col, justify in [
-        ("role", "left"), ("id", "left"), ("pid", "right"), ("device", "left"), ("state", "left"),
-        ("free/cap", "right"), ("in flight", "right"), ("done", "right"), ("failed", "right"),
-        ("engine", "left"), ("pool MiB used/total", "right"), ("restarts", "right"),
-    ]:
+    for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
-    for i in report.instances:
-        table.add_row(
-            i.role, i.id, str(i.pid), i.device, Text(i.state, style=STATE_STYLE.get(i.state, "")),
-            f"{i.free_slots}/{i.capacity}", str(i.in_flight), str(i.completed), str(i.failed),
-            i.engine, f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}", str(i.restarts),
-        )
+    for i, cells in zip(report.instances, rows):
+        table.add_row(*(Text(cells[col], style=STATE_STYLE.get(i.state, "")) if col == "state" else Text(cells[col])
+                        for col, _ in columns))
     q = report.queues
     r = report.requests
     totals = Text.assemble(
@@ -83,4 +111,12 @@ def bench_view(doc: dict) -> Group:
         inst.add_column(col, justify="right" if col == "utilization" else "left")
     for i in doc["instances"]:
         inst.add_row(i["id"], i["role"], f"{i['utilization']:.1%}")
-    return Group(head, stages, inst)
+    parts = [head, stages, inst]
+    if doc.get("failures"):
+        failures = Table(title="failures", title_justify="left")
+        failures.add_column("count", justify="right")
+        failures.add_column("reason", justify="left", overflow="fold")
+        for f in doc["failures"]:
+            failures.add_row(str(f["count"]), Text(f["reason"]))  # Text: a reason's [brackets] are not markup
+        parts.append(failures)
+    return Group(*parts)

@@ -18,7 +18,7 @@ from transport.auth import client_curve
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, place
 from transport.messages import StatusReport
-from transport.lane import lane_path
+from transport.lane import lane_in_use, lane_path
 from transport.shm import SHM_PREFIX, remove_segments
 
 log = logging.getLogger("disagg.launcher")
@@ -29,6 +29,10 @@ PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 class BootError(RuntimeError):
     """A process of the deployment failed before it was ready."""
+
+
+class StoppedDuringStartup(RuntimeError):
+    """`disagg stop` (or a Shutdown) ended the deployment before it was ready."""
 
 
 class Deployment:
@@ -46,6 +50,10 @@ class Deployment:
         self.interrupted = False
         self.keys_dir = str(Path(config.keys).resolve()) if config.keys else ""
         self.curve = client_curve(Path(self.keys_dir)) if self.keys_dir else None
+        #: the orchestrator this launcher started, once it answered (its id is in every StatusReport):
+        #: the launcher talks to, counts and stops that one only, never another on the same port
+        self.orchestrator_id = ""
+        self.lane_inode: tuple[int, int] | None = None
 
     def client(self) -> Client:
         return Client(self.endpoint, curve=self.curve)
@@ -78,6 +86,7 @@ class Deployment:
                 "--request-timeout", str(c.request_timeout_s),
                 "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
                 "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
+                "--deployment-id", self.run_id,
                 *(["--colocated"] if c.colocated else []),
                 *([] if c.lane else ["--no-lane"]),
             ),
@@ -110,6 +119,8 @@ class Deployment:
             "orchestrator_timeout_s": self.config.heartbeat_timeout_s,
             "keys_dir": self.keys_dir,
             "use_lane": self.config.lane,
+            "deployment_id": self.run_id,
+            "pool_limits": self.pool_limits(),
         }
         env = self._env()
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
@@ -117,6 +128,13 @@ class Deployment:
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus
         )
+
+    def pool_limits(self) -> dict[str, int]:
+        """Each role's smallest pool: the first stage refuses a request that would not fit one."""
+        limits: dict[str, int] = {}
+        for p in self.placements:
+            limits[p.role] = min(limits.get(p.role, p.pool_bytes), p.pool_bytes)
+        return limits
 
     def visible_gpus(self, p: Placement) -> list[int]:
         """The role's own GPU first (its cuda:0), then the host's other GPUs, for CUDA IPC to peers."""
@@ -140,23 +158,38 @@ class Deployment:
 
     def _check_children(self) -> None:
         for child in self.supervisor.reap_children():
+            if child.name == "orchestrator" and child.returncode == 0:
+                raise StoppedDuringStartup("the deployment was stopped before it was ready")
             why = "failed to start" if child.boot_error else f"exited with status {child.returncode}"
             raise BootError(f"{child.name} {why} before the deployment was ready; last log lines "
                             f"({child.log_path}):\n{child.log_tail()}")
 
     def _wait_reachable(self) -> None:
+        """Until the orchestrator we started answers: one of another deployment may answer on the
+        same port (ours then fails to bind, and _check_children says so)."""
         deadline = time.monotonic() + 30
+        mine = self.supervisor.children["orchestrator"].pid
         with self.client() as client:
             while True:
                 self._check_children()
                 if self.interrupted:
                     raise KeyboardInterrupt
                 try:
-                    client.status(timeout_s=0.5)
-                    return
+                    report = client.status(timeout_s=0.5)
                 except Unreachable:
-                    if time.monotonic() > deadline:
-                        raise BootError(f"the orchestrator did not answer at {self.endpoint} within 30 s") from None
+                    report = None
+                if report is not None and report.orchestrator.get("pid") == mine:
+                    self.follow(report)
+                    return
+                if time.monotonic() > deadline:
+                    raise BootError(f"the orchestrator did not answer at {self.endpoint} within 30 s")
+                time.sleep(0.05 if report is None else 0.2)
+
+    def follow(self, report: StatusReport) -> None:
+        """`report` came from the orchestrator this launcher runs: remember its id and lane file."""
+        if report.orchestrator.get("id") != self.orchestrator_id:
+            self.orchestrator_id = str(report.orchestrator.get("id", ""))
+            self.lane_inode = _inode(str(report.orchestrator.get("lane", "")))
 
     def wait_ready(self, on_status=None) -> StatusReport:
         expected = {p.instance_id for p in self.placements}
@@ -166,10 +199,19 @@ class Deployment:
                 self._check_children()
                 if self.interrupted:
                     raise KeyboardInterrupt
-                report = client.status(timeout_s=5)
+                try:
+                    report = client.status(timeout_s=5)
+                except Unreachable:
+                    self._check_children()  # stopped or dead: say so in one line
+                    raise BootError(f"the orchestrator at {self.endpoint} stopped answering during startup") from None
+                if report.orchestrator.get("id") != self.orchestrator_id:
+                    self._check_children()
+                    raise BootError(f"another orchestrator ({report.orchestrator.get('pid')}) answers at {self.endpoint}")
                 if on_status:
                     on_status(report)
-                ready = {i.id for i in report.instances if i.state == "ready"}
+                # only the instances this launcher started (their pids), whatever else registered
+                pids = {name: c.pid for name, c in self.supervisor.children.items()}
+                ready = {i.id for i in report.instances if i.state == "ready" and pids.get(i.id) == i.pid}
                 if expected <= ready:
                     return report
                 if time.monotonic() > deadline:
@@ -184,22 +226,38 @@ class Deployment:
             return None
 
     def shutdown(self) -> None:
-        """Ask the orchestrator to stop the roles, then make sure every process and segment is gone."""
+        """Ask our orchestrator to stop the roles, then make sure every process and segment is gone.
+
+        Only ours: after `disagg stop` another deployment may already hold the port, so the Stop names
+        our orchestrator's id, goes out only while that process runs, and the lane file is removed only
+        when it is still the one our orchestrator made and nothing listens on it."""
         self.supervisor.stop_supervising()
-        if self.supervisor.children.get("orchestrator") and self.supervisor.running():
+        orchestrator = self.supervisor.children.get("orchestrator")
+        if orchestrator is not None and orchestrator.proc.poll() is None and self.orchestrator_id:
             try:
                 with self.client() as client:
-                    client.stop(timeout_s=1)
+                    client.stop(timeout_s=1, orchestrator_id=self.orchestrator_id)
                 deadline = time.monotonic() + 3
                 while self.supervisor.running() and time.monotonic() < deadline:
                     time.sleep(0.05)
             except (Unreachable, RuntimeError):
                 pass
         self.supervisor.stop_all()
-        try:  # a killed orchestrator leaves its lane's socket file behind
-            os.unlink(lane_path(self.config.port))
-        except FileNotFoundError:
-            pass
+        path = lane_path(self.config.port)
+        # a killed orchestrator leaves its lane's socket file behind
+        if self.lane_inode is not None and _inode(path) == self.lane_inode and not lane_in_use(path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

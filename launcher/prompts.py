@@ -22,19 +22,21 @@ def parse_prompts(text: str | bytes, source: str = "prompts") -> list[Generation
     try:
         doc = msgspec.json.decode(data)
         items = doc if isinstance(doc, list) else [doc]
-        where = (lambda i: f"{source}: entry {i}") if isinstance(doc, list) else (lambda i: source)
+        # entries counted from 1, as a person counts them
+        where = (lambda i: f"{source}: entry {i + 1}") if isinstance(doc, list) else (lambda i: source)
     except msgspec.DecodeError as whole_err:
-        items, lines = [], data.splitlines()
+        items, line_of, lines = [], [], data.splitlines()
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 items.append(msgspec.json.decode(line))
+                line_of.append(n)
             except msgspec.DecodeError as exc:
                 if len(lines) == 1 or n == 1:
                     raise PromptError(f"{source}: invalid JSON: {whole_err}") from None
                 raise PromptError(f"{source}: line {n}: invalid JSON: {exc}") from None
-        where = lambda i: f"{source}: line {i + 1}"  # noqa: E731
+        where = lambda i: f"{source}: line {line_of[i]}"  # noqa: E731 - the file's own line numbers
     if not items:
         raise PromptError(f"{source}: no prompts found")
     out = []

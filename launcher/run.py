@@ -7,10 +7,11 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
 from launcher.batch import run_prompts
 from launcher.dashboard import events_between, status_view
-from launcher.deployment import BootError, Deployment
+from launcher.deployment import BootError, Deployment, StoppedDuringStartup
 from launcher.topology import DeploymentConfig
 from transport.messages import GenerationParams, StatusReport
 
@@ -26,11 +27,12 @@ class EventLog:
 
     def __call__(self, report: StatusReport) -> None:
         for line in events_between(self.last, report):
-            self.console.print(f"{time.strftime('%H:%M:%S')} {line}")
+            self.say(line)
         self.last = report
 
     def say(self, line: str) -> None:
-        self.console.print(f"{time.strftime('%H:%M:%S')} {line}")
+        # plain text: log lines and messages hold [brackets] that are not Rich markup
+        self.console.print(f"{time.strftime('%H:%M:%S')} {line}", markup=False, highlight=False)
 
 
 class LiveTable:
@@ -43,10 +45,11 @@ class LiveTable:
 
     def __call__(self, report: StatusReport) -> None:
         state = "Ctrl-C stops" if self.ready else "starting…"
-        self.live.update(status_view(report, title=f"disagg at {self.endpoint}  ({state})"))
+        self.live.update(status_view(report, title=f"disagg at {self.endpoint}  ({state})",
+                                     width=self.live.console.width))
 
     def say(self, line: str) -> None:
-        self.live.console.print(f"{time.strftime('%H:%M:%S')} {line}")
+        self.live.console.print(f"{time.strftime('%H:%M:%S')} {line}", markup=False, highlight=False)
 
 
 def run_deployment(
@@ -57,6 +60,7 @@ def run_deployment(
     prompts: list[GenerationParams] | None,
     out_dir: Path,
     concurrency: int,
+    as_json: bool = False,
 ) -> int:
     dep = Deployment(config, run_dir)
     dep.install_signal_handlers()
@@ -65,7 +69,8 @@ def run_deployment(
         f"{config.encoders.count}:{config.denoisers.count}:{config.decoders.count}")
     console.print(
         f"disagg: {shape} "
-        f"({n} role processes + orchestrator), model {config.model}, endpoint {dep.endpoint}, logs in {dep.run_dir}/logs"
+        f"({n} role processes + orchestrator), model {config.model}, endpoint {dep.endpoint}, logs in {dep.run_dir}/logs",
+        markup=False, highlight=False,
     )
     view = LiveTable(console, dep.endpoint) if dashboard and prompts is None else EventLog(console)
     if isinstance(view, LiveTable):
@@ -78,11 +83,15 @@ def run_deployment(
         dep.supervise()
         if prompts is not None:
             with dep.client() as client:
-                return run_prompts(client, prompts, out_dir, concurrency, console, cancelled=lambda: dep.interrupted)
+                return run_prompts(client, prompts, out_dir, concurrency, console, as_json,
+                                   cancelled=lambda: dep.interrupted, model=config.model)
         return watch(dep, view)
     except BootError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(Text.assemble(("error: ", "red"), str(exc)))
         return 1
+    except StoppedDuringStartup as exc:
+        console.print(str(exc), markup=False)
+        return 0 if prompts is None else 1
     except KeyboardInterrupt:
         return 130
     finally:
@@ -102,11 +111,16 @@ def watch(dep: Deployment, view) -> int:
         while not dep.interrupted:
             while not dep.supervisor.events.empty():
                 view.say(dep.supervisor.events.get())
-            if orchestrator.returncode == 0 or orchestrator.gave_up:
+            if orchestrator.returncode == 0:
                 view.say("the orchestrator has stopped")
                 return 0
+            if orchestrator.gave_up:
+                view.say(f"error: the orchestrator cannot run (exit status {orchestrator.returncode}); last log lines "
+                         f"({orchestrator.log_path}):\n{orchestrator.log_tail(5)}")
+                return 1
             report = dep.status(client)
-            if report is not None:
+            if report is not None and report.orchestrator.get("pid") == orchestrator.pid:
+                dep.follow(report)  # a restarted orchestrator of ours: from now on that one is ours
                 view(report)
             time.sleep(REFRESH_S)
     return 0

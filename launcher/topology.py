@@ -12,6 +12,7 @@ import yaml
 from msgspec import Meta
 
 from roles.pipelines import ModelError, ModelSpec, model_spec
+from transport.messages import HEARTBEAT_INTERVAL_S
 from transport.selection import CHOICES as TRANSFER_CHOICES
 
 ROLE_KEYS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
@@ -104,6 +105,13 @@ def load_config(path: str | Path | None) -> DeploymentConfig:
 
 
 def validate(config: DeploymentConfig) -> None:
+    try:  # flags were set on the struct after it was read: hold them to the same limits as the file
+        msgspec.convert(msgspec.to_builtins(config), DeploymentConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.heartbeat_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
+        raise ConfigError(f"heartbeat timeout {config.heartbeat_timeout_s:g} s is under twice the {HEARTBEAT_INTERVAL_S:g} s "
+                          "heartbeat interval: every instance would flap between dead and ready")
     if config.transfer not in TRANSFER_CHOICES:
         raise ConfigError(f"transfer must be one of {', '.join(TRANSFER_CHOICES)}, got {config.transfer!r}")
     if config.transfer_protocol not in ("", "tcp", "rdma"):
@@ -126,6 +134,24 @@ def validate(config: DeploymentConfig) -> None:
     if config.denoisers.max_batch > 1 and not model_spec(config.model).step_batching:
         raise ConfigError(f"denoisers.max_batch {config.denoisers.max_batch}: model {config.model!r} cannot batch "
                           "denoising steps; use max_batch 1")
+
+
+def check_gpus(config: DeploymentConfig) -> None:
+    """Every GPU the deployment names must be here (sim models' GPUs are simulated)."""
+    wanted = config.all_gpus()
+    if not wanted or config.model.startswith("sim:"):
+        return
+    import torch  # only a GPU launch pays for the import
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [g for g in wanted if g >= count]
+    if missing:
+        raise ConfigError(f"GPU {', '.join(map(str, missing))} not found: this machine has {count} CUDA device(s) "
+                          f"visible{'' if count else ' (torch: ' + _no_cuda_reason(torch) + ')'}")
+
+
+def _no_cuda_reason(torch) -> str:
+    return "not compiled with CUDA" if torch.version.cuda is None else "no device"
 
 
 @dataclass

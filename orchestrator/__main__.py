@@ -12,6 +12,7 @@ from orchestrator.requests import ROLES
 from orchestrator.router import Router, RouterConfig
 from orchestrator.server import OrchestratorServer
 from transport.messages import BOOT_ERROR_EXIT
+from transport.shm import SHM_PREFIX
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--colocated", action="store_true", help="route requests to monolithic instances")
     ap.add_argument("--dispatch", default="max-free-slots")
     ap.add_argument("--transfer", default="auto")
+    ap.add_argument("--deployment-id", default="",
+                    help="refuse role instances of any other deployment (empty: take any)")
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--no-lane", action="store_true",
                     help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         max_retries=args.max_retries,
         max_queue={role: args.max_queue for role in ROLES},
         colocated=args.colocated,
+        deployment_id=args.deployment_id,
     )
     try:
         router = Router(config, now=time.monotonic())
@@ -52,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
         return BOOT_ERROR_EXIT
     server.run()
+    run_id = os.environ.get("DISAGG_RUN_ID")
+    if server.orphaned and run_id:  # the launcher was killed: nobody else removes what killed roles left
+        from transport.shm import remove_dead_segments
+
+        remove_dead_segments(f"{SHM_PREFIX}{run_id}-")
     return 0
 
 

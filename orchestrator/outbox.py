@@ -25,6 +25,9 @@ class RouterConfig:
     max_queue: dict[str, int] = field(default_factory=lambda: {r: 4096 for r in ROLES})
     #: colocated deployment: requests go to monolithic instances instead of the three pools
     colocated: bool = False
+    #: the deployment this orchestrator serves; instances registering with another id are refused
+    #: (empty: any)
+    deployment_id: str = ""
 
 
 @dataclass

@@ -18,14 +18,15 @@ from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, previous_stage
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
-    Alive, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release, Result,
-    Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop, Stopping, Submit,
+    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
+    Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop, Stopping, Submit,
 )
 from transport.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
 
-HEARTBEAT_INTERVAL_S = 1.0
+#: what a request still waiting or running is told when the deployment stops under it
+STOPPING_ERROR = "the deployment is stopping; the request was not finished"
 
 
 class Router:
@@ -50,6 +51,9 @@ class Router:
         self._warned_pairs: set[tuple[str, str]] = set()
         #: producer id -> whether some consumer needs its output inline; reset when instances change
         self._inline_cache: dict[str, bool] = {}
+        #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
+        #: of the first stage report it: larger requests are refused at Submit
+        self.limits: dict[str, int] = {}
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -93,7 +97,7 @@ class Router:
         self.dispatch_queued(now, out)
         if self.draining and not self.requests and not self.stopping:
             log.info("drained; stopping")
-            self.stop_all(out)
+            self.stop_all(out, now)
         return out
 
     # --- client messages --------------------------------------------------------------------
@@ -112,6 +116,10 @@ class Router:
         if msg.request_id in self.requests:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="duplicate request_id")))
             return
+        too_big = self.over_limits(msg)
+        if too_big:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=too_big)))
+            return
         params = msg.params
         if params.seed is None:
             # fixed here, so a retry of any stage reproduces the same image
@@ -121,27 +129,52 @@ class Router:
         self.requests[req.id] = req
         self.enqueue(req, self.first_stage, now)
 
+    def over_limits(self, msg: Submit) -> str:
+        """Why the deployment cannot make this request (a size over the model's maximum), or ''."""
+        p = msg.params
+        for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
+            limit = self.limits.get(f"max_{field.removeprefix('num_')}", 0)
+            if value is not None and limit and value > limit:
+                return f"{field} {value} is over this deployment's maximum of {limit}"
+        return ""
+
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
 
     def handle_stop(self, identity, msg: Stop, frames, now, out) -> None:
+        if msg.orchestrator_id and msg.orchestrator_id != self.id:
+            # a launcher stopping the orchestrator it started, which is gone: this one took its port
+            log.warning("refused a Stop meant for orchestrator %s (this is %s)", msg.orchestrator_id, self.id)
+            out.append(to_client(identity, Rejected(reason=f"this is orchestrator {self.id}, not "
+                                                          f"{msg.orchestrator_id}: not stopping")))
+            return
         out.append(to_client(identity, Stopping()))
         if msg.drain and self.requests:
             self.draining = True  # refuse new work; stop once the last request ends (see end)
             log.info("draining %d requests before stopping", len(self.requests))
             return
-        self.stop_all(out)
+        self.stop_all(out, now)
 
-    def stop_all(self, out) -> None:
+    def stop_all(self, out, now: float) -> None:
+        """Tell every instance to exit, and every client with a request in flight that it ends now."""
         self.stopping = True
         for inst in self.registry.alive():
             out.append(to_instance(inst.id, Shutdown()))
+        for req in list(self.requests.values()):
+            self.fail(req, STOPPING_ERROR, now, out, stopping=True)
 
     # --- role messages ----------------------------------------------------------------------
 
     def handle_register(self, sender, msg: Register, frames, now, out) -> None:
         if sender != msg.instance_id:
             out.append(to_instance(sender, Rejected(reason=f"socket identity {sender!r} != instance_id")))
+            return
+        ours = self.config.deployment_id
+        if ours and msg.deployment_id != ours:
+            log.warning("refused %s (pid %d): it belongs to deployment %r, this orchestrator serves %r",
+                        msg.instance_id, msg.pid, msg.deployment_id, ours)
+            out.append(to_instance(sender, Rejected(reason=f"{FOREIGN_DEPLOYMENT}: this orchestrator serves "
+                                                          f"deployment {ours!r}, not {msg.deployment_id!r}")))
             return
         old = self.registry.get(msg.instance_id)
         if old is not None and old.state != "dead":
@@ -151,6 +184,8 @@ class Router:
         # work still computing from before: its slots stay taken until it reports
         inst.running = dict(msg.busy)
         inst.free_slots = max(0, inst.capacity - len(inst.running))
+        if inst.role == self.first_stage:
+            self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
         out.append(
             to_instance(
@@ -236,6 +271,7 @@ class Router:
             seed=req.params.seed,
             attempts=req.attempt,
             timings=req.timings,
+            resolved=msg.resolved,
         )
         self.end(req, "done", now)
         out.append(to_client(req.client, result, frames))
@@ -350,10 +386,11 @@ class Router:
             out.append(to_instance(producer.id, Release(request_id=req.id, offset=slot.offset)))
         req.source, req.source_frames = None, []
 
-    def fail(self, req: Request, error: str, now: float, out: list[Out]) -> None:
+    def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False) -> None:
         log.warning("request %s failed: %s", req.id, error)
         req.timings["total"] = round(now - req.submitted_at, 6)
-        result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt, timings=req.timings)
+        result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
+                        timings=req.timings, stopping=stopping)
         self.end(req, "failed", now)
         out.append(to_client(req.client, result))
 

@@ -20,12 +20,15 @@ from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
+    FOREIGN_DEPLOYMENT,
     ClientMessage,
     MessageError,
+    Register,
     Rejected,
     Release,
     RoleMessage,
     Stop,
+    encode,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -84,7 +87,11 @@ class OrchestratorServer:
         self._lanes: dict[int, tuple[Lane, bool, bytes]] = {}
         #: (is client, identity) -> lane, for sending
         self._lane_to: dict[tuple[bool, bytes], Lane] = {}
+        #: instance id (bytes) -> the ZeroMQ identity of its socket (DEPLOYMENT/INSTANCE), learnt from its Register
+        self._route: dict[str, bytes] = {}
         self._stop_requested = False
+        #: the launcher went away (killed): the process stops, and cleans what it can on its way out
+        self.orphaned = False
         self._dropped = 0
         #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
         self.outbox = Outbox()
@@ -125,6 +132,7 @@ class OrchestratorServer:
                 next_tick = now + TICK_S
                 if os.getppid() != parent:  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
+                    self.orphaned = True
                     self.send(self.router.handle_client(b"", Stop(), [], now))
             self.flush()
             if self.router.stopping:
@@ -160,7 +168,10 @@ class OrchestratorServer:
             if entry is None:  # refused at its introduction, or dropped meanwhile: the rest goes unread
                 return
             _, is_client, identity = entry
-            (self.handle_frontend_frames if is_client else self.handle_backend_frames)([identity, *frames])
+            if is_client:
+                self.handle_frontend_frames([identity, *frames])
+            else:  # as if on its ZeroMQ socket: DEPLOYMENT/INSTANCE
+                self.handle_backend_frames([self._route.get(identity, identity), *frames])
 
     def introduce_lane(self, fd: int, hello: list[bytes]) -> None:
         """A lane's first packet: [b"role", instance id, orchestrator id] or
@@ -238,16 +249,29 @@ class OrchestratorServer:
             self._drop("backend", "message without a payload frame")
             return
         try:
-            # a role's compute threads report on their own sockets, as INSTANCE#THREAD
-            sender = frames[0].decode("ascii").split("#", 1)[0]
+            # a role's socket is DEPLOYMENT/INSTANCE, and its compute threads' are DEPLOYMENT/INSTANCE#THREAD:
+            # roles of two deployments never share a ZeroMQ identity, so one cannot take over another's route
+            route = frames[0].decode("ascii").split("#", 1)[0]
+            deployment, _, sender = route.rpartition("/")
             items = decode_frames(frames[1:], RoleMessage)
         except (MessageError, UnicodeDecodeError) as exc:
             self._drop("backend", str(exc))
+            return
+        ours = self.router.config.deployment_id
+        if ours and deployment != ours:
+            self._drop("backend", f"a message from {sender!r} of deployment {deployment!r} (this orchestrator serves {ours!r})")
+            reply = Rejected(reason=f"{FOREIGN_DEPLOYMENT}: this orchestrator serves deployment {ours!r}, not {deployment!r}")
+            try:
+                self.backend.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
             return
         for msg, rest in items:
             if isinstance(msg, MessageError):
                 self._drop("backend", str(msg))
                 continue
+            if isinstance(msg, Register):
+                self._route[sender.encode()] = route.encode()
             self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 
     def _drop(self, where: str, why: str) -> None:
@@ -279,6 +303,8 @@ class OrchestratorServer:
                 self.drop_lane(lane.fd)
         to_client, identity = destination
         sock = self.frontend if to_client else self.backend
+        if not to_client:
+            identity = self._route.get(identity, identity)
         try:
             sock.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:

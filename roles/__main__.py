@@ -39,11 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     def load_stage():
         import torch
 
-        from roles.pipelines import load_adapter
+        from roles.limits import PoolFit
+        from roles.pipelines import load_adapter, model_spec
         from roles.stage import Stage
 
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
-        return Stage(spec.role, load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown), spec.max_batch)
+        adapter = load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown)
+        fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits else None
+        return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model)
 
     from transport.engines import EngineUnavailable
 

@@ -134,9 +134,10 @@ class StageRunner:
                 if not self.fold_fetched:  # tell now, so the producer's slot is freed while we compute
                     self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
                     fetch_s = None
-            t0 = time.perf_counter()
-            out = self.stage.run(run.params, inputs, self.tick)
-            compute_s = time.perf_counter() - t0
+            with self.stage.turn:  # one compute at a time where the pipeline keeps per-call state
+                t0 = time.perf_counter()
+                out = self.stage.run(run.params, inputs, self.tick)
+                compute_s = time.perf_counter() - t0
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)
@@ -144,7 +145,8 @@ class StageRunner:
             device_s = out.device_s if out.device_s is not None else share
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
-                            image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s)
+                            image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
+                            resolved=out.resolved)
                 self.report(done, out.images)
             else:
                 slot = self.pool.stage(self.instance_id, out.tensors)

@@ -27,11 +27,30 @@ def check_format(fmt: str | None, video: bool) -> str:
     return fmt
 
 
-def encode_image(image, fmt: str = "png") -> bytes:
+def png_text(params: dict) -> "PngInfo":
+    """A PNG's text chunks for its generation parameters: one per field, and `parameters` in the
+    one-line form image tools (AUTOMATIC1111's, ComfyUI's readers) show."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in params.items():
+        info.add_itxt(key, str(value))
+    tail = [f"Steps: {params.get('num_inference_steps')}", f"CFG scale: {params.get('guidance_scale')}",
+            f"Seed: {params.get('seed')}", f"Size: {params.get('width')}x{params.get('height')}",
+            f"Model: {params.get('model')}"]
+    lines = [str(params.get("prompt", ""))]
+    if params.get("negative_prompt"):
+        lines.append(f"Negative prompt: {params['negative_prompt']}")
+    info.add_itxt("parameters", "\n".join([*lines, ", ".join(tail)]))
+    return info
+
+
+def encode_image(image, fmt: str = "png", params: dict | None = None) -> bytes:
+    """One image in `fmt`; a PNG carries `params` (its generation parameters) in text chunks."""
     buf = io.BytesIO()
     if fmt == "png":
         # lossless; level 1 keeps the decoder's CPU time on compute, not compression
-        image.save(buf, format="PNG", compress_level=1)
+        image.save(buf, format="PNG", compress_level=1, pnginfo=png_text(params) if params else None)
     elif fmt == "jpeg":
         image.convert("RGB").save(buf, format="JPEG", quality=95)
     else:

@@ -41,6 +41,15 @@ class WorkerSpec:
     keys_dir: str = ""
     #: take the orchestrator's same-host fast lane when it offers one (transport/lane.py)
     use_lane: bool = True
+    #: the deployment this instance belongs to (an orchestrator of another one refuses it)
+    deployment_id: str = ""
+    #: role -> bytes of its smallest pool: the first stage refuses a request whose tensors would not fit
+    pool_limits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> str:
+        """The ZeroMQ identity of its socket: DEPLOYMENT/INSTANCE (the orchestrator routes by it)."""
+        return f"{self.deployment_id}/{self.instance_id}" if self.deployment_id else self.instance_id
 
 
 def spec_from_json(data: str) -> WorkerSpec:

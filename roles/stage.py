@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,6 +22,8 @@ class StageOutput:
     image_format: str = "png"
     #: this request's share of device seconds when it shared a batched forward (None: compute time)
     device_s: float | None = None
+    #: the parameters the model ran with, its defaults filled in (the client's manifest records them)
+    resolved: dict = field(default_factory=dict)
 
 
 def params_dict(params: GenerationParams) -> dict:
@@ -27,12 +31,29 @@ def params_dict(params: GenerationParams) -> dict:
     return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
 
 
-class Stage:
-    """Runs one role's part of the pipeline through a model adapter."""
+#: parameters a decoder reports back (and writes into a PNG's text chunks)
+RESOLVED = ("prompt", "negative_prompt", "seed", "width", "height", "num_inference_steps", "guidance_scale",
+            "num_images_per_prompt", "num_frames")
 
-    def __init__(self, role: str, adapter, max_batch: int = 1):
+
+def resolved(p: dict, model: str) -> dict:
+    return {**{k: p[k] for k in RESOLVED if p.get(k) is not None}, "model": model}
+
+
+class Stage:
+    """Runs one role's part of the pipeline through a model adapter.
+
+    A diffusers pipeline keeps per-call state (its scheduler's step index, `_guidance_scale`, Wan's VAE
+    feature cache), so with a capacity above 1 the computes of one instance take turns (`turn`) unless
+    the adapter says it is safe to share (`thread_safe`). Their transfers still overlap; a denoiser that
+    should run requests together batches them (`max_batch`, one thread drives every forward)."""
+
+    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = ""):
         self.role = role
         self.adapter = adapter
+        self.model = model
+        #: the first stage checks that a request's tensors fit every pool (roles/limits.py PoolFit)
+        self.fit = fit if role in ("encoder",) else None
         self.batcher = None
         if role == "denoiser" and max_batch > 1:
             if not hasattr(adapter, "denoise_steps"):
@@ -40,12 +61,16 @@ class Stage:
             from roles.batcher import StepBatcher
 
             self.batcher = StepBatcher(adapter, max_batch)
+        shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
+        self.turn = contextlib.nullcontext() if shared else threading.Lock()
 
     def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         """`progress()` is called at each denoising step, so a live role is told from a hung one."""
         p = {**self.adapter.defaults(), **params_dict(params)}
         # every role checks, so a format the model cannot make fails before any compute
         fmt = check_format(params.response_format, getattr(self.adapter, "video", False))
+        if self.fit is not None:
+            self.fit.check(p)
         if self.role == "encoder":
             return StageOutput(tensors=self.adapter.encode(p))
         if self.role == "denoiser":
@@ -55,11 +80,15 @@ class Stage:
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
             inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
+        params_used = resolved(p, self.model)
+        # the client knows its prompts: the wire carries the rest
+        done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}
         if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
-            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt), image_format=fmt)
+            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt), image_format=fmt, resolved=done)
         outputs = self.adapter.decode(inputs, p)
         if fmt == "mp4":  # one list of frames per video
-            return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt)
+            return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt,
+                               resolved=done)
         if getattr(self.adapter, "video", False):  # lossless frames: each video's frames in order
             outputs = [frame for frames in outputs for frame in frames]
-        return StageOutput(images=[encode_image(im, fmt) for im in outputs], image_format=fmt)
+        return StageOutput(images=[encode_image(im, fmt, params_used) for im in outputs], image_format=fmt, resolved=done)

@@ -22,6 +22,7 @@ from pathlib import Path
 import zmq
 
 from roles.compute import StageRunner
+from roles.limits import model_limits
 from roles.spec import WorkerSpec
 from transport.auth import apply_client_curve, client_curve
 from transport.engines import EngineOptions, TransferEngine, make_engines
@@ -29,6 +30,8 @@ from transport.lane import LaneClosed, LaneError, LaneLink
 from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     BOOT_ERROR_EXIT,
+    FOREIGN_DEPLOYMENT,
+    HEARTBEAT_INTERVAL_S,
     MAX_FRAMES_BYTES,
     Alive,
     Dead,
@@ -47,7 +50,6 @@ from transport.messages import (
 )
 from transport.pool import Pool
 
-HEARTBEAT_INTERVAL_S = 1.0
 RECONNECT_MAX_BACKOFF_S = 5.0
 REPORTS = "inproc://reports"
 #: the most time one pass over the inbox spends before the loop looks at its heartbeat again
@@ -85,6 +87,8 @@ class Worker:
         self._count_lock = threading.Lock()
         self.ready = False
         self.components: dict[str, int] = {}
+        #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
+        self.limits = model_limits(spec.model)
         self.orchestrator_id = ""
         self.stop = False
         self.parent_pid = os.getppid()
@@ -166,7 +170,7 @@ class Worker:
             self.close_lane()
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, self.spec.instance_id.encode())
+        self.sock.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 10_000)
@@ -188,6 +192,8 @@ class Worker:
                 ready=self.ready,
                 busy=dict(self.runner.busy),
                 restarts=self.spec.restarts,
+                deployment_id=self.spec.deployment_id,
+                **self.limits,
             )
         )
 
@@ -329,6 +335,11 @@ class Worker:
             self.register()
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
+        if msg.reason.startswith(FOREIGN_DEPLOYMENT):
+            # our orchestrator is gone and another deployment's holds its port: never work for that one
+            self.log.error("refused: %s; exiting", msg.reason)
+            self.exit_code, self.stop = 1, True
+            return
         self.log.warning("orchestrator rejected a message: %s", msg.reason)
         if "register" in msg.reason:
             self.register()
@@ -383,7 +394,7 @@ class Worker:
         sock = getattr(self._local, "dealer", None)
         if sock is None:
             sock = self._local.dealer = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"{self.spec.instance_id}#{threading.current_thread().name}".encode())
+            sock.setsockopt(zmq.IDENTITY, f"{self.spec.identity}#{threading.current_thread().name}".encode())
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 10_000)
             apply_client_curve(sock, self.curve)

@@ -26,11 +26,11 @@ def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProces
 class Launched:
     """A `disagg launch` process running in the background."""
 
-    def __init__(self, args: list[str], tmp: Path):
-        self.port = free_port_pair()
+    def __init__(self, args: list[str], tmp: Path, port: int | None = None, log_name: str = "launch.log"):
+        self.port = port or free_port_pair()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
-        self.log = open(tmp / "launch.log", "w")
+        self.log = open(tmp / log_name, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,

@@ -54,17 +54,30 @@ def test_ctrl_c_stops_everything_within_10s(tmp_path):
 
 
 def test_boot_error_stops_the_launch_with_the_cause(tmp_path):
-    """A role that cannot start (here: asked for a GPU on a machine without CUDA) stops the launch."""
+    """A role that cannot start (here: a checkpoint whose weights are missing) stops the launch."""
+    import json
+
+    folder = tmp_path / "broken"
+    (folder / "vae").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}))
+    (folder / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL"}))
+    t0 = time.monotonic()
+    res = disagg("launch", "--model", str(folder), "-d", "1", "--port", str(free_port_pair()),
+                 "--run-dir", str(tmp_path / "run"), "--no-dashboard", timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "failed to start" in res.stdout and "FluxPipeline" in res.stdout, res.stdout
+    assert time.monotonic() - t0 < 90
+
+
+def test_gpus_that_are_not_there_are_refused_before_any_process_starts(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU; the failure needs one that does not")
+        pytest.skip("this machine has a GPU; the check needs one that does not")
     t0 = time.monotonic()
-    res = disagg("launch", "--gpus", "0", "-d", "1", "--port", str(free_port_pair()),
-                 "--run-dir", str(tmp_path / "run"), "--no-dashboard", timeout=120)
-    assert res.returncode == 1
-    assert "failed to start" in res.stdout and "CUDA" in res.stdout, res.stdout
-    assert time.monotonic() - t0 < 90
+    res = disagg("launch", "--gpus", "0", "-d", "1", "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert res.returncode == 2 and "GPU 0 not found" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 15 and not (tmp_path / "run").exists()
 
 
 def test_unknown_model_refused_before_any_process_starts(tmp_path):

@@ -19,10 +19,18 @@ class KeyError_(ValueError):
     """A keys directory that lacks a needed key file."""
 
 
+KEY_NAMES = ("server", "client")
+
+
+def key_files(directory: Path) -> list[Path]:
+    """The four files `generate_keys` writes into `directory`."""
+    return [directory / f"{name}{ext}" for name in KEY_NAMES for ext in (".key", ".key_secret")]
+
+
 def generate_keys(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in ("server", "client"):
+    for name in KEY_NAMES:
         public, secret = zmq.auth.create_certificates(str(directory), name)
         Path(secret).chmod(0o600)
         written += [Path(public), Path(secret)]

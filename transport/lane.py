@@ -158,12 +158,29 @@ def connect(path: str, hello: list[bytes]) -> Lane | None:
     return Lane(sock)
 
 
+def lane_in_use(path: str) -> bool:
+    """Whether an orchestrator listens on the lane at `path` (a file left by a killed one is not)."""
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 class LaneListener:
     """The orchestrator's end: a listening socket that accepts lanes."""
 
     def __init__(self, path: str):
         self.path = path
         _private_folder(path)
+        if lane_in_use(path):  # e.g. an orchestrator on another address with the same port: its lane stays its own
+            raise OSError(f"{path} is in use by another orchestrator")
         try:
             os.unlink(path)  # an orchestrator before us on this port is gone (we hold the port now)
         except FileNotFoundError:

@@ -18,6 +18,10 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_FRAMES_BYTES = 512 * 1024 * 1024
 
 ROLES = ("encoder", "denoiser", "decoder", "monolith")
+#: how a Rejected to a Register of another deployment's instance begins (that instance then exits)
+FOREIGN_DEPLOYMENT = "another deployment"
+#: every role heartbeats this often; an orchestrator's heartbeat timeout must be at least twice it
+HEARTBEAT_INTERVAL_S = 1.0
 STATES = ("starting", "ready", "draining", "dead")
 
 Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
@@ -140,6 +144,11 @@ class Result(_Msg, tag="result", kw_only=True):
     attempts: Count = 1
     #: seconds per phase: queue_<role>, compute_<role>, fetch_<role>, total
     timings: dict[str, float] = {}
+    #: the parameters the model ran with, its defaults filled in (width, height, num_inference_steps,
+    #: guidance_scale, model, ...): what a manifest of the outputs records
+    resolved: dict[str, str | int | float] = {}
+    #: the request ended because the deployment is stopping: a client submits nothing more to it
+    stopping: bool = False
 
 
 class Rejected(_Msg, tag="rejected", kw_only=True):
@@ -211,6 +220,9 @@ class Stop(_Msg, tag="stop", kw_only=True):
     """Client asks the deployment to shut down; with drain, after in-flight work finishes."""
 
     drain: bool = False
+    #: stop only if this is the orchestrator's id (a launcher stops the one it started, never a
+    #: successor that took its port); empty = whichever answers
+    orchestrator_id: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Stopping(_Msg, tag="stopping", kw_only=True):
@@ -237,6 +249,12 @@ class Register(_Msg, tag="register", kw_only=True):
     busy: dict[Id, Count] = {}
     #: how often the launcher restarted this instance
     restarts: Count = 0
+    #: the deployment this instance belongs to; an orchestrator refuses instances of another one
+    deployment_id: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
+    #: what the model can make, so the orchestrator refuses larger requests at Submit (0 = no limit)
+    max_width: Count = 0
+    max_height: Count = 0
+    max_frames: Count = 0
 
 
 class Registered(_Msg, tag="registered", kw_only=True):
@@ -320,6 +338,8 @@ class Done(_Msg, tag="done", kw_only=True):
     fetch_s: Seconds | None = None
     #: as in Staged
     device_s: Seconds | None = None
+    #: as in Result
+    resolved: dict[Annotated[str, Meta(max_length=64)], str | int | float] = {}
 
 
 class Failed(_Msg, tag="failed", kw_only=True):

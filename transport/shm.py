@@ -29,3 +29,32 @@ def remove_segments(prefix: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def remove_dead_segments(prefix: str) -> list[str]:
+    """Unlink the segments under `prefix` whose owner (the pid that ends a pool's name) has exited."""
+    removed = []
+    for name in list_segments(prefix):
+        pid = name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(shm_path(name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited; it only waits for its parent
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False

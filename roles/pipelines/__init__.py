@@ -29,6 +29,8 @@ class ModelSpec:
     step_batching: bool = False
     #: a diffusers checkpoint's family (flux, sd3, sdxl, wan); empty for built-in models
     family: str = ""
+    #: video models: the most frames per video its pools are sized for (0: not a video model)
+    max_frames: int = 0
 
     def largest_payload(self, role: str, max_images: int = 1) -> int:
         """The most bytes a request moves into or out of `role` at the maximum size."""
@@ -81,7 +83,7 @@ def model_spec(model: str) -> ModelSpec:
         return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n), step_batching=True)
     if model in SPECS:
         return SPECS[model]
-    from roles.pipelines.checkpoint import MAX_SIZE, CheckpointError, load_checkpoint, output_bytes
+    from roles.pipelines.checkpoint import MAX_FRAMES, MAX_SIZE, CheckpointError, load_checkpoint, output_bytes
 
     try:
         ck = load_checkpoint(model)
@@ -89,7 +91,7 @@ def model_spec(model: str) -> ModelSpec:
         raise ModelError(f"{exc}; built in: {', '.join(SPECS)}, sim:PROFILE") from None
     width, height = MAX_SIZE[ck.family]
     return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family,
-                     step_batching=ck.family in STEP_BATCHING)
+                     step_batching=ck.family in STEP_BATCHING, max_frames=MAX_FRAMES if ck.video else 0)
 
 
 def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):

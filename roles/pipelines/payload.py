@@ -14,6 +14,9 @@ from PIL import Image
 class PayloadAdapter:
     """Stages a tensor of the requested size; later stages verify it and pass a token on."""
 
+    #: no per-call state: an instance's threads may run it at once
+    thread_safe = True
+
     def __init__(self, role: str, device: str = "cpu"):
         self.role = role
         self.device = device

@@ -35,6 +35,9 @@ class _SimState:
 class SimAdapter:
     """Sleeps for each stage's simulated time; emits zero tensors of the real payload size."""
 
+    #: no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
+    thread_safe = True
+
     def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0):
         self.profile = load_profile(profile)
         self.slowdown = slowdown
