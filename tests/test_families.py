@@ -27,20 +27,27 @@ ROLE_PREFIXES = {"encoder": ("text_encoder", "tokenizer"), "denoiser": ("transfo
 
 
 def requests(family: str) -> list[GenerationParams]:
+    """Two distinct cases, then more of the same shapes with other prompts and seeds: with capacity 4 and
+    these in flight together, every role runs several at once (each must still match its own reference)."""
     if family in VIDEO:
         common = dict(width=32, height=32, num_frames=5, num_inference_steps=2, response_format="png")
-        return [
+        cases = [
             GenerationParams(prompt="a cat on a beach", negative_prompt="blurry", guidance_scale=5.0, seed=1,
                              num_images_per_prompt=2, **common),
             GenerationParams(prompt="a red car", guidance_scale=1.0, seed=2, **common),
         ]
+        more = [GenerationParams(prompt=f"a dog {k}", guidance_scale=5.0, seed=10 + k, **common) for k in range(3)]
+        return cases + more
     cfg = 3.5 if family.startswith("flux") else 5.0
-    return [
+    cases = [
         GenerationParams(prompt="a cat on a beach", negative_prompt="blurry, dark", width=64, height=32,
                          num_inference_steps=2, guidance_scale=cfg, seed=1, num_images_per_prompt=2),
         GenerationParams(prompt="a red car at night", width=48, height=64, num_inference_steps=3,
                          guidance_scale=1.0, seed=2),
     ]
+    more = [GenerationParams(prompt=f"a house {k}", width=64, height=32, num_inference_steps=3, guidance_scale=cfg,
+                             seed=10 + k) for k in range(4)]
+    return cases + more
 
 
 def reference(folder, family: str, p: GenerationParams) -> list[np.ndarray]:
@@ -63,7 +70,10 @@ def reference(folder, family: str, p: GenerationParams) -> list[np.ndarray]:
 def test_family_matches_diffusers_through_disagg(family, tmp_path):
     folder = tmp_path / family
     save_tiny(family, folder)
-    dep = Launched(["--model", str(folder), "--no-dashboard", "-e", "1", "-d", "1", "-k", "1"], tmp_path)
+    # capacity 4: a pipeline keeps per-call state (scheduler step index, Wan's VAE cache), so this is the
+    # check that requests computed side by side on one instance stay each its own
+    dep = Launched(["--model", str(folder), "--no-dashboard", "-e", "1", "-d", "1", "-k", "1", "--capacity", "4,4,4"],
+                   tmp_path)
     try:
         status = dep.wait_ready(3)
         for inst in status.instances:  # each role loaded its own components, and only those
@@ -72,7 +82,7 @@ def test_family_matches_diffusers_through_disagg(family, tmp_path):
             assert sum(inst.components.values()) > 0
         params = requests(family)
         with Client(dep.endpoint) as client:
-            outcomes = client.run_all(params, concurrency=2, timeout_s=300)
+            outcomes = client.run_all(params, concurrency=len(params), timeout_s=300)
     finally:
         dep.stop()
     worst = 0

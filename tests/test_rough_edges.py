@@ -1,0 +1,151 @@
+"""The small defects of issue 11: messages, limits checked up front, prompt-file positions, the table at
+80 columns, markup in user text, launch --submit --json, a stop during startup, leftovers."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+
+import pytest
+from rich.console import Console
+
+from launcher.batch import OutDirError, check_out_dir
+from launcher.dashboard import bench_view, status_view
+from launcher.prompts import PromptError, parse_prompts
+from launcher.run import EventLog
+from tests.conftest import Launched, disagg, free_port_pair, pid_alive
+from transport.messages import InstanceStatus, RequestCounts, StatusReport
+from transport.shm import list_segments
+
+
+def test_jsonl_errors_give_the_files_line_and_lists_count_from_1():
+    with pytest.raises(PromptError, match=r"f: line 4: .*width"):
+        parse_prompts('{"prompt": "a"}\n\n\n{"prompt": "b", "width": -3}\n', "f")
+    with pytest.raises(PromptError, match=r"f: entry 2: .*prompt"):
+        parse_prompts('[{"prompt": "a"}, {"seed": 1}]', "f")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["launch", "--heartbeat-timeout", "0.5"], "under twice the 1 s heartbeat interval"),
+    (["launch", "--capacity", "1,2000,1"], "<= 1024"),
+    (["status", "--endpoint", "127.0.0.1:27200"], "not a tcp://HOST:PORT address"),
+    (["stop", "--endpoint", "tcp://nohost"], "not a tcp://HOST:PORT address"),
+])
+def test_bad_settings_are_usage_errors_before_anything_starts(args, needle):
+    res = disagg(*args, timeout=30)
+    assert res.returncode == 2 and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_stop_and_status_against_a_dead_port_say_connection_refused():
+    endpoint = f"tcp://127.0.0.1:{free_port_pair()}"
+    for cmd in (["stop"], ["status"], ["status", "--watch"]):
+        res = disagg(*cmd, "--endpoint", endpoint, timeout=30)
+        assert res.returncode == 3 and "Connection refused" in res.stderr and "--keys" not in res.stderr, res.stderr
+
+
+def test_out_dir_check_probes_the_nearest_existing_folder(tmp_path):
+    check_out_dir(tmp_path / "a" / "b")  # does not exist yet: its parent is writable
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutDirError, match="not a folder"):
+        check_out_dir(tmp_path / "file" / "sub")
+
+
+def _report(n: int) -> StatusReport:
+    instances = [InstanceStatus(id=f"denoiser-{k}", role="denoiser", pid=40000 + k, host="h", device="cuda:0",
+                                state="ready", capacity=4, free_slots=3, in_flight=1, completed=123, failed=0,
+                                engine="shm", pool_bytes=64 << 20, restarts=0) for k in range(n)]
+    return StatusReport(orchestrator={"pid": 1, "state": "ready"}, instances=instances, queues={},
+                        requests=RequestCounts())
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_live_table_fits_narrow_terminals_with_whole_columns(width):
+    console = Console(record=True, file=io.StringIO(), width=width)
+    console.print(status_view(_report(3), width=width))
+    text = console.export_text()
+    assert "…" not in text, text
+    assert "denoiser-2" in text and "ready" in text and "3/4" in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    if width == 80:  # the least important went first
+        assert "pool MiB" not in text
+
+
+def test_user_text_with_brackets_is_printed_as_is():
+    console = Console(record=True, file=io.StringIO(), width=200)
+    EventLog(console).say("[encoder-0] pip install 'disagg[mooncake-cpu]'")
+    doc = {"completed": 0, "failed": 2, "duration_s": 1.0, "throughput_rps": 0.0, "slo_factor": 2.0,
+           "latency_s": {"mean": 0, "p50": 0, "p95": 0, "p99": 0}, "unloaded_latency_s": 0, "slo_attainment": 0,
+           "stages": {}, "instances": [], "failures": [{"reason": "needs disagg[mooncake] here", "count": 2}]}
+    console.print(bench_view(doc))
+    text = console.export_text()
+    assert "[encoder-0] pip install 'disagg[mooncake-cpu]'" in text and "disagg[mooncake] here" in text
+
+
+def test_launch_submit_json_and_the_warning_for_a_public_address(tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text('[{"prompt": "one"}, {"prompt": "two", "width": 32, "height": 32}]')
+    out = tmp_path / "out"
+    res = disagg("launch", "--model", "sim:zero", "-d", "1", "--host", "0.0.0.0", "--port", str(free_port_pair()),
+                 "--submit", str(prompts), "--out", str(out), "--json", "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "binding 0.0.0.0 without --keys" in res.stderr
+    doc = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
+    assert doc["completed"] == 2 and doc["failed"] == 0
+    assert sorted(r["index"] for r in doc["results"]) == [0, 1]
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_stop_during_startup_is_one_line_not_a_traceback(tmp_path):
+    dep = Launched(["--model", "sim:zero", "-d", "1", "--no-dashboard"], tmp_path)
+    try:
+        from launcher.client import Client, Unreachable
+
+        deadline = time.monotonic() + 30
+        with Client(dep.endpoint) as client:
+            while True:  # the orchestrator answers; the roles are still importing torch
+                try:
+                    client.status(timeout_s=0.5)
+                    break
+                except Unreachable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+        res = disagg("stop", "--endpoint", dep.endpoint, timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert dep.proc.wait(timeout=30) == 0
+        out = dep.output()
+        assert "Traceback" not in out and "stopped before it was ready" in out, out
+    finally:
+        dep.stop()
+
+
+def test_a_killed_role_then_a_killed_launcher_leave_no_segment(tmp_path):
+    before = set(list_segments("disagg-"))
+    dep = Launched(["--model", "payload", "-d", "1", "--no-dashboard"], tmp_path)
+    try:
+        report = dep.wait_ready(3)
+        pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"])]
+        denoiser = next(i.pid for i in report.instances if i.role == "denoiser")
+        os.kill(denoiser, signal.SIGKILL)
+        time.sleep(0.1)
+        os.kill(dep.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert not [p for p in pids if pid_alive(p)]
+        time.sleep(0.3)
+        assert set(list_segments("disagg-")) <= before, set(list_segments("disagg-")) - before
+    finally:
+        dep.stop()
+
+
+def test_bench_transfer_leaves_no_run_folder(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    res = disagg("bench", "transfer", "--engines", "shm", "--sizes", "16384", "--repeats", "1", "--warmup", "0",
+                 "--json", timeout=120, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not list(tmp_path.glob("disagg-bench-*"))
