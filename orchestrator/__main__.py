@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     run_id = os.environ.get("DISAGG_RUN_ID")
     if server.orphaned and run_id:  # the launcher was killed: nobody else removes what killed roles left
-        from transport.shm import remove_dead_segments
+        from transport.shm import remove_segments
 
-        remove_dead_segments(f"{SHM_PREFIX}{run_id}-")
+        remove_segments(f"{SHM_PREFIX}{run_id}-", only_dead=True)
     return 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher.ports import free_port_pair  # noqa: F401 - tests import it from here
+from transport.shm import pid_alive  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,16 +73,3 @@ class Launched:
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped by its parent) counts as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -115,8 +115,9 @@ def test_outputs_in_every_format_and_video_as_mp4(tmp_path):
         res = disagg("launch", "--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
                      "--submit", str(prompts), "--out", str(out), "--port", str(free_port_pair()), timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
-        files = sorted(out.iterdir())
+        files = sorted(f for f in out.iterdir() if f.name != "manifest.jsonl")
         assert {f.suffix for f in files} == exts
+        assert len((out / "manifest.jsonl").read_text().splitlines()) == len(items)
         for f in files:
             if f.suffix == ".mp4":
                 frames = iio.imread(f, extension=".mp4")
@@ -166,7 +167,7 @@ def test_a_hugging_face_id_is_served_from_the_hub_cache(tmp_path):
                  "--submit", str(prompts), "--out", str(tmp_path / "out"), "--port", str(free_port_pair()),
                  env=env, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
-    [png] = (tmp_path / "out").iterdir()
+    [png] = (tmp_path / "out").glob("*.png")
     got = np.asarray(Image.open(png).convert("RGB")).astype(int)
     want = reference(repo / "snapshots" / rev, "flux", GenerationParams(prompt="a cat", width=32, height=32,
                                                                          num_inference_steps=1, seed=4,

@@ -38,7 +38,9 @@ def test_oversized_payload_fails_alone_with_both_sizes(deployment):
         by_prompt = {o.params.prompt: o for o in outcomes}
         bad = by_prompt.pop("big")
         assert not bad.ok
-        assert "denoiser denoiser-0" in bad.error and "33554432" in bad.error and "16777216" in bad.error, bad.error
+        # refused by the first stage before any compute, naming both sizes and the setting
+        assert "encoder encoder-0" in bad.error and "32.0 MiB in a denoiser's pool" in bad.error, bad.error
+        assert "holds 16.0 MiB" in bad.error and "pool_mib" in bad.error
         assert all(o.ok for o in by_prompt.values()), [o.error for o in by_prompt.values()]
         assert all(o.images and o.images[0].startswith(b"\x89PNG") for o in by_prompt.values())
         deadline = time.monotonic() + 5

@@ -19,24 +19,13 @@ def list_segments(prefix: str) -> list[str]:
         return []
 
 
-def remove_segments(prefix: str) -> list[str]:
-    """Unlink every segment whose name starts with `prefix` (left by killed processes)."""
-    removed = []
-    for name in list_segments(prefix):
-        try:
-            os.unlink(shm_path(name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def remove_dead_segments(prefix: str) -> list[str]:
-    """Unlink the segments under `prefix` whose owner (the pid that ends a pool's name) has exited."""
+def remove_segments(prefix: str, only_dead: bool = False) -> list[str]:
+    """Unlink every segment whose name starts with `prefix` (left by killed processes); with
+    `only_dead`, only those whose owner (the pid that ends a pool's name) has exited."""
     removed = []
     for name in list_segments(prefix):
         pid = name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or _alive(int(pid)):
+        if only_dead and (not pid.isdigit() or pid_alive(int(pid))):
             continue
         try:
             os.unlink(shm_path(name))
@@ -46,14 +35,15 @@ def remove_dead_segments(prefix: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has exited; it only waits for its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie has exited; it only waits for its parent
+    try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
