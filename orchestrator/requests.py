@@ -54,3 +54,13 @@ class Request:
     def span(self, name: str, start: str, end: str) -> None:
         if start in self.marks and end in self.marks:
             self.timings[name] = round(self.marks[end] - self.marks[start], 6)
+
+
+def over_limits(limits: dict[str, int], p) -> str:
+    """Why a deployment with these limits (max_width, max_height, max_frames; 0 = none) cannot make a
+    request of parameters `p`, or '' when it can."""
+    for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
+        limit = limits.get(f"max_{field.removeprefix('num_')}", 0)
+        if value is not None and limit and value > limit:
+            return f"{field} {value} is over this deployment's maximum of {limit}"
+    return ""

@@ -15,7 +15,7 @@ import msgspec
 from orchestrator.dispatch import make_policy, pick_joining_batch
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.registry import Instance, Registry
-from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, previous_stage
+from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
     FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
@@ -116,7 +116,7 @@ class Router:
         if msg.request_id in self.requests:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="duplicate request_id")))
             return
-        too_big = self.over_limits(msg)
+        too_big = over_limits(self.limits, msg.params)
         if too_big:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=too_big)))
             return
@@ -128,15 +128,6 @@ class Router:
         req = Request(id=msg.request_id, params=params, client=identity, submitted_at=now, deadline=now + timeout)
         self.requests[req.id] = req
         self.enqueue(req, self.first_stage, now)
-
-    def over_limits(self, msg: Submit) -> str:
-        """Why the deployment cannot make this request (a size over the model's maximum), or ''."""
-        p = msg.params
-        for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
-            limit = self.limits.get(f"max_{field.removeprefix('num_')}", 0)
-            if value is not None and limit and value > limit:
-                return f"{field} {value} is over this deployment's maximum of {limit}"
-        return ""
 
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))

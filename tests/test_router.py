@@ -523,3 +523,53 @@ def test_a_fetched_folded_into_staged_or_done_releases_the_source():
     assert any(isinstance(o.msg, Release) and o.to_instance == den for o in outs)
     [res] = [o.msg for o in outs if isinstance(o.msg, Result)]
     assert res.ok and res.timings["fetch_denoiser"] == 0.001 and res.timings["fetch_decoder"] == 0.002
+
+
+# --- issue 11: deployments, stop, limits --------------------------------------------------------
+
+
+def test_a_role_of_another_deployment_is_refused_and_the_instance_keeps_its_registration():
+    h = Harness(deployment_id="ours")
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
+    mine = Register(role="encoder", instance_id="encoder-0", pid=1, host_id="h", device="cpu", capacity=1, pool=pool,
+                    deployment_id="ours")
+    assert isinstance(h.role("encoder-0", mine)[0].msg, Registered)
+    foreign = msgspec.structs.replace(mine, pid=2, deployment_id="theirs")
+    [out] = h.role("encoder-0", foreign)
+    assert isinstance(out.msg, Rejected) and out.msg.reason.startswith("another deployment")
+    assert "'ours'" in out.msg.reason and "'theirs'" in out.msg.reason
+    inst = h.router.registry.get("encoder-0")
+    assert inst.pid == 1 and inst.state != "dead"
+
+
+def test_a_stop_naming_another_orchestrator_is_refused():
+    h = Harness()
+    [out] = h.router.handle_client(CLIENT, Stop(orchestrator_id="someone-else"), [], h.now)
+    assert isinstance(out.msg, Rejected) and not h.router.stopping
+    outs = h.router.handle_client(CLIENT, Stop(orchestrator_id=h.router.id), [], h.now)
+    assert isinstance(outs[0].msg, Stopping) and h.router.stopping
+
+
+def test_a_plain_stop_ends_every_request_at_once_telling_its_client():
+    h = Harness()
+    h.add("encoder")
+    h.submit("running")
+    h.submit("queued")
+    outs = h.router.handle_client(CLIENT, Stop(), [], h.now)
+    results = {o.msg.request_id: o.msg for o in outs if isinstance(o.msg, Result)}
+    assert set(results) == {"running", "queued"} and not h.router.requests
+    assert all(r.stopping and not r.ok and "stopping" in r.error for r in results.values())
+    assert any(isinstance(o.msg, Shutdown) for o in outs)
+
+
+def test_sizes_over_what_the_instances_report_are_refused_at_submit():
+    h = Harness()
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
+    h.role("encoder-0", Register(role="encoder", instance_id="encoder-0", pid=1, host_id="h", device="cpu", capacity=1,
+                                 pool=pool, max_width=1024, max_height=512, max_frames=81))
+    for params, needle in ((dict(width=2048), "width 2048"), (dict(height=528), "height 528"),
+                           (dict(num_frames=82), "num_frames 82")):
+        [out] = h.submit(f"r-{needle}", **params)
+        assert isinstance(out.msg, Rejected) and needle in out.msg.reason and "maximum" in out.msg.reason
+    h.submit("fits", width=1024, height=512)
+    assert "fits" in h.router.requests
