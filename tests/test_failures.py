@@ -67,14 +67,15 @@ def instance(dep, iid):
     return next(i for i in status(dep).instances if i.id == iid)
 
 
-def wait_until(pred, timeout=60, step=0.1):
+def wait_until(pred, timeout=60, step=0.1, why=None):
+    """pred() once it is true; else fail, saying why() (the state that kept it false) when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
         time.sleep(step)
-    raise AssertionError("condition not met in time")
+    raise AssertionError(f"condition not met in {timeout} s" + (f": {why()}" if why else ""))
 
 
 def wait_busy(dep, iid):
@@ -132,7 +133,13 @@ def test_timeout_answers_at_once_and_frees_slots(deployment):
             r = client.status()
             return all(i.free_slots == i.capacity and i.pool_used_bytes == 0 and i.pool_free_bytes == i.pool_bytes
                        for i in r.instances if i.state == "ready") and r.requests.in_flight == 0
-        wait_until(settled, timeout=60, step=0.3)
+        def unsettled():
+            r = client.status()
+            return [(i.id, i.state, f"slots {i.free_slots}/{i.capacity}", f"staged {i.pool_used_bytes}",
+                     f"pool free {i.pool_free_bytes}/{i.pool_bytes}") for i in r.instances
+                    if i.free_slots != i.capacity or i.pool_used_bytes or i.pool_free_bytes != i.pool_bytes] + \
+                [f"in flight {r.requests.in_flight}"]
+        wait_until(settled, timeout=60, step=0.3, why=unsettled)
 
 
 def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment):
