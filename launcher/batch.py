@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from launcher.client import Client, Outcome
+from client import Client, Outcome
 from transport.messages import GenerationParams
 
 
@@ -154,7 +154,7 @@ def run_prompts(
                 line = Text.assemble(("failed", "red"), f" {outcome.request_id}: {outcome.error}")
             progress.console.print(line)
 
-    from launcher.client import new_request_id
+    from client import new_request_id
 
     ids = [new_request_id() for _ in params]
     index_of.update({rid: i for i, rid in enumerate(ids)})

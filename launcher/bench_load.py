@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-from launcher.client import Client, Outcome
+from client import Client, Outcome
 from transport.messages import GenerationParams, StatusReport
 
 ROLES = ("encoder", "denoiser", "decoder")

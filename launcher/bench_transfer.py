@@ -20,7 +20,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from launcher.client import Client
+from client import Client
 from launcher.deployment import Deployment
 from launcher.ports import free_port_pair
 from launcher.topology import DeploymentConfig, RoleConfig

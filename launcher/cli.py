@@ -17,7 +17,7 @@ import click
 import msgspec
 from rich.console import Console
 
-from launcher.client import Client, Unreachable, default_endpoint
+from client import Client, Unreachable, default_endpoint
 from launcher.dashboard import status_view
 from launcher.prompts import PromptError, load_prompts
 from launcher.topology import ConfigError, load_config, validate
@@ -119,9 +119,12 @@ def cli(verbose: bool) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
 @click.option("--json", "as_json", is_flag=True, help="Batch mode: print one JSON object with every request's outcome and stage timings.")
+@click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
+@click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
+@click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
 def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
-           run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json) -> None:
+           run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
 
     Flags override the config file, which overrides the built-in defaults. Ctrl-C (or SIGTERM)
@@ -138,6 +141,9 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
                        ("keys", keys_dir), ("colocated", colocated), ("lane", lane)):
         if value is not None:
             setattr(config, key, value)
+    for key, value in (("port", http_port), ("host", http_host), ("api_key", api_key)):
+        if value is not None:
+            setattr(config.http, key, value)
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):
         if count is not None:
             getattr(config, role_key).count = count
@@ -169,7 +175,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
         except PromptError as exc:
             raise click.BadParameter(str(exc), param_hint="--submit") from None
         _check_out(out_dir)
-    from launcher.ports import PortBusy, check_ports
+    from launcher.ports import PortBusy, check_http_port, check_ports
     from launcher.topology import check_gpus
     from transport.lane import lane_path
 
@@ -179,6 +185,8 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
     try:  # before anything is spawned: a second launch must never disturb the deployment already there
         check_ports(config.host, config.port, lane_path(config.port) if config.lane else None)
+        if config.http.port:
+            check_http_port(config.http.host, config.http.port)
     except PortBusy as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
@@ -305,6 +313,34 @@ def keys_generate(directory: str, force: bool) -> None:
                                "deployment may use them. Pass --force to replace them, or choose another directory")
     for path in generate_keys(Path(directory)):
         click.echo(str(path))
+
+
+@cli.command("serve-http")
+@endpoint_option
+@keys_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve HTTP on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port to serve HTTP on.")
+@click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""),
+              help="Require `Authorization: Bearer KEY` (/health, /liveness, /metrics stay open). [default: $DISAGG_API_KEY]")
+def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: str) -> None:
+    """Serve the OpenAI-compatible HTTP API for a running deployment (more gateways may front one orchestrator)."""
+    from launcher.ports import PortBusy, check_http_port
+
+    try:
+        check_http_port(host, port)
+    except PortBusy as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    with _client(endpoint, keys) as client:
+        try:
+            client.status()
+        except Unreachable as exc:
+            _unreachable(exc)
+    from gateway.__main__ import main as gateway_main
+
+    os.environ["DISAGG_API_KEY"] = api_key
+    click.echo(f"serving http://{host}:{port}/v1 for {endpoint}")
+    sys.exit(gateway_main(["--endpoint", endpoint, "--host", host, "--port", str(port), "--keys", keys or ""]))
 
 
 @cli.group(invoke_without_command=True)

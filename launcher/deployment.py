@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from launcher.client import Client, Unreachable
+from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, place
@@ -93,8 +93,24 @@ class Deployment:
             env=self._env(),
         )
         self._wait_reachable()
+        if c.http.port:
+            self.spawn_gateway()
         for p in self.placements:
             self.spawn_role(p)
+
+    def spawn_gateway(self) -> Child:
+        """The HTTP gateway: a client of our orchestrator, supervised like a role."""
+        h = self.config.http
+        env = self._env()
+        env["DISAGG_API_KEY"] = h.api_key or os.environ.get("DISAGG_API_KEY", "")
+        return self.supervisor.spawn("gateway", self.supervisor.python(
+            "gateway", "--endpoint", self.endpoint, "--host", h.host, "--port", str(h.port), "--keys", self.keys_dir),
+            env=env)
+
+    @property
+    def http_url(self) -> str:
+        h = self.config.http
+        return f"http://{h.host}:{h.port}" if h.port else ""
 
     def spawn_role(self, p: Placement) -> Child:
         spec = {
@@ -212,12 +228,22 @@ class Deployment:
                 # only the instances this launcher started (their pids), whatever else registered
                 pids = {name: c.pid for name, c in self.supervisor.children.items()}
                 ready = {i.id for i in report.instances if i.state == "ready" and pids.get(i.id) == i.pid}
-                if expected <= ready:
+                if expected <= ready and self._gateway_listens():
                     return report
                 if time.monotonic() > deadline:
                     missing = ", ".join(sorted(expected - ready))
                     raise BootError(f"not ready after {self.config.ready_timeout_s:g} s: {missing}")
                 time.sleep(POLL_S)
+
+    def _gateway_listens(self) -> bool:
+        h = self.config.http
+        if not h.port:
+            return True
+        try:
+            socket.create_connection((h.host if h.host not in ("0.0.0.0", "::") else "127.0.0.1", h.port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
 
     def status(self, client: Client) -> StatusReport | None:
         try:

@@ -49,6 +49,14 @@ def _bindable(host: str, port: int) -> OSError | None:
         s.close()
 
 
+def check_http_port(host: str, port: int) -> None:
+    """Raise PortBusy unless the HTTP gateway's port is free."""
+    err = _bindable(host, port)
+    if err is not None:
+        raise PortBusy(f"HTTP port {port} on {host} is {'in use' if err.errno in (98, 48) else err.strerror}; "
+                       "choose another --http-port")
+
+
 def check_ports(host: str, port: int, lane: str | None) -> None:
     """Raise PortBusy unless the client port, the role port (PORT+1) and the lane are all free."""
     for p, what in ((port, "client"), (port + 1, "role")):

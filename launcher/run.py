@@ -79,7 +79,7 @@ def run_deployment(
     try:
         dep.start_processes()
         dep.wait_ready(on_status=view)
-        view.say(f"ready: {n} instances registered")
+        view.say(f"ready: {n} instances registered" + (f"; HTTP at {dep.http_url}/v1" if dep.http_url else ""))
         dep.supervise()
         if prompts is not None:
             with dep.client() as client:

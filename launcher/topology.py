@@ -35,6 +35,17 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch: Annotated[int, Meta(ge=1, le=256)] = 1
 
 
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The HTTP gateway `disagg launch` starts beside the orchestrator (gateway/)."""
+
+    #: 0 = no gateway
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    host: str = "127.0.0.1"
+    #: when set, every route but /health, /liveness and /metrics needs `Authorization: Bearer KEY`
+    #: ($DISAGG_API_KEY is used when this is empty)
+    api_key: str = ""
+
+
 class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `disagg launch` needs; configs/tiny.yaml holds these defaults, commented."""
 
@@ -66,6 +77,8 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: > 0: the colocated baseline instead: this many monolithic instances, each running all
     #: three stages in one process (capacity from denoisers, devices from `gpus`)
     colocated: Annotated[int, Meta(ge=0, le=256)] = 0
+    #: the OpenAI-compatible HTTP gateway (off unless http.port is set)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     #: sim models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for
     #: one denoiser three times slower than the others (dispatch policy experiments)
     sim_slowdown: dict[str, Annotated[float, Meta(gt=0)]] = {}

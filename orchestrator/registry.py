@@ -41,6 +41,7 @@ class Instance:
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
     lane: bool = False
+    model: str = ""
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -61,6 +62,7 @@ class Instance:
             progress_at=now,
             restarts=msg.restarts,
             max_batch=msg.max_batch,
+            model=msg.model,
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None) -> None:
@@ -112,6 +114,7 @@ class Instance:
             busy_s=round(self.busy_s, 6),
             max_batch=self.max_batch,
             components=self.components,
+            model=self.model,
             lane=self.lane,
         )
 

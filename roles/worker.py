@@ -193,6 +193,7 @@ class Worker:
                 busy=dict(self.runner.busy),
                 restarts=self.spec.restarts,
                 deployment_id=self.spec.deployment_id,
+                model=self.spec.model,
                 **self.limits,
             )
         )

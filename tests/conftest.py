@@ -38,7 +38,7 @@ class Launched:
         )
 
     def wait_ready(self, n_instances: int, timeout: float = 240):
-        from launcher.client import Client, Unreachable
+        from client import Client, Unreachable
 
         deadline = time.monotonic() + timeout
         with Client(self.endpoint) as client:

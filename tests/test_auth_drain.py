@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from launcher.client import Client
+from client import Client
 from launcher.ports import free_port_pair
 from orchestrator.router import Router
 from orchestrator.server import OrchestratorServer

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
 from transport.lane import lane_path
 from transport.messages import (

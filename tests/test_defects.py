@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import ROOT, Launched, disagg, free_port_pair
 from transport.messages import GenerationParams
 

@@ -15,7 +15,7 @@ import pytest
 import zmq
 from PIL import Image
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import Launched, disagg, pid_alive
 from transport.messages import GenerationParams, Heartbeat, Register, encode
 from transport.shm import list_segments

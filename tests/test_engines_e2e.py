@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import Launched
 from transport.messages import GenerationParams
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import zmq
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import Launched, pid_alive
 from transport.messages import GenerationParams, Heartbeat, Register, StatusQuery, Submit, encode
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.client import Client
+from client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, disagg, free_port_pair
 from transport.messages import GenerationParams

@@ -109,7 +109,7 @@ def test_client_ends_pending_requests_when_the_orchestrator_cannot_read_them():
 
     import zmq
 
-    from launcher.client import Client
+    from client import Client
     from launcher.ports import free_port_pair
     from transport.messages import (ClientMessage, GenerationParams, Rejected, RequestCounts, StatusQuery, StatusReport,
                                     decode, encode)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from launcher.client import Client
+from client import Client
 from tests.conftest import Launched
 from transport.messages import GenerationParams
 

@@ -103,7 +103,7 @@ def test_launch_submit_json_and_the_warning_for_a_public_address(tmp_path):
 def test_a_stop_during_startup_is_one_line_not_a_traceback(tmp_path):
     dep = Launched(["--model", "sim:zero", "-d", "1", "--no-dashboard"], tmp_path)
     try:
-        from launcher.client import Client, Unreachable
+        from client import Client, Unreachable
 
         deadline = time.monotonic() + 30
         with Client(dep.endpoint) as client:

@@ -196,6 +196,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     components: dict[str, int] = {}
     #: its control messages take the same-host fast lane (transport/lane.py), not ZeroMQ
     lane: bool = False
+    #: the model it serves, as given to `disagg launch --model`
+    model: str = ""
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -255,6 +257,8 @@ class Register(_Msg, tag="register", kw_only=True):
     max_width: Count = 0
     max_height: Count = 0
     max_frames: Count = 0
+    #: the model it serves (`--model`): what the HTTP gateway lists under /v1/models
+    model: Annotated[str, Meta(max_length=1024)] = ""
 
 
 class Registered(_Msg, tag="registered", kw_only=True):

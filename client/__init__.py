@@ -1,0 +1,14 @@
+"""Clients of a running orchestrator, shared by the CLI (launcher) and the HTTP gateway.
+
+`client.sync.Client` is the blocking client (`disagg submit`, `status`, `stop`, `bench`);
+`client.aio.AsyncClient` is the asyncio one the gateway multiplexes many requests over.
+"""
+
+from client.sync import (  # noqa: F401 - the package's API
+    DEFAULT_ENDPOINT,
+    Client,
+    Outcome,
+    Unreachable,
+    default_endpoint,
+    new_request_id,
+)

@@ -1,0 +1,141 @@
+"""An asyncio client of the orchestrator: one DEALER socket, many requests in flight, replies
+matched to their requests by id (what the HTTP gateway runs on)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, Outcome, Unreachable
+from transport.auth import apply_client_curve
+from transport.bundle import decode_frames
+from transport.messages import (
+    GenerationParams,
+    MessageError,
+    Rejected,
+    Result,
+    ServerReply,
+    StatusQuery,
+    StatusReport,
+    Submit,
+    encode,
+)
+
+log = logging.getLogger("disagg.client")
+
+
+class AsyncClient:
+    """Submit requests and ask for status concurrently; `start()` first, `close()` at the end."""
+
+    def __init__(self, endpoint: str, curve: tuple[bytes, bytes, bytes] | None = None):
+        self.endpoint = endpoint
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, b"gateway-" + uuid.uuid4().hex.encode())
+        apply_client_curve(self.sock, curve)
+        self.sock.connect(endpoint)
+        #: request id -> (params, sent at, its future)
+        self._pending: dict[str, tuple[GenerationParams, float, asyncio.Future]] = {}
+        self._status_waiters: list[asyncio.Future] = []
+        self._reader: asyncio.Task | None = None
+        self._last_heard = time.monotonic()
+        self.orchestrator_id = ""
+
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_forever(), name="orchestrator-replies")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(linger=0)
+
+    async def status(self, timeout_s: float = 2.0) -> StatusReport:
+        fut = asyncio.get_running_loop().create_future()
+        self._status_waiters.append(fut)
+        await self.sock.send_multipart([encode(StatusQuery())])
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)") from None
+        finally:
+            if fut in self._status_waiters:
+                self._status_waiters.remove(fut)
+
+    def in_flight(self, request_id: str) -> asyncio.Future | None:
+        entry = self._pending.get(request_id)
+        return entry[2] if entry else None
+
+    async def submit(self, request_id: str, params: GenerationParams, timeout_s: float | None = None) -> Outcome:
+        """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too)."""
+        fut = self.in_flight(request_id)
+        if fut is None:  # the same id twice: both wait for the one run
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[request_id] = (params, time.monotonic(), fut)
+            await self.sock.send_multipart([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
+        return await asyncio.shield(fut)
+
+    def _settle(self, rid: str, outcome: Outcome) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is not None and not entry[2].done():
+            entry[2].set_result(outcome)
+
+    async def _read_forever(self) -> None:
+        last_probe = 0.0
+        while True:
+            if await self.sock.poll(500):
+                frames = await self.sock.recv_multipart()
+                self._last_heard = time.monotonic()
+                try:
+                    replies = decode_frames(frames, ServerReply)
+                except MessageError as exc:
+                    log.warning("bad reply from the orchestrator: %s", exc)
+                    continue
+                for reply, rest in replies:
+                    self._handle(reply, rest)
+                continue
+            now = time.monotonic()
+            if not self._pending:
+                continue
+            if now - self._last_heard > ORCHESTRATOR_SILENCE_S:
+                for rid, (params, t0, _) in list(self._pending.items()):
+                    self._settle(rid, Outcome(rid, params, False, f"the orchestrator at {self.endpoint} stopped "
+                                                                  "answering; request lost", latency_s=now - t0))
+            elif now - last_probe > PROBE_INTERVAL_S:  # quiet: make sure the orchestrator is still there
+                last_probe = now
+                await self.sock.send_multipart([encode(StatusQuery())])
+
+    def _handle(self, reply, frames: list[bytes]) -> None:
+        if isinstance(reply, MessageError):
+            log.warning("bad reply from the orchestrator: %s", reply)
+            return
+        if isinstance(reply, StatusReport):
+            oid = str(reply.orchestrator.get("id", ""))
+            if self.orchestrator_id and oid != self.orchestrator_id:
+                for rid, (params, t0, _) in list(self._pending.items()):
+                    self._settle(rid, Outcome(rid, params, False, "the orchestrator restarted and lost this request; "
+                                                                  "submit it again", latency_s=time.monotonic() - t0))
+            self.orchestrator_id = oid
+            waiters, self._status_waiters = self._status_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(reply)
+            return
+        rid = getattr(reply, "request_id", None)
+        entry = self._pending.get(rid) if rid else None
+        if entry is None:
+            if isinstance(reply, Rejected) and rid is None:
+                log.warning("the orchestrator refused a message: %s", reply.reason)
+            return
+        params, t0, _ = entry
+        latency = time.monotonic() - t0
+        if isinstance(reply, Result):
+            self._settle(rid, Outcome(rid, params, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
+                                      reply.timings, latency, reply.attempts, dict(reply.resolved)))
+        else:
+            self._settle(rid, Outcome(rid, params, False, f"refused: {reply.reason}", latency_s=latency))

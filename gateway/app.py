@@ -1,0 +1,263 @@
+"""The gateway's FastAPI application: routes, authentication, errors and the image store."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import hmac
+import logging
+import os
+import re
+import signal
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client import Unreachable
+from client.aio import AsyncClient
+from gateway.errors import ApiError, from_outcome_error
+from gateway.images import parse_image_request, to_params
+from gateway.metrics import Metrics
+
+log = logging.getLogger("disagg.gateway")
+
+#: the largest request body read (a prompt is at most 20,000 characters)
+MAX_BODY_BYTES = 1024 * 1024
+CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+#: routes that answer without the API key (load balancers, Kubernetes, Prometheus)
+OPEN_ROUTES = {"/health", "/liveness", "/metrics"}
+
+
+@dataclass
+class GatewaySettings:
+    """What `python -m gateway` (and `disagg serve-http`) is told."""
+
+    endpoint: str
+    api_key: str = ""
+    #: CurveZMQ client keys of the deployment, when it uses them
+    keys_dir: str = ""
+    #: response_format=url: images kept this long, at most this many
+    image_ttl_s: float = 600.0
+    image_store_max: int = 256
+    #: completed answers kept for X-Request-Id resubmissions
+    recent_max: int = 1024
+
+
+class ImageStore:
+    """Bounded, expiring store behind GET /v1/images/{id}/content."""
+
+    def __init__(self, ttl_s: float, max_items: int):
+        self.ttl_s, self.max_items = ttl_s, max_items
+        self.items: collections.OrderedDict[str, tuple[bytes, str, float]] = collections.OrderedDict()
+
+    def put(self, data: bytes, content_type: str) -> str:
+        now = time.monotonic()
+        while self.items and (len(self.items) >= self.max_items or next(iter(self.items.values()))[2] < now):
+            self.items.popitem(last=False)
+        key = uuid.uuid4().hex
+        self.items[key] = (data, content_type, now + self.ttl_s)
+        return key
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        item = self.items.get(key)
+        if item is None or item[2] < time.monotonic():
+            self.items.pop(key, None)
+            return None
+        return item[0], item[1]
+
+
+async def _exit_with_launcher() -> None:
+    """Started by `disagg launch`: leave when it is gone (killed), as the roles do."""
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(1.0)
+        if os.getppid() != parent:
+            log.warning("launcher is gone; exiting")
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own graceful shutdown
+            return
+
+
+def make_app(settings: GatewaySettings) -> FastAPI:
+    metrics = Metrics()
+    store = ImageStore(settings.image_ttl_s, settings.image_store_max)
+    recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        curve = None
+        if settings.keys_dir:
+            from pathlib import Path
+
+            from transport.auth import client_curve
+
+            curve = client_curve(Path(settings.keys_dir))
+        client = AsyncClient(settings.endpoint, curve=curve)
+        await client.start()
+        state["client"] = client
+        watcher = asyncio.create_task(_exit_with_launcher()) if os.environ.get("DISAGG_RUN_ID") else None
+        log.info("gateway for %s", settings.endpoint)
+        yield
+        if watcher is not None:
+            watcher.cancel()
+        await client.close()
+
+    app = FastAPI(title="disagg", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def client() -> AsyncClient:
+        return state["client"]
+
+    @app.middleware("http")
+    async def count_and_authenticate(request: Request, call_next):
+        route = request.url.path
+        try:
+            if settings.api_key and route not in OPEN_ROUTES:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                    raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                                   code="invalid_api_key")
+            response = await call_next(request)
+        except ApiError as exc:
+            response = exc.response()
+        template = request.scope.get("route")
+        metrics.http.labels(getattr(template, "path", "unmatched"), request.method, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError):
+        return ApiError(400, str(exc), code="invalid_request").response()
+
+    async def status_or_503():
+        try:
+            return await client().status()
+        except Unreachable as exc:
+            raise ApiError(503, str(exc), code="orchestrator_unreachable", headers={"Retry-After": "5"}) from None
+
+    async def served_model() -> str:
+        report = await status_or_503()
+        return next((i.model for i in report.instances if i.model), "")
+
+    # --- images ---------------------------------------------------------------------------------
+
+    @app.post("/v1/images/generations")
+    async def images_generations(request: Request):
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"a body of {len(body)} bytes is over the {MAX_BODY_BYTES}-byte limit", code="too_large")
+        req = parse_image_request(body)
+        params = to_params(req)
+        if req.model:
+            model = await served_model()
+            if req.model not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
+                raise ApiError(404, f"model {req.model!r} is not served here (this deployment serves {model!r})",
+                               param="model", code="model_not_found")
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
+        if not _REQUEST_ID.match(rid):
+            raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
+        headers = {"X-Request-Id": rid}
+        if rid in recent:  # a resubmission of a finished request: the same answer, not a second run
+            return JSONResponse(recent[rid], headers=headers)
+        outcome = await client().submit(rid, params)
+        metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
+        if not outcome.ok:
+            err = from_outcome_error(outcome.error or "failed")
+            err.headers.update(headers)
+            raise err
+        fmt = outcome.image_format
+        data = []
+        for image in outcome.images:
+            if req.response_format == "url":
+                key = store.put(image, CONTENT_TYPES.get(fmt, "application/octet-stream"))
+                data.append({"url": f"{str(request.base_url).rstrip('/')}/v1/images/{key}/content",
+                             "revised_prompt": req.prompt})
+            else:
+                data.append({"b64_json": base64.b64encode(image).decode(), "revised_prompt": req.prompt})
+        width, height = outcome.resolved.get("width"), outcome.resolved.get("height")
+        doc = {"id": rid, "created": int(time.time()), "data": data, "output_format": fmt,
+               "size": f"{width}x{height}" if width and height else req.size,
+               "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
+                          "timings": outcome.timings, "model": outcome.resolved.get("model")}}
+        recent[rid] = doc
+        while len(recent) > settings.recent_max:
+            recent.popitem(last=False)
+        return JSONResponse(doc, headers=headers)
+
+    @app.get("/v1/images/{image_id}/content")
+    async def image_content(image_id: str):
+        item = store.get(image_id)
+        if item is None:
+            raise ApiError(404, f"no image {image_id!r} (unknown, or older than {settings.image_ttl_s:g} s)",
+                           param="image_id", code="not_found")
+        return Response(item[0], media_type=item[1])
+
+    # --- the deployment -------------------------------------------------------------------------
+
+    @app.get("/liveness")
+    async def liveness():
+        return {"status": "ok"}
+
+    @app.get("/health")
+    async def health():
+        report = await status_or_503()
+        if report.orchestrator.get("state") != "ready":
+            raise ApiError(503, f"the deployment is {report.orchestrator.get('state')}", code="unavailable",
+                           headers={"Retry-After": "5"})
+        roles = ("monolith",) if any(i.role == "monolith" for i in report.instances) else ("encoder", "denoiser", "decoder")
+        missing = [r for r in roles if not any(i.role == r and i.state == "ready" for i in report.instances)]
+        if missing:
+            raise ApiError(503, f"no ready {', '.join(missing)} instance", code="not_ready",
+                           headers={"Retry-After": "2"})
+        return {"status": "ok"}
+
+    def model_card(model: str) -> dict:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "disagg"}
+
+    @app.get("/v1/models")
+    async def models():
+        model = await served_model()
+        return {"object": "list", "data": [model_card(model)] if model else []}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        served = await served_model()
+        if model_id != served:
+            raise ApiError(404, f"model {model_id!r} is not served here (this deployment serves {served!r})",
+                           param="model", code="model_not_found")
+        return model_card(served)
+
+    @app.get("/v1/model_info")
+    async def model_info():
+        served = await served_model()
+        return {"model_path": served, "is_generation": True}
+
+    @app.get("/stats")
+    async def stats():
+        return JSONResponse(msgspec.to_builtins(await status_or_503()))
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            metrics.status.report = await client().status()
+        except Unreachable:
+            metrics.status.report = None  # the gateway's own metrics still answer
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,79 @@
+"""Prometheus metrics (`GET /metrics`), prometheus-client with `disagg_` names.
+
+The deployment's own state (requests by outcome from every client, queues, slots, instance states,
+restarts) comes from the orchestrator's status at scrape time; latencies and stage times are
+observed on the requests this gateway served."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from transport.messages import STATES, StatusReport
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+PHASES = {"queue": "queue", "compute": "compute", "fetch": "transfer"}
+
+
+class StatusCollector:
+    """Turns the last StatusReport into gauges and counters."""
+
+    def __init__(self):
+        self.report: StatusReport | None = None
+
+    def collect(self):
+        r = self.report
+        if r is None:
+            return
+        outcome = CounterMetricFamily("disagg_requests", "Requests ended since the orchestrator started, by outcome "
+                                                          "(every client: CLI, bench, HTTP)", labels=["outcome"])
+        outcome.add_metric(["completed"], r.requests.completed)
+        outcome.add_metric(["failed"], r.requests.failed)
+        yield outcome
+        yield GaugeMetricFamily("disagg_requests_in_flight", "Requests accepted and not yet ended",
+                                value=r.requests.in_flight)
+        queue = GaugeMetricFamily("disagg_queue_depth", "Requests waiting for a free slot, per role", labels=["role"])
+        for role, n in r.queues.items():
+            queue.add_metric([role], n)
+        yield queue
+        free = GaugeMetricFamily("disagg_instance_free_slots", "Free compute slots", labels=["role", "instance"])
+        total = GaugeMetricFamily("disagg_instance_slots", "Compute slots (capacity)", labels=["role", "instance"])
+        state = GaugeMetricFamily("disagg_instance_state", "1 for the instance's current state",
+                                  labels=["role", "instance", "state"])
+        restarts = GaugeMetricFamily("disagg_instance_restarts", "Times the launcher restarted the instance",
+                                     labels=["role", "instance"])
+        busy = CounterMetricFamily("disagg_instance_busy_seconds", "Device seconds the instance spent computing",
+                                   labels=["role", "instance"])
+        for i in r.instances:
+            labels = [i.role, i.id]
+            free.add_metric(labels, i.free_slots)
+            total.add_metric(labels, i.capacity)
+            restarts.add_metric(labels, i.restarts)
+            busy.add_metric(labels, i.busy_s)
+            for s in STATES:
+                state.add_metric(labels + [s], 1.0 if i.state == s else 0.0)
+        yield from (free, total, state, restarts, busy)
+        yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
+                                value=float(r.orchestrator.get("restarts", 0)))
+
+
+class Metrics:
+    """The gateway's registry."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.status = StatusCollector()
+        self.registry.register(self.status)
+        self.http = Counter("disagg_gateway_http_requests", "HTTP requests the gateway answered",
+                            ["route", "method", "code"], registry=self.registry)
+        self.latency = Histogram("disagg_request_latency_seconds", "End-to-end latency of requests served over HTTP",
+                                 ["outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.stage = Histogram("disagg_stage_seconds", "Per-stage queue, compute and transfer time of requests "
+                               "served over HTTP", ["role", "phase"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, ok: bool, latency_s: float, timings: dict[str, float]) -> None:
+        self.latency.labels("completed" if ok else "failed").observe(latency_s)
+        for key, seconds in timings.items():
+            phase, _, role = key.partition("_")
+            if phase in PHASES and role:
+                self.stage.labels(role, PHASES[phase]).observe(seconds)

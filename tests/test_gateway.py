@@ -1,0 +1,217 @@
+"""The HTTP gateway over real processes: `disagg launch --http-port` on the tiny model, driven by the
+official `openai` client and by httpx as SGLang's benchmark client would; `disagg serve-http` and the
+API key on a compute-free deployment."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from gateway.errors import from_outcome_error
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_http(url: str, timeout: float = 30.0, expect: int = 200) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == expect:
+                return r
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer {expect} in {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny(module_tmp):
+    http_port = free_port_pair()
+    dep = Launched(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard", "--http-port", str(http_port)], module_tmp)
+    dep.http = f"http://127.0.0.1:{http_port}"
+    try:
+        dep.wait_ready(3)
+        wait_http(dep.http + "/health")
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="module")
+def api(tiny):
+    return openai.OpenAI(base_url=tiny.http + "/v1", api_key="unused", max_retries=0)
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+
+
+def test_openai_images_generate_equals_disagg_submit(tiny, api, tmp_path):
+    r = api.images.generate(prompt="a red fox in the snow", size="64x48", response_format="b64_json",
+                            extra_body={"seed": 7, "num_inference_steps": 4})
+    assert r.size == "64x48" and r.output_format == "png" and len(r.data) == 1
+    assert r.data[0].revised_prompt == "a red fox in the snow"
+    got = png_pixels(base64.b64decode(r.data[0].b64_json))
+    assert got.shape == (48, 64, 3) and got.std() > 5
+    prompts = tmp_path / "p.json"
+    prompts.write_text('{"prompt": "a red fox in the snow", "width": 64, "height": 48, "seed": 7, '
+                       '"num_inference_steps": 4}')
+    res = disagg("submit", str(prompts), "--endpoint", tiny.endpoint, "--out", str(tmp_path / "out"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").glob("*.png")
+    assert np.array_equal(got, png_pixels(png.read_bytes()))
+    extra = r.model_extra["disagg"]
+    assert extra["seed"] == 7 and extra["timings"]["total"] > 0 and extra["model"] == "tiny"
+
+
+def test_url_format_serves_the_image_and_n_gives_n_images(tiny, api):
+    r = api.images.generate(prompt="a blue car", size="64x64", n=2, response_format="url", extra_body={"seed": 3})
+    assert len(r.data) == 2
+    images = [httpx.get(d.url, timeout=10) for d in r.data]
+    assert all(i.status_code == 200 and i.headers["content-type"] == "image/png" for i in images)
+    assert images[0].content != images[1].content  # two images of one prompt differ
+    missing = httpx.get(tiny.http + "/v1/images/nope/content", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "image_id"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(size="64x6"), "size"),
+    (dict(size="big"), "size"),
+    (dict(n=11), "n"),
+    (dict(extra_body={"num_inference_steps": 0}), "num_inference_steps"),
+    (dict(extra_body={"warp": 9}), "warp"),
+    (dict(extra_body={"extra_body": {"warp": 9}}), "extra_body.warp"),
+    (dict(prompt="x" * 20_001), "prompt"),
+    (dict(output_format="gif"), "output_format"),
+])
+def test_bad_input_raises_bad_request_naming_the_field(api, kwargs, param):
+    kwargs = {"prompt": "a cat", "size": "64x64", **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        api.images.generate(**kwargs)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_unknown_model_route_and_garbage_get_openai_shaped_errors(tiny, api):
+    with pytest.raises(openai.NotFoundError) as info:
+        api.images.generate(prompt="a cat", model="dall-e-3", size="64x64")
+    assert info.value.body["code"] == "model_not_found"
+    for method, path, body in (("GET", "/nope", None), ("POST", "/v1/images/generations", b"\x00garbage"),
+                               ("POST", "/v1/images/generations", b'{"prompt": 5}'),
+                               ("POST", "/v1/images/generations", b"[1, 2]"),
+                               ("POST", "/v1/images/generations", b"x" * (2 * 1024 * 1024))):
+        r = httpx.request(method, tiny.http + path, content=body, timeout=10)
+        assert 400 <= r.status_code < 500 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert httpx.get(tiny.http + "/health", timeout=10).status_code == 200
+
+
+def test_a_client_of_sglangs_benchmark_protocol_works_unchanged(tiny):
+    with httpx.Client(base_url=tiny.http, timeout=60) as http:
+        wait_http(tiny.http + "/health")
+        info = http.get("/v1/model_info").json()
+        assert info["model_path"] == "tiny"
+        r = http.post("/v1/images/generations", json={"model": "tiny", "prompt": "a house", "n": 1,
+                                                      "response_format": "b64_json", "size": "64x64"})
+        assert r.status_code == 200, r.text
+        assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (64, 64)
+        assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert http.get("/v1/models/tiny").status_code == 200 and http.get("/v1/models/other").status_code == 404
+
+
+def test_x_request_id_is_honoured_echoed_and_not_run_twice(tiny):
+    def completed():
+        return httpx.get(tiny.http + "/stats", timeout=10).json()["requests"]["completed"]
+
+    body = {"prompt": "a tree", "size": "64x64", "seed": 4, "num_inference_steps": 2}
+    before = completed()
+    a = httpx.post(tiny.http + "/v1/images/generations", json=body, headers={"X-Request-Id": "my-id-1"}, timeout=60)
+    b = httpx.post(tiny.http + "/v1/images/generations", json=body, headers={"X-Request-Id": "my-id-1"}, timeout=60)
+    assert a.status_code == b.status_code == 200
+    assert a.headers["x-request-id"] == "my-id-1" and a.json()["id"] == "my-id-1" and a.json() == b.json()
+    assert completed() == before + 1
+    bad = httpx.post(tiny.http + "/v1/images/generations", json=body, headers={"X-Request-Id": "no spaces"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_stats_and_metrics(tiny):
+    stats = httpx.get(tiny.http + "/stats", timeout=10).json()
+    assert {i["role"] for i in stats["instances"]} == {"encoder", "denoiser", "decoder"}
+    text = httpx.get(tiny.http + "/metrics", timeout=10).text
+    for name in ("disagg_requests_total{outcome=\"completed\"}", "disagg_queue_depth{role=\"denoiser\"}",
+                 "disagg_instance_free_slots{", "disagg_instance_state{", "disagg_instance_restarts{",
+                 "disagg_requests_in_flight", "disagg_request_latency_seconds_bucket", "disagg_stage_seconds_bucket",
+                 "disagg_gateway_http_requests_total{"):
+        assert name in text, name
+    line = next(x for x in text.splitlines() if x.startswith("disagg_gateway_http_requests_total")
+                and 'route="/v1/images/generations"' in x and 'code="200"' in x)
+    assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
+def test_error_statuses_for_what_the_deployment_says():
+    assert from_outcome_error("refused: overloaded: the encoder queue holds 5").status == 429
+    assert from_outcome_error("refused: overloaded: x").headers["Retry-After"]
+    assert from_outcome_error("refused: draining: finishing in-flight work, then stopping").status == 503
+    err = from_outcome_error("refused: width 8192 is over this deployment's maximum of 2048")
+    assert err.status == 400 and err.param == "width"
+    err = from_outcome_error("gave up after 3 attempts; last: denoiser denoiser-0 died")
+    assert err.status == 500 and err.headers["x-should-retry"] == "false"
+    assert from_outcome_error("encoder encoder-0 failed: RequestTooLarge: 16 image(s)").status == 400
+
+
+def test_zz_a_killed_gateway_is_restarted(tiny):
+    pid = int(subprocess.run(["pgrep", "-f", f"gateway --endpoint {tiny.endpoint}"], capture_output=True,
+                             text=True).stdout.split()[0])
+    os.kill(pid, signal.SIGKILL)
+    wait_http(tiny.http + "/liveness", timeout=30)
+    assert not pid_alive(pid)
+    assert "gateway" in tiny.output() and "restarted" in tiny.output()
+
+
+# --- serve-http and the API key, on a compute-free deployment ------------------------------------
+
+
+def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
+    http_port = free_port_pair()
+    dep = Launched(["--model", "sim:zero", "-d", "1", "--no-dashboard", "--http-port", str(http_port),
+                    "--api-key", "sekrit"], tmp_path)
+    second = None
+    try:
+        dep.wait_ready(3)
+        url = f"http://127.0.0.1:{http_port}"
+        wait_http(url + "/health")
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.images.generate(prompt="a cat", size="64x64").data[0].b64_json
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).images.generate(prompt="a cat")
+        # a second gateway, on its own, for the same orchestrator
+        port2 = free_port_pair()
+        second = subprocess.Popen([sys.executable, "-m", "launcher", "serve-http", "--endpoint", dep.endpoint,
+                                   "--port", str(port2)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wait_http(f"http://127.0.0.1:{port2}/health")
+        r = httpx.post(f"http://127.0.0.1:{port2}/v1/images/generations", json={"prompt": "b", "size": "32x32"},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        res = disagg("serve-http", "--endpoint", dep.endpoint, "--port", str(port2), timeout=30)
+        assert res.returncode == 2 and f"HTTP port {port2}" in res.stderr
+    finally:
+        if second is not None:
+            second.send_signal(signal.SIGTERM)
+            second.wait(timeout=10)
+        dep.stop()
