@@ -15,6 +15,7 @@ from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, Outcome, Unrea
 from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
+    Cancel,
     GenerationParams,
     MessageError,
     Rejected,
@@ -79,6 +80,17 @@ class AsyncClient:
             self._pending[request_id] = (params, time.monotonic(), fut)
             await self.sock.send_multipart([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
         return await asyncio.shield(fut)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Give a request up: the orchestrator drops it (its role stops at the next step); whoever
+        awaits it gets a failed Outcome at once. False if it was not pending."""
+        entry = self._pending.get(request_id)
+        if entry is None:
+            return False
+        await self.sock.send_multipart([encode(Cancel(request_id=request_id))])
+        self._settle(request_id, Outcome(request_id, entry[0], False, "cancelled",
+                                         latency_s=time.monotonic() - entry[1]))
+        return True
 
     def _settle(self, rid: str, outcome: Outcome) -> None:
         entry = self._pending.pop(rid, None)

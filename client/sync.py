@@ -17,6 +17,7 @@ from transport.lane import LaneClosed, LaneError, LaneLink
 
 from transport.bundle import Outbox, decode_frames
 from transport.messages import (
+    Cancel,
     GenerationParams,
     MessageError,
     Rejected,
@@ -253,57 +254,63 @@ class Client:
             nxt = len(todo)
 
         outbox = Outbox()
-        while nxt < len(todo) or pending:
-            if cancelled is not None and cancelled():
-                raise KeyboardInterrupt
-            while nxt < len(todo) and (
-                time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(pending) < concurrency
-            ):
-                rid, p = id_list[nxt], todo[nxt]
-                outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s))
-                pending[rid] = (p, time.monotonic())
-                nxt += 1
-            # the submits of this turn leave as one message
+        try:
+            while nxt < len(todo) or pending:
+                if cancelled is not None and cancelled():
+                    raise KeyboardInterrupt
+                while nxt < len(todo) and (
+                    time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(pending) < concurrency
+                ):
+                    rid, p = id_list[nxt], todo[nxt]
+                    outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s))
+                    pending[rid] = (p, time.monotonic())
+                    nxt += 1
+                # the submits of this turn leave as one message
+                outbox.flush(lambda _dest, frames: self._send(frames))
+                wait_s = 0.25
+                if arrivals is not None and nxt < len(todo):
+                    wait_s = min(wait_s, max(0.0, start + arrivals[nxt] - time.monotonic()))
+                # everything that is already here, so the next submits go out together
+                got = self._recv(wait_s, most=256)
+                now = time.monotonic()
+                if not got:
+                    if not pending:
+                        continue
+                    # quiet: make sure the orchestrator that holds our requests is still there
+                    if now - last_heard > ORCHESTRATOR_SILENCE_S:
+                        lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
+                    elif now - last_probe > PROBE_INTERVAL_S:
+                        self.sock.send_multipart([encode(StatusQuery())])
+                        last_probe = now
+                    continue
+                last_heard = now
+                for reply, frames in got:
+                    if isinstance(reply, StatusReport):
+                        if reply.orchestrator.get("id") != orchestrator_id:
+                            lose_pending("the orchestrator restarted and lost this request; submit it again")
+                            orchestrator_id = reply.orchestrator.get("id")
+                        continue
+                    rid = getattr(reply, "request_id", None)
+                    if isinstance(reply, Rejected) and rid is None:
+                        # the orchestrator could not read our Submit at all (e.g. a version without a field we
+                        # sent): nothing we sent will be answered, so end every pending request with its reason
+                        lose_pending(f"refused by the orchestrator: {reply.reason}")
+                        continue
+                    if rid not in pending:
+                        continue
+                    p, t0 = pending.pop(rid)
+                    if isinstance(reply, Result):
+                        settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
+                                            reply.timings, now - t0, reply.attempts, dict(reply.resolved)))
+                        if reply.stopping:
+                            stop_sending(f"the deployment at {self.endpoint} is stopping")
+                    else:
+                        settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
+                        if reply.reason.startswith(("shutting down", "draining")):
+                            stop_sending(f"the deployment at {self.endpoint} is {reply.reason.split(':')[0]}")
+        except KeyboardInterrupt:  # Ctrl-C: what we had in flight is given up, not left computing
+            for rid in pending:
+                outbox.add(None, Cancel(request_id=rid))
             outbox.flush(lambda _dest, frames: self._send(frames))
-            wait_s = 0.25
-            if arrivals is not None and nxt < len(todo):
-                wait_s = min(wait_s, max(0.0, start + arrivals[nxt] - time.monotonic()))
-            # everything that is already here, so the next submits go out together
-            got = self._recv(wait_s, most=256)
-            now = time.monotonic()
-            if not got:
-                if not pending:
-                    continue
-                # quiet: make sure the orchestrator that holds our requests is still there
-                if now - last_heard > ORCHESTRATOR_SILENCE_S:
-                    lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
-                elif now - last_probe > PROBE_INTERVAL_S:
-                    self.sock.send_multipart([encode(StatusQuery())])
-                    last_probe = now
-                continue
-            last_heard = now
-            for reply, frames in got:
-                if isinstance(reply, StatusReport):
-                    if reply.orchestrator.get("id") != orchestrator_id:
-                        lose_pending("the orchestrator restarted and lost this request; submit it again")
-                        orchestrator_id = reply.orchestrator.get("id")
-                    continue
-                rid = getattr(reply, "request_id", None)
-                if isinstance(reply, Rejected) and rid is None:
-                    # the orchestrator could not read our Submit at all (e.g. a version without a field we
-                    # sent): nothing we sent will be answered, so end every pending request with its reason
-                    lose_pending(f"refused by the orchestrator: {reply.reason}")
-                    continue
-                if rid not in pending:
-                    continue
-                p, t0 = pending.pop(rid)
-                if isinstance(reply, Result):
-                    settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                        reply.timings, now - t0, reply.attempts, dict(reply.resolved)))
-                    if reply.stopping:
-                        stop_sending(f"the deployment at {self.endpoint} is stopping")
-                else:
-                    settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
-                    if reply.reason.startswith(("shutting down", "draining")):
-                        stop_sending(f"the deployment at {self.endpoint} is {reply.reason.split(':')[0]}")
+            raise
         return [outcomes[rid] for rid in id_list if rid in outcomes]

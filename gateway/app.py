@@ -34,6 +34,8 @@ log = logging.getLogger("disagg.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+#: how often a waiting image request checks that its HTTP client is still there
+DISCONNECT_POLL_S = 0.1
 #: routes that answer without the API key (load balancers, Kubernetes, Prometheus)
 OPEN_ROUTES = {"/health", "/liveness", "/metrics"}
 
@@ -117,21 +119,37 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     def client() -> AsyncClient:
         return state["client"]
 
-    @app.middleware("http")
-    async def count_and_authenticate(request: Request, call_next):
-        route = request.url.path
-        try:
-            if settings.api_key and route not in OPEN_ROUTES:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                    raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
-                                   code="invalid_api_key")
-            response = await call_next(request)
-        except ApiError as exc:
-            response = exc.response()
-        template = request.scope.get("route")
-        metrics.http.labels(getattr(template, "path", "unmatched"), request.method, str(response.status_code)).inc()
-        return response
+    class CountAndAuthenticate:
+        """Counts every answer by route and code, and checks the API key. Plain ASGI (not Starlette's
+        BaseHTTPMiddleware, which hides a client's disconnect from the route that waits for it)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            code = {"status": 500}
+
+            async def counting_send(message):
+                if message["type"] == "http.response.start":
+                    code["status"] = message["status"]
+                await send(message)
+
+            try:
+                if settings.api_key and scope["path"] not in OPEN_ROUTES:
+                    given = dict(scope["headers"]).get(b"authorization", b"")
+                    if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
+                        raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
+                                       code="invalid_api_key")
+                await self.inner(scope, receive, counting_send)
+            except ApiError as exc:
+                await exc.response()(scope, receive, counting_send)
+            finally:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                metrics.http.labels(route, scope["method"], str(code["status"])).inc()
+
+    app.add_middleware(CountAndAuthenticate)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError):
@@ -155,6 +173,18 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         report = await status_or_503()
         return next((i.model for i in report.instances if i.model), "")
 
+    async def submit_unless_gone(request: Request, rid: str, params):
+        """The request's Outcome; None when the HTTP client disconnected first (then it is cancelled)."""
+        task = asyncio.ensure_future(client().submit(rid, params))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                await client().cancel(rid)
+                await task
+                return None
+
     # --- images ---------------------------------------------------------------------------------
 
     @app.post("/v1/images/generations")
@@ -175,7 +205,9 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         headers = {"X-Request-Id": rid}
         if rid in recent:  # a resubmission of a finished request: the same answer, not a second run
             return JSONResponse(recent[rid], headers=headers)
-        outcome = await client().submit(rid, params)
+        outcome = await submit_unless_gone(request, rid, params)
+        if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
+            return Response(status_code=499, headers=headers)
         metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
         if not outcome.ok:
             err = from_outcome_error(outcome.error or "failed")

@@ -18,7 +18,7 @@ from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
-    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
+    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
     Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop, Stopping, Submit,
 )
 from transport.selection import choose_engine
@@ -58,6 +58,7 @@ class Router:
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
             Stop: self.handle_stop,
+            Cancel: self.handle_cancel,
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
@@ -131,6 +132,18 @@ class Router:
 
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
+
+    def handle_cancel(self, identity, msg: Cancel, frames, now, out) -> None:
+        """The client that sent a request gives it up: it ends now, without a Result. Its role, if it
+        runs it, is told to stop; the slot comes back when the role reports (finish_run)."""
+        req = self.requests.get(msg.request_id)
+        if req is None or req.client != identity:
+            return  # finished already, or not this client's: nothing to do
+        if req.state == "running" and req.assigned:
+            out.append(to_instance(req.assigned, Cancel(request_id=req.id, attempt=req.attempt)))
+        self.release_source(req, out)
+        log.info("request %s cancelled by its client (%s %s)", req.id, req.state, req.stage)
+        self.end(req, "cancelled", now)
 
     def handle_stop(self, identity, msg: Stop, frames, now, out) -> None:
         if msg.orchestrator_id and msg.orchestrator_id != self.id:

@@ -17,12 +17,15 @@ class Stats:
     def __init__(self):
         self.completed = 0
         self.failed = 0
+        self.cancelled = 0
         self._finish_times: collections.deque[float] = collections.deque()
 
     def record(self, state: str, now: float) -> None:
         if state == "done":
             self.completed += 1
             self._finish_times.append(now)
+        elif state == "cancelled":
+            self.cancelled += 1
         else:
             self.failed += 1
 
@@ -53,7 +56,8 @@ def snapshot(router, now: float) -> StatusReport:
             if role in STAGES or router.config.colocated
         },
         requests=RequestCounts(
-            in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed
+            in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed,
+            cancelled=router.stats.cancelled,
         ),
         throughput_rps=router.stats.throughput(now, router.started_at),
     )

@@ -97,7 +97,11 @@ class StepBatcher:
                 for e in running:
                     e.device_s += share
                     if e.progress:
-                        e.progress()
+                        try:
+                            e.progress()
+                        except Exception as exc:  # cancelled: that request leaves the batch, the rest go on
+                            e.future.set_exception(exc)
+                            active.remove(e)
             still = []
             for e in active:
                 if not e.state.done:

@@ -27,6 +27,10 @@ FOLD_FETCHED_BELOW_S = 0.002
 RUN_INLINE_BELOW_S = 0.005
 
 
+class Cancelled(Exception):
+    """The request's client gave it up (Cancel): its compute stops at the next step."""
+
+
 class BusyMeter:
     """Splits an instance's busy time among the requests it works on at once.
 
@@ -74,6 +78,8 @@ class StageRunner:
         self.progress = 0
         #: request id -> attempt of what is computing now
         self.busy: dict[str, int] = {}
+        #: request id -> attempt its client cancelled: its compute stops at its next step
+        self.cancelled: dict[str, int] = {}
         #: offsets of outputs staged here and not yet released
         self.staged: set[int] = set()
         self.meter = BusyMeter()
@@ -94,6 +100,21 @@ class StageRunner:
 
     def tick(self, *_args) -> None:
         self.progress += 1
+
+    def cancel(self, request_id: str, attempt: int) -> bool:
+        """Stop that request at its next step (or before its compute starts); False if not here."""
+        if self.busy.get(request_id) != attempt:
+            return False
+        self.cancelled[request_id] = attempt
+        return True
+
+    def _stepper(self, run: Run):
+        """The progress callback of one run: a step, and the point where a cancelled run stops."""
+        def step(*_args) -> None:
+            self.progress += 1
+            if self.cancelled.get(run.request_id) == run.attempt:
+                raise Cancelled(f"request {run.request_id} was cancelled by its client")
+        return step
 
     def release(self, offset: int) -> bool:
         with self.lock:
@@ -134,9 +155,11 @@ class StageRunner:
                 if not self.fold_fetched:  # tell now, so the producer's slot is freed while we compute
                     self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
                     fetch_s = None
+            step = self._stepper(run)
             with self.stage.turn:  # one compute at a time where the pipeline keeps per-call state
+                step()  # cancelled while it waited for its input or its turn: stop before computing
                 t0 = time.perf_counter()
-                out = self.stage.run(run.params, inputs, self.tick)
+                out = self.stage.run(run.params, inputs, step)
                 compute_s = time.perf_counter() - t0
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
@@ -155,6 +178,8 @@ class StageRunner:
                 extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
                                    fetch_s=fetch_s, device_s=device_s), extra)
+        except Cancelled as exc:  # nobody waits for it: free the slot, no retry
+            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False))
         except Exception as exc:  # a request error: report it and keep serving
             # a dead peer or a momentarily full pool may go better on another try; a model error not
             retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
@@ -168,5 +193,6 @@ class StageRunner:
             if local_slot is not None:
                 self.pool.free(local_slot)
             self.busy.pop(run.request_id, None)
+            self.cancelled.pop(run.request_id, None)
             self.tick()
             self.report(None)

@@ -31,6 +31,7 @@ from transport.bundle import Outbox, decode_frames
 from transport.messages import (
     BOOT_ERROR_EXIT,
     FOREIGN_DEPLOYMENT,
+    Cancel,
     HEARTBEAT_INTERVAL_S,
     MAX_FRAMES_BYTES,
     Alive,
@@ -102,6 +103,7 @@ class Worker:
             Release: self.handle_release,
             Shutdown: self.handle_shutdown,
             Rejected: self.handle_rejected,
+            Cancel: self.handle_cancel,
         }
 
     # --- socket side (loop thread only) ----------------------------------------------------
@@ -356,6 +358,10 @@ class Worker:
             self.runner.execute(msg, frames, time.perf_counter())
         else:
             self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
+
+    def handle_cancel(self, msg: Cancel, frames) -> None:
+        if msg.attempt is not None and self.runner.cancel(msg.request_id, msg.attempt):
+            self.log.info("request %s cancelled; stopping it at its next step", msg.request_id)
 
     def handle_release(self, msg: Release, frames) -> None:
         if not self.runner.release(msg.offset):

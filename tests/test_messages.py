@@ -13,6 +13,8 @@ SAMPLES = [
     (m.ClientMessage, m.Submit(request_id="r1", params=PARAMS, timeout_s=5.0)),
     (m.ClientMessage, m.StatusQuery()),
     (m.ClientMessage, m.Stop()),
+    (m.ClientMessage, m.Stop(drain=True, orchestrator_id="abc123")),
+    (m.ClientMessage, m.Cancel(request_id="r1")),
     (m.ServerReply, m.Result(request_id="r1", ok=True, num_images=1, seed=3, timings={"total": 0.5})),
     (m.ServerReply, m.Rejected(request_id="r1", reason="duplicate")),
     (m.ServerReply, m.StatusReport(orchestrator={"pid": 1}, instances=[], queues={"encoder": 0}, requests=m.RequestCounts())),
@@ -28,6 +30,10 @@ SAMPLES = [
     (m.OrchestratorCommand, m.Run(request_id="r1", attempt=2, params=PARAMS, source=m.Source(slot=SLOT, pool=POOL, engine="shm"))),
     (m.OrchestratorCommand, m.Release(request_id="r1", offset=256)),
     (m.OrchestratorCommand, m.Shutdown()),
+    (m.OrchestratorCommand, m.Cancel(request_id="r1", attempt=2)),
+    (m.RoleMessage, m.Register(role="denoiser", instance_id="denoiser-0", pid=5, host_id="h", device="cpu", capacity=1,
+                               pool=POOL, deployment_id="run1", max_width=2048, max_height=2048, model="tiny")),
+    (m.ServerReply, m.Result(request_id="r1", ok=False, error="stopping", stopping=True, resolved={"width": 64})),
 ]
 
 

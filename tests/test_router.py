@@ -8,6 +8,7 @@ from orchestrator.registry import Instance
 from orchestrator.router import Router, RouterConfig
 from transport.messages import (
     Alive,
+    Cancel,
     Dead,
     Done,
     Failed,
@@ -573,3 +574,28 @@ def test_sizes_over_what_the_instances_report_are_refused_at_submit():
         assert isinstance(out.msg, Rejected) and needle in out.msg.reason and "maximum" in out.msg.reason
     h.submit("fits", width=1024, height=512)
     assert "fits" in h.router.requests
+
+
+def test_cancel_of_a_queued_request_drops_it_without_a_result():
+    h = Harness()
+    h.add("encoder")
+    h.submit("first")  # takes the only slot
+    h.submit("second")
+    assert h.router.handle_client(b"someone-else", Cancel(request_id="second"), [], h.now) == []
+    assert "second" in h.router.requests  # only its own client may cancel it
+    outs = h.router.handle_client(CLIENT, Cancel(request_id="second"), [], h.now)
+    assert "second" not in h.router.requests and not any(isinstance(o.msg, Result) for o in outs)
+    assert h.router.stats.cancelled == 1 and h.router.snapshot(h.now).queues["encoder"] == 0
+
+
+def test_cancel_of_a_running_request_tells_its_role_and_the_slot_comes_back_when_it_reports():
+    h = Harness()
+    [enc] = h.add("encoder")
+    [(_, run)] = runs(h.submit("r1"))
+    outs = h.router.handle_client(CLIENT, Cancel(request_id="r1"), [], h.now)
+    [cancel] = [o for o in outs if isinstance(o.msg, Cancel)]
+    assert cancel.to_instance == enc and cancel.msg.attempt == run.attempt
+    assert not any(isinstance(o.msg, Result) for o in outs) and "r1" not in h.router.requests
+    assert h.router.registry.get(enc).free_slots == 0  # until the role says it stopped
+    h.role(enc, Failed(request_id="r1", attempt=1, error="cancelled"))
+    assert h.router.registry.get(enc).free_slots == 1

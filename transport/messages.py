@@ -206,6 +206,8 @@ class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     in_flight: int = 0
     completed: int = 0
     failed: int = 0
+    #: given up by their clients (Cancel)
+    cancelled: int = 0
 
 
 class StatusReport(_Msg, tag="status_report", kw_only=True):
@@ -216,6 +218,15 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     queues: dict[str, int]
     requests: RequestCounts
     throughput_rps: float = 0.0
+
+
+class Cancel(_Msg, tag="cancel", kw_only=True):
+    """A client gives up a request it sent (queued: it leaves its queue; running: its role stops at
+    the next denoising step or after the current stage); no Result follows. The orchestrator sends
+    the same message, with the attempt, to the role running it."""
+
+    request_id: Id
+    attempt: Count | None = None
 
 
 class Stop(_Msg, tag="stop", kw_only=True):
@@ -379,10 +390,10 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
-ClientMessage = Union[Submit, StatusQuery, Stop]
+ClientMessage = Union[Submit, StatusQuery, Stop, Cancel]
 ServerReply = Union[Result, Rejected, StatusReport, Stopping]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
-OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected]
+OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
 KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)
 
 _encoder = msgspec.msgpack.Encoder()
