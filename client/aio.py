@@ -19,6 +19,8 @@ from transport.messages import (
     GenerationParams,
     MessageError,
     Rejected,
+    RequestQuery,
+    RequestStates,
     Result,
     ServerReply,
     StatusQuery,
@@ -44,6 +46,7 @@ class AsyncClient:
         #: request id -> (params, sent at, its future)
         self._pending: dict[str, tuple[GenerationParams, float, asyncio.Future]] = {}
         self._status_waiters: list[asyncio.Future] = []
+        self._query_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
         self._last_heard = time.monotonic()
         self.orchestrator_id = ""
@@ -67,6 +70,19 @@ class AsyncClient:
         finally:
             if fut in self._status_waiters:
                 self._status_waiters.remove(fut)
+
+    async def query(self, request_ids: list[str], timeout_s: float = 2.0) -> RequestStates:
+        """Where these requests are (queued / running in which stage / denoising step)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._query_waiters.append(fut)
+        await self.sock.send_multipart([encode(RequestQuery(request_ids=request_ids))])
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)") from None
+        finally:
+            if fut in self._query_waiters:
+                self._query_waiters.remove(fut)
 
     def in_flight(self, request_id: str) -> asyncio.Future | None:
         entry = self._pending.get(request_id)
@@ -135,6 +151,12 @@ class AsyncClient:
             self.orchestrator_id = oid
             waiters, self._status_waiters = self._status_waiters, []
             for fut in waiters:
+                if not fut.done():
+                    fut.set_result(reply)
+            return
+        if isinstance(reply, RequestStates):  # answers come in order: the oldest query is answered
+            if self._query_waiters:
+                fut = self._query_waiters.pop(0)
                 if not fut.done():
                     fut.set_result(reply)
             return

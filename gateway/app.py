@@ -27,6 +27,7 @@ from client.aio import AsyncClient
 from gateway.errors import ApiError, from_outcome_error
 from gateway.images import parse_image_request, to_params
 from gateway.metrics import Metrics
+from gateway.videos import add_video_routes
 
 log = logging.getLogger("disagg.gateway")
 
@@ -231,6 +232,8 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         while len(recent) > settings.recent_max:
             recent.popitem(last=False)
         return JSONResponse(doc, headers=headers)
+
+    add_video_routes(app, client, served_model)
 
     @app.get("/v1/images/{image_id}/content")
     async def image_content(image_id: str):

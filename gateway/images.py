@@ -40,11 +40,11 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     extra_body: dict | None = None
 
 
-_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 _FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 
-def _bad(exc: Exception) -> ApiError:
+def field_error(exc: Exception) -> ApiError:
     message = str(exc)
     m = _FIELD.search(message)
     if "Object contains unknown field" in message:
@@ -57,7 +57,7 @@ def parse_image_request(body: bytes) -> ImageRequest:
     try:
         req = msgspec.json.decode(body, type=ImageRequest)
     except msgspec.ValidationError as exc:
-        raise _bad(exc) from None
+        raise field_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     return req
@@ -67,7 +67,7 @@ def to_params(req: ImageRequest) -> GenerationParams:
     """Validated generation parameters; a bad value is a 400 naming its field."""
     fields: dict = {"prompt": req.prompt, "num_images_per_prompt": req.n, "response_format": req.output_format}
     if req.size not in (None, "auto"):
-        m = _SIZE.match(req.size)
+        m = SIZE.match(req.size)
         if not m:
             raise ApiError(400, f"size {req.size!r}: expected WIDTHxHEIGHT, e.g. 1024x1024", param="size",
                            code="invalid_value")
@@ -84,7 +84,7 @@ def to_params(req: ImageRequest) -> GenerationParams:
     try:
         return params_from_obj(fields)
     except MessageError as exc:
-        err = _bad(exc)
+        err = field_error(exc)
         if err.param in ("width", "height") and req.size and "width" not in extra and req.width is None:
             err.param = "size"
         if err.param == "num_images_per_prompt":

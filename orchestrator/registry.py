@@ -42,6 +42,8 @@ class Instance:
     components: dict[str, int] = field(default_factory=dict)
     lane: bool = False
     model: str = ""
+    #: request id -> [done, total] denoising steps, as its last heartbeat said
+    steps: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":

@@ -19,7 +19,8 @@ from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_lim
 from orchestrator.stats import Stats, snapshot
 from transport.messages import (
     FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
-    Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop, Stopping, Submit,
+    RequestQuery, RequestState, RequestStates, Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop,
+    Stopping, Submit,
 )
 from transport.selection import choose_engine
 
@@ -59,6 +60,7 @@ class Router:
             StatusQuery: self.handle_status_query,
             Stop: self.handle_stop,
             Cancel: self.handle_cancel,
+            RequestQuery: self.handle_request_query,
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
@@ -133,6 +135,21 @@ class Router:
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
 
+    def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
+        states = {}
+        for rid in msg.request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                states[rid] = RequestState(state="unknown")
+                continue
+            step, steps = 0, 0
+            inst = self.registry.get(req.assigned) if req.assigned else None
+            if inst is not None and rid in inst.steps:
+                step, steps = inst.steps[rid]
+            states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
+                                       step=step, steps=steps)
+        out.append(to_client(identity, RequestStates(states=states)))
+
     def handle_cancel(self, identity, msg: Cancel, frames, now, out) -> None:
         """The client that sent a request gives it up: it ends now, without a Result. Its role, if it
         runs it, is told to stop; the slot comes back when the role reports (finish_run)."""
@@ -204,6 +221,7 @@ class Router:
         inst.pool_free_bytes = msg.pool_free_bytes
         if msg.components:
             inst.components = msg.components
+        inst.steps = msg.steps
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))

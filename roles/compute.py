@@ -80,6 +80,8 @@ class StageRunner:
         self.busy: dict[str, int] = {}
         #: request id -> attempt its client cancelled: its compute stops at its next step
         self.cancelled: dict[str, int] = {}
+        #: request id -> [done, total] denoising steps of what runs now (heartbeats carry it)
+        self.steps: dict[str, list[int]] = {}
         #: offsets of outputs staged here and not yet released
         self.staged: set[int] = set()
         self.meter = BusyMeter()
@@ -108,12 +110,22 @@ class StageRunner:
         self.cancelled[request_id] = attempt
         return True
 
+    def check_cancelled(self, run: Run) -> None:
+        if self.cancelled.get(run.request_id) == run.attempt:
+            raise Cancelled(f"request {run.request_id} was cancelled by its client")
+
     def _stepper(self, run: Run):
-        """The progress callback of one run: a step, and the point where a cancelled run stops."""
+        """The progress callback of one run: a denoising step counted (for the stall detector and the
+        request's own progress), and the point where a cancelled run stops."""
+        total = run.params.num_inference_steps or self.stage.adapter.defaults().get("num_inference_steps", 0)
+        done = [0, total]
+        if self.stage.role in ("denoiser", "monolith"):  # the roles that denoise report their steps
+            self.steps[run.request_id] = done
+
         def step(*_args) -> None:
             self.progress += 1
-            if self.cancelled.get(run.request_id) == run.attempt:
-                raise Cancelled(f"request {run.request_id} was cancelled by its client")
+            done[0] += 1
+            self.check_cancelled(run)
         return step
 
     def release(self, offset: int) -> bool:
@@ -157,7 +169,7 @@ class StageRunner:
                     fetch_s = None
             step = self._stepper(run)
             with self.stage.turn:  # one compute at a time where the pipeline keeps per-call state
-                step()  # cancelled while it waited for its input or its turn: stop before computing
+                self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
                 t0 = time.perf_counter()
                 out = self.stage.run(run.params, inputs, step)
                 compute_s = time.perf_counter() - t0
@@ -194,5 +206,6 @@ class StageRunner:
                 self.pool.free(local_slot)
             self.busy.pop(run.request_id, None)
             self.cancelled.pop(run.request_id, None)
+            self.steps.pop(run.request_id, None)
             self.tick()
             self.report(None)

@@ -209,6 +209,7 @@ class Worker:
                 pool_free_bytes=self.pool.free_bytes,
                 progress=self.runner.progress,
                 components=self.components,
+                steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
             )
         )
 

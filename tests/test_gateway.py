@@ -218,3 +218,106 @@ def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
             second.send_signal(signal.SIGTERM)
             second.wait(timeout=10)
         dep.stop()
+
+
+# --- videos, on the tiny Wan checkpoint --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan(module_tmp):
+    from tests.checkpoints import save_tiny
+
+    folder = module_tmp / "wan21"
+    save_tiny("wan21", folder)
+    http_port = free_port_pair()
+    (module_tmp / "wan").mkdir()
+    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
+                    "--http-port", str(http_port)], module_tmp / "wan")
+    dep.http = f"http://127.0.0.1:{http_port}"
+    try:
+        dep.wait_ready(3)
+        wait_http(dep.http + "/health")
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_videos_create_retrieve_download_with_the_openai_client(wan):
+    import imageio.v3 as iio
+
+    api = openai.OpenAI(base_url=wan.http + "/v1", api_key="unused", max_retries=0)
+    job = api.videos.create(prompt="a cat on a beach", size="32x32",
+                            extra_body={"num_frames": 9, "num_inference_steps": 2, "seed": 3})
+    assert job.status == "queued" and job.progress == 0 and job.object == "video"
+    with pytest.raises(openai.NotFoundError):  # not ready yet
+        api.videos.download_content(job.id)
+    seen = [job.progress]
+    deadline = time.monotonic() + 120
+    while job.status not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        job = api.videos.retrieve(job.id)
+        seen.append(job.progress)
+    assert job.status == "completed" and job.progress == 100 and job.size == "32x32", job
+    assert seen == sorted(seen)  # progress never goes back
+    frames = iio.imread(api.videos.download_content(job.id).read(), extension=".mp4")
+    assert frames.shape == (9, 32, 32, 3)
+    listed = api.videos.list()
+    assert listed.data[0].id == job.id
+    r = httpx.get(f"{wan.http}/v1/videos/{job.id}", timeout=10)
+    assert r.headers["openai-poll-after-ms"] == "1000"
+
+
+def test_video_progress_comes_from_the_denoising_steps(wan):
+    """A job long enough for heartbeats to report its steps mid-way (once a second)."""
+    # ~7 s here (tiny Wan at 256x256, 33 frames, 60 steps): several heartbeats report its steps
+    r = httpx.post(wan.http + "/v1/videos", json={"prompt": "a slow one", "size": "256x256", "num_frames": 33,
+                                                  "num_inference_steps": 60}, timeout=10)
+    assert r.status_code == 200, r.text
+    vid = r.json()["id"]
+    middle = []
+    deadline = time.monotonic() + 240
+    while True:
+        doc = httpx.get(f"{wan.http}/v1/videos/{vid}", timeout=10).json()
+        if doc["status"] in ("completed", "failed"):
+            break
+        if doc["status"] == "in_progress" and 5 < doc["progress"] < 95:
+            middle.append(doc["progress"])
+        assert time.monotonic() < deadline
+        time.sleep(0.25)
+    assert doc["status"] == "completed", doc
+    assert middle and middle == sorted(middle), middle
+
+
+def test_deleting_a_running_video_job_cancels_it(wan):
+    r = httpx.post(wan.http + "/v1/videos", json={"prompt": "never mind", "size": "256x256", "num_frames": 33,
+                                                  "num_inference_steps": 400}, timeout=10)  # ~45 s if not cancelled
+    vid = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while httpx.get(wan.http + "/stats", timeout=10).json()["queues"]["denoiser"] or not any(
+            i["role"] == "denoiser" and i["free_slots"] == 0 for i in httpx.get(wan.http + "/stats").json()["instances"]):
+        assert time.monotonic() < deadline, "the job never reached its denoiser"
+        time.sleep(0.1)
+    before = httpx.get(wan.http + "/stats", timeout=10).json()["requests"]
+    gone = httpx.delete(f"{wan.http}/v1/videos/{vid}", timeout=10)
+    assert gone.status_code == 200 and gone.json() == {"id": vid, "object": "video.deleted", "deleted": True}
+    t0 = time.monotonic()
+    while True:
+        stats = httpx.get(wan.http + "/stats", timeout=10).json()
+        if all(i["free_slots"] == i["capacity"] for i in stats["instances"]) and not any(stats["queues"].values()):
+            break
+        assert time.monotonic() - t0 < 10, stats
+        time.sleep(0.05)
+    assert stats["requests"]["cancelled"] == before["cancelled"] + 1
+    assert stats["requests"]["completed"] == before["completed"]
+    assert httpx.get(f"{wan.http}/v1/videos/{vid}", timeout=10).status_code == 404
+
+
+def test_bad_video_requests_are_400_naming_the_field(wan):
+    api = openai.OpenAI(base_url=wan.http + "/v1", api_key="unused", max_retries=0)
+    for kwargs, param in ((dict(size="tall"), "size"), (dict(extra_body={"num_frames": 0}), "num_frames"),
+                          (dict(extra_body={"frames": 3}), "frames")):
+        with pytest.raises(openai.BadRequestError) as info:
+            api.videos.create(prompt="a cat", **kwargs)
+        assert info.value.body["param"] == param, info.value.body
+    assert httpx.get(wan.http + "/v1/videos/nope", timeout=10).status_code == 404

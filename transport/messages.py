@@ -56,6 +56,8 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1
     #: video models: frames per video
     num_frames: Annotated[int, Meta(ge=1, le=1024)] | None = None
+    #: video models: frames per second of the MP4 (None = the model's, 16 for Wan)
+    fps: Annotated[int, Meta(ge=1, le=240)] | None = None
     #: png, jpeg or webp for images; mp4 for video, or png for its frames one by one (lossless);
     #: None = png, or mp4 for a video model
     response_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
@@ -229,6 +231,28 @@ class Cancel(_Msg, tag="cancel", kw_only=True):
     attempt: Count | None = None
 
 
+class RequestQuery(_Msg, tag="request_query", kw_only=True):
+    """A client asks where its requests are (the HTTP gateway's video jobs report progress from it)."""
+
+    request_ids: Annotated[list[Id], Meta(max_length=1024)]
+
+
+class RequestState(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where one request is: queued or running in `stage`; `step` of `steps` denoising steps done
+    (as its denoiser last reported, once a second). `unknown`: ended, or never seen."""
+
+    state: Literal["queued", "running", "unknown"]
+    stage: str = ""
+    step: Count = 0
+    steps: Count = 0
+
+
+class RequestStates(_Msg, tag="request_states", kw_only=True):
+    """The orchestrator's answer to a RequestQuery."""
+
+    states: dict[str, RequestState]
+
+
 class Stop(_Msg, tag="stop", kw_only=True):
     """Client asks the deployment to shut down; with drain, after in-flight work finishes."""
 
@@ -294,6 +318,8 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     progress: Count = 0
     #: once loaded: parameters held per model component (the role loads only its own)
     components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
+    #: denoising steps of each request it runs: request id -> [done, total]
+    steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
@@ -390,8 +416,8 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
-ClientMessage = Union[Submit, StatusQuery, Stop, Cancel]
-ServerReply = Union[Result, Rejected, StatusReport, Stopping]
+ClientMessage = Union[Submit, StatusQuery, Stop, Cancel, RequestQuery]
+ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
 OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
 KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)

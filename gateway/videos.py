@@ -1,0 +1,224 @@
+"""OpenAI's Videos API: POST /v1/videos makes a job, GET polls it (progress from the denoising steps
+its role reports), GET .../content downloads the MP4, DELETE cancels it for real."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from msgspec import Meta
+
+from client import Unreachable
+from gateway.errors import ApiError, from_outcome_error
+from gateway.images import SIZE, field_error
+from transport.messages import GenerationParams, MessageError, params_from_obj
+
+#: how often clients are told to poll (the openai-poll-after-ms header)
+POLL_AFTER_MS = 1000
+MAX_JOBS = 1024
+#: frames when only `seconds` is given: seconds x fps + 1 (Wan makes 4k+1 frames; 81 = 5 s at 16 fps)
+DEFAULT_FPS = 16
+#: progress while a stage runs: the encoder is quick, the denoiser's steps take most of it
+ENCODER_PROGRESS, DENOISER_SPAN, DECODER_PROGRESS = 2, (5, 95), 95
+
+
+class VideoRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's videos.create body (JSON or multipart form) and our extensions."""
+
+    prompt: str
+    model: str | None = None
+    seconds: Annotated[float, Meta(gt=0, le=600)] | None = None
+    size: str | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    negative_prompt: str | None = None
+    input_reference: object | None = None
+    extra_body: dict | None = None
+
+
+EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt")
+
+
+@dataclass
+class VideoJob:
+    id: str
+    prompt: str
+    model: str
+    size: str
+    seconds: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    error: dict | None = None
+    data: bytes | None = None
+    task: asyncio.Task | None = None
+
+    def doc(self) -> dict:
+        return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,
+                "created_at": self.created_at, "completed_at": self.completed_at, "size": self.size,
+                "seconds": self.seconds, "model": self.model, "prompt": self.prompt, "error": self.error}
+
+
+def to_params(req: VideoRequest) -> GenerationParams:
+    if req.input_reference is not None:
+        raise ApiError(400, "input_reference: image-to-video is not served yet", param="input_reference",
+                       code="unsupported_parameter")
+    fields: dict = {"prompt": req.prompt, "response_format": "mp4"}
+    if req.size not in (None, "auto"):
+        m = SIZE.match(req.size)
+        if not m:
+            raise ApiError(400, f"size {req.size!r}: expected WIDTHxHEIGHT, e.g. 832x480", param="size",
+                           code="invalid_value")
+        fields["width"], fields["height"] = int(m.group(1)), int(m.group(2))
+    extra = req.extra_body or {}
+    unknown = sorted(set(extra) - set(EXTENSIONS))
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body", param=f"extra_body.{unknown[0]}",
+                       code="unknown_parameter")
+    for name in EXTENSIONS:
+        value = extra.get(name, getattr(req, name))
+        if value is not None:
+            fields[name] = value
+    if "num_frames" not in fields and req.seconds is not None:
+        fields["num_frames"] = int(req.seconds * fields.get("fps", DEFAULT_FPS)) + 1
+    try:
+        return params_from_obj(fields)
+    except MessageError as exc:
+        raise field_error(exc) from None
+
+
+async def parse_video_request(request: Request) -> VideoRequest:
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form()
+        if "input_reference" in form:
+            raise ApiError(400, "input_reference: image-to-video is not served yet", param="input_reference",
+                           code="unsupported_parameter")
+        data, strict = {k: v for k, v in form.items()}, False  # form fields are strings: convert them
+    else:
+        try:
+            data, strict = msgspec.json.decode(await request.body()), True
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return msgspec.convert(data, VideoRequest, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise field_error(exc) from None
+
+
+def progress_of(state) -> tuple[str, int]:
+    """(status, progress %) of a request the orchestrator still holds."""
+    if state.state == "queued" and state.stage == "encoder":
+        return "queued", 0
+    if state.stage == "encoder":
+        return "in_progress", ENCODER_PROGRESS
+    if state.stage in ("denoiser", "monolith"):
+        lo, hi = DENOISER_SPAN
+        return "in_progress", lo + (hi - lo) * state.step // state.steps if state.steps else lo
+    if state.stage == "decoder":
+        return "in_progress", DECODER_PROGRESS
+    return "in_progress", 0
+
+
+def add_video_routes(app: FastAPI, client, served_model) -> None:
+    jobs: collections.OrderedDict[str, VideoJob] = collections.OrderedDict()
+
+    async def run(job: VideoJob, params: GenerationParams) -> None:
+        outcome = await client().submit(job.id, params)
+        if outcome.ok and outcome.images:
+            job.status, job.progress, job.data = "completed", 100, outcome.images[0]
+            w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
+            if w and h:
+                job.size = f"{w}x{h}"
+        elif job.status != "deleted":
+            err = from_outcome_error(outcome.error or "failed")
+            job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
+        job.completed_at = int(time.time())
+
+    def get(video_id: str) -> VideoJob:
+        job = jobs.get(video_id)
+        if job is None:
+            raise ApiError(404, f"no video job {video_id!r}", param="video_id", code="not_found")
+        return job
+
+    def answer(job: VideoJob) -> JSONResponse:
+        return JSONResponse(job.doc(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+    @app.post("/v1/videos")
+    async def create(request: Request):
+        req = await parse_video_request(request)
+        params = to_params(req)
+        model = await served_model()
+        if req.model and req.model not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
+            raise ApiError(404, f"model {req.model!r} is not served here (this deployment serves {model!r})",
+                           param="model", code="model_not_found")
+        seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
+        job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
+                       size=req.size or "auto", seconds=f"{seconds:g}")
+        while len(jobs) >= MAX_JOBS:  # the oldest job goes; one still running is cancelled
+            _, old = jobs.popitem(last=False)
+            if old.task is not None and not old.task.done():
+                await client().cancel(old.id)
+        jobs[job.id] = job
+        job.task = asyncio.create_task(run(job, params))
+        return answer(job)
+
+    @app.get("/v1/videos")
+    async def list_jobs(limit: int = 20, after: str | None = None, order: str = "desc"):
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "limit must be 1 ... 100", param="limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order must be asc or desc", param="order", code="invalid_value")
+        items = list(jobs.values()) if order == "asc" else list(reversed(jobs.values()))
+        if after is not None:
+            ids = [j.id for j in items]
+            if after not in ids:
+                raise ApiError(404, f"no video job {after!r}", param="after", code="not_found")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": [j.doc() for j in page], "first_id": page[0].id if page else None,
+                "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve(video_id: str):
+        job = get(video_id)
+        if job.status in ("queued", "in_progress"):
+            try:
+                states = await client().query([job.id])
+            except Unreachable:
+                return answer(job)
+            state = states.states.get(job.id)
+            if state is not None and state.state != "unknown" and job.status in ("queued", "in_progress"):
+                status, progress = progress_of(state)
+                job.status, job.progress = status, max(job.progress, progress)
+        return answer(job)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def content(video_id: str, variant: str = "video"):
+        job = get(video_id)
+        if variant != "video":
+            raise ApiError(400, f"variant {variant!r}: only 'video' is served", param="variant", code="invalid_value")
+        if job.status != "completed" or job.data is None:
+            raise ApiError(404, f"video {video_id} is {job.status}, not ready", param="video_id", code="not_ready")
+        return Response(job.data, media_type="video/mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete(video_id: str):
+        job = get(video_id)
+        if job.task is not None and not job.task.done():
+            job.status = "deleted"
+            await client().cancel(job.id)
+        jobs.pop(video_id, None)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
