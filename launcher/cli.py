@@ -356,8 +356,10 @@ def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: s
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="A prompts file (mixed sizes): requests cycle through it.")
 @click.option("--slo-factor", type=click.FloatRange(0.0, min_open=True), default=2.0, show_default=True, help="slo_attainment: share of requests within this many times the unloaded latency.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--http", "http_url", metavar="URL", help="Drive the HTTP gateway at URL (e.g. http://127.0.0.1:8000) instead of the ZeroMQ endpoint.")
+@click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
 @click.pass_context
-def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, as_json) -> None:
+def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, as_json, http_url, api_key) -> None:
     """Load a running deployment and report throughput, latency, stage times, utilization.
 
     `disagg bench transfer` instead measures the stage handoff per transfer engine.
@@ -380,11 +382,18 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
             workload = [params_from_obj({"prompt": "a benchmark prompt", "seed": 0, **fields})]
         except MessageError as exc:
             raise click.UsageError(str(exc)) from None
-    with _client(endpoint, keys) as client:
+    if http_url:
+        from launcher.bench_http import HttpLoadClient
+
+        load_client = HttpLoadClient(http_url, api_key)
+    else:
+        load_client = _client(endpoint, keys)
+    with load_client as client:
         try:
             doc = run_load(client, workload, num_requests, concurrency, request_rate, warmup, slo_factor)
         except Unreachable as exc:
             _unreachable(exc)
+    doc["path"] = "http" if http_url else "zeromq"
     if as_json:
         click.echo(json.dumps(doc))
     else:
