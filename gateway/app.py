@@ -14,6 +14,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -37,8 +38,10 @@ CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp",
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 #: how often a waiting image request checks that its HTTP client is still there
 DISCONNECT_POLL_S = 0.1
-#: routes that answer without the API key (load balancers, Kubernetes, Prometheus)
-OPEN_ROUTES = {"/health", "/liveness", "/metrics"}
+#: routes that answer without the API key (load balancers, Kubernetes, Prometheus; the static page,
+#: whose own requests carry the key)
+OPEN_ROUTES = {"/health", "/liveness", "/metrics", "/"}
+PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 
 
 @dataclass
@@ -100,8 +103,6 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         curve = None
         if settings.keys_dir:
-            from pathlib import Path
-
             from transport.auth import client_curve
 
             curve = client_curve(Path(settings.keys_dir))
@@ -244,6 +245,11 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         return Response(item[0], media_type=item[1])
 
     # --- the deployment -------------------------------------------------------------------------
+
+    @app.get("/")
+    async def page():
+        """The web page: the live instance table and a prompt form (static; its requests carry the key)."""
+        return Response(PAGE.read_bytes(), media_type="text/html; charset=utf-8")
 
     @app.get("/liveness")
     async def liveness():

@@ -1,0 +1,51 @@
+"""The gateway's web page in a real headless browser (Debian's chromium): the live instance table of a
+running 1:2:1 deployment, and an image generated from its form."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import shutil
+import subprocess
+
+import pytest
+from PIL import Image
+
+from tests.conftest import Launched, free_port_pair
+from tests.test_gateway import wait_http
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def browse(url: str, *args: str) -> str:
+    assert CHROMIUM, "chromium is not installed (.ci/run installs Debian's chromium)"
+    res = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1100,800",
+                          "--virtual-time-budget=10000", *args, url], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
+    http_port = free_port_pair()
+    dep = Launched(["-e", "1", "-d", "2", "-k", "1", "--no-dashboard", "--http-port", str(http_port)], tmp_path)
+    try:
+        dep.wait_ready(4)
+        base = f"http://127.0.0.1:{http_port}"
+        wait_http(base + "/health")
+        url = base + "/?prompt=a%20red%20fox&size=128x96&seed=3&steps=2&generate=1"
+        dom = browse(url, "--dump-dom")
+        rows = re.findall(r"<tr><td[^>]*>(encoder|denoiser|decoder)</td><td[^>]*>([a-z]+-\d)</td>", dom)
+        assert sorted(i for _, i in rows) == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0"], dom[:3000]
+        assert dom.count(">ready</td>") == 4
+        m = re.search(r'<img id="result"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+        assert m, dom[-3000:]
+        image = Image.open(io.BytesIO(base64.b64decode(m.group(1))))
+        assert image.size == (128, 96) and "done in" in dom
+        shot = tmp_path / "page.png"
+        browse(url, f"--screenshot={shot}")
+        assert Image.open(shot).size == (1100, 800)
+    finally:
+        dep.stop()
