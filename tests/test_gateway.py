@@ -171,6 +171,47 @@ def test_error_statuses_for_what_the_deployment_says():
     assert from_outcome_error("encoder encoder-0 failed: RequestTooLarge: 16 image(s)").status == 400
 
 
+def test_five_thousand_malformed_requests_get_4xx_and_the_gateway_keeps_serving(tiny):
+    import random
+
+    import psutil
+
+    rng = random.Random(11)
+    pid = int(subprocess.run(["pgrep", "-f", f"gateway --endpoint {tiny.endpoint}"], capture_output=True,
+                             text=True).stdout.split()[0])
+    gw = psutil.Process(pid)
+    rss0 = gw.memory_info().rss
+    bodies = [b"", b"{", b"[]", b"null", b'{"prompt": 5}', b'{"prompt": "x", "n": "many"}', b'{"prompt": "x", "n": 0}',
+              b'{"prompt": "x", "size": 7}', b'{"prompt": "x", "seed": -1}', b'{"prompt": "x", "extra_body": 3}',
+              b'{"prompt": "x", "zzz": 1}', b'{"prompt": "x", "size": "99999x99999"}', b'{"prompt": ""}']
+    codes = {}
+    with httpx.Client(base_url=tiny.http, timeout=30) as http:
+        for k in range(5000):
+            kind = k % 6
+            if kind == 0:
+                r = http.post("/v1/images/generations", content=rng.randbytes(rng.randrange(1, 3000)))
+            elif kind == 1:
+                r = http.post("/v1/images/generations", content=rng.choice(bodies))
+            elif kind == 2:
+                r = http.post("/v1/videos", content=rng.choice(bodies + [rng.randbytes(500)]),
+                              headers={"content-type": rng.choice(["application/json", "text/plain"])})
+            elif kind == 3:
+                path = "/fuzz/" + "".join(rng.choice("abc/%.-_~") for _ in range(rng.randrange(1, 40)))
+                r = http.request(rng.choice(["GET", "POST", "PUT", "PATCH", "DELETE"]), path)
+            elif kind == 4:
+                r = http.request(rng.choice(["PUT", "PATCH"]), rng.choice(["/v1/images/generations", "/health", "/stats"]))
+            else:
+                big = k % 60 == 5
+                r = http.post("/v1/images/generations", content=b"x" * (2 * 1024 * 1024) if big else
+                              b'{"prompt": "' + b"y" * 30_000 + b'"}')
+            codes[r.status_code] = codes.get(r.status_code, 0) + 1
+            assert 400 <= r.status_code < 500, (k, r.status_code, r.text[:300])
+    growth = (gw.memory_info().rss - rss0) / 2**20
+    print(f"fuzz: 5000 requests, codes {codes}, gateway RSS growth {growth:.1f} MiB")
+    assert growth < 64
+    assert httpx.get(tiny.http + "/health", timeout=10).status_code == 200
+
+
 def test_zz_a_killed_gateway_is_restarted(tiny):
     pid = int(subprocess.run(["pgrep", "-f", f"gateway --endpoint {tiny.endpoint}"], capture_output=True,
                              text=True).stdout.split()[0])
