@@ -16,6 +16,7 @@ from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
     Cancel,
+    GatewayBeat,
     GenerationParams,
     MessageError,
     Rejected,
@@ -83,6 +84,10 @@ class AsyncClient:
         finally:
             if fut in self._query_waiters:
                 self._query_waiters.remove(fut)
+
+    async def beat(self, url: str, pid: int, restarts: int = 0) -> None:
+        """Tell the orchestrator this gateway serves it (status lists gateways heard from lately)."""
+        await self.sock.send_multipart([encode(GatewayBeat(url=url, pid=pid, restarts=restarts))])
 
     def in_flight(self, request_id: str) -> asyncio.Future | None:
         entry = self._pending.get(request_id)

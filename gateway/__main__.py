@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.app import GatewaySettings, make_app
 
     # the key comes through the environment, not the command line (where `ps` would show it)
-    settings = GatewaySettings(endpoint=args.endpoint, api_key=os.environ.get("DISAGG_API_KEY", ""), keys_dir=args.keys)
+    settings = GatewaySettings(endpoint=args.endpoint, api_key=os.environ.get("DISAGG_API_KEY", ""), keys_dir=args.keys,
+                               url=f"http://{args.host}:{args.port}")
     config = uvicorn.Config(make_app(settings), host=args.host, port=args.port, loop="uvloop", http="httptools",
                             log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)

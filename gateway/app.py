@@ -36,6 +36,7 @@ log = logging.getLogger("disagg.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+GATEWAY_BEAT_S = 1.0
 #: how often a waiting image request checks that its HTTP client is still there
 DISCONNECT_POLL_S = 0.1
 #: routes that answer without the API key (load balancers, Kubernetes, Prometheus; the static page,
@@ -57,6 +58,8 @@ class GatewaySettings:
     image_store_max: int = 256
     #: completed answers kept for X-Request-Id resubmissions
     recent_max: int = 1024
+    #: where it serves, as `status` lists it
+    url: str = ""
 
 
 class ImageStore:
@@ -80,6 +83,14 @@ class ImageStore:
             self.items.pop(key, None)
             return None
         return item[0], item[1]
+
+
+async def _beat(client: AsyncClient, url: str) -> None:
+    """Once a second: `disagg status` and the live table list this gateway."""
+    restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
+    while True:
+        await client.beat(url, os.getpid(), restarts)
+        await asyncio.sleep(GATEWAY_BEAT_S)
 
 
 async def _exit_with_launcher() -> None:
@@ -109,11 +120,13 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         client = AsyncClient(settings.endpoint, curve=curve)
         await client.start()
         state["client"] = client
-        watcher = asyncio.create_task(_exit_with_launcher()) if os.environ.get("DISAGG_RUN_ID") else None
+        tasks = [asyncio.create_task(_beat(client, settings.url))]
+        if os.environ.get("DISAGG_RUN_ID"):
+            tasks.append(asyncio.create_task(_exit_with_launcher()))
         log.info("gateway for %s", settings.endpoint)
         yield
-        if watcher is not None:
-            watcher.cancel()
+        for task in tasks:
+            task.cancel()
         await client.close()
 
     app = FastAPI(title="disagg", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -53,6 +53,15 @@ class StatusCollector:
             for s in STATES:
                 state.add_metric(labels + [s], 1.0 if i.state == s else 0.0)
         yield from (free, total, state, restarts, busy)
+        moved = CounterMetricFamily("disagg_transfer_bytes", "Bytes moved between stages since the orchestrator "
+                                    "started", labels=["source", "target", "engine"])
+        handoffs = CounterMetricFamily("disagg_transfers", "Stage handoffs since the orchestrator started",
+                                       labels=["source", "target", "engine"])
+        for t in r.transfers:
+            moved.add_metric([t.source, t.target, t.engine], t.bytes)
+            handoffs.add_metric([t.source, t.target, t.engine], t.count)
+        yield moved
+        yield handoffs
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
 

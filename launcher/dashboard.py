@@ -66,9 +66,10 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
         ("throughput ", "bold"), f"{report.throughput_rps:.2f} req/s",
     )
     orch = report.orchestrator
+    http = "".join(f"  http {g.url} (pid {g.pid}, restarts {g.restarts})" for g in report.gateways)
     head = Text(
         f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s"
-        f"  restarts {orch.get('restarts', 0)}",
+        f"  restarts {orch.get('restarts', 0)}{http}",
         style="dim",
     )
     return Group(table, totals, head)
@@ -82,6 +83,12 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
         old = before.get(i.id)
         if old is None or old.state != i.state:
             lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
+    urls = {g.url for g in prev.gateways} if prev else set()
+    for g in cur.gateways:
+        if g.url not in urls:
+            lines.append(f"gateway {g.url} (pid {g.pid}) is up")
+    for url in urls - {g.url for g in cur.gateways}:
+        lines.append(f"gateway {url} is gone")
     if prev is None or (prev.requests.completed, prev.requests.failed) != (cur.requests.completed, cur.requests.failed):
         r = cur.requests
         if r.completed or r.failed:

@@ -16,9 +16,9 @@ from orchestrator.dispatch import make_policy, pick_joining_batch
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
-from orchestrator.stats import Stats, snapshot
+from orchestrator.stats import GATEWAY_SILENCE_S, Stats, snapshot
 from transport.messages import (
-    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
+    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
     RequestQuery, RequestState, RequestStates, Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop,
     Stopping, Submit,
 )
@@ -55,12 +55,15 @@ class Router:
         #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
         #: of the first stage report it: larger requests are refused at Submit
         self.limits: dict[str, int] = {}
+        #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
+        self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
             Stop: self.handle_stop,
             Cancel: self.handle_cancel,
             RequestQuery: self.handle_request_query,
+            GatewayBeat: self.handle_gateway_beat,
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
@@ -134,6 +137,11 @@ class Router:
 
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
+
+    def handle_gateway_beat(self, identity, msg: GatewayBeat, frames, now, out) -> None:
+        self.gateways[identity] = (msg, now)
+        for gone in [k for k, (_, seen) in self.gateways.items() if now - seen > GATEWAY_SILENCE_S]:
+            del self.gateways[gone]
 
     def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
         states = {}
@@ -366,6 +374,7 @@ class Router:
                 self._warned_pairs.add((producer.id, inst.id))
                 log.warning("%s", warning)
             inst.engine = engine
+            self.stats.transferred(producer.role, inst.role, engine, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == "inline" else []
         if not inst.running:

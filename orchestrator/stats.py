@@ -6,9 +6,11 @@ import collections
 import os
 
 from orchestrator.requests import ROLES, STAGES
-from transport.messages import RequestCounts, StatusReport
+from transport.messages import GatewayStatus, RequestCounts, StatusReport, TransferCount
 
 THROUGHPUT_WINDOW_S = 10.0
+#: a gateway not heard from for this long is no longer listed in status
+GATEWAY_SILENCE_S = 5.0
 
 
 class Stats:
@@ -18,6 +20,8 @@ class Stats:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        #: (producer role, consumer role, engine) -> [handoffs, bytes]
+        self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
         self._finish_times: collections.deque[float] = collections.deque()
 
     def record(self, state: str, now: float) -> None:
@@ -28,6 +32,11 @@ class Stats:
             self.cancelled += 1
         else:
             self.failed += 1
+
+    def transferred(self, producer: str, consumer: str, engine: str, nbytes: int) -> None:
+        edge = self.transfers[(producer, consumer, engine)]
+        edge[0] += 1
+        edge[1] += nbytes
 
     def throughput(self, now: float, since: float) -> float:
         while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
@@ -60,4 +69,8 @@ def snapshot(router, now: float) -> StatusReport:
             cancelled=router.stats.cancelled,
         ),
         throughput_rps=router.stats.throughput(now, router.started_at),
+        gateways=[GatewayStatus(url=beat.url, pid=beat.pid, restarts=beat.restarts, last_seen_s=round(now - seen, 3))
+                  for beat, seen in router.gateways.values() if now - seen <= GATEWAY_SILENCE_S],
+        transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
+                   for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
     )

@@ -147,13 +147,19 @@ def test_x_request_id_is_honoured_echoed_and_not_run_twice(tiny):
 
 
 def test_stats_and_metrics(tiny):
+    r = httpx.post(tiny.http + "/v1/images/generations", json={"prompt": "a dog", "size": "32x32"}, timeout=60)
+    assert r.status_code == 200
     stats = httpx.get(tiny.http + "/stats", timeout=10).json()
     assert {i["role"] for i in stats["instances"]} == {"encoder", "denoiser", "decoder"}
+    assert [g["url"] for g in stats["gateways"]] == [tiny.http]  # it tells the orchestrator it serves it
+    res = disagg("status", "--endpoint", tiny.endpoint, timeout=30)
+    assert f"http {tiny.http}" in res.stdout, res.stdout
+    assert {(t["source"], t["target"]) for t in stats["transfers"]} == {("encoder", "denoiser"), ("denoiser", "decoder")}
     text = httpx.get(tiny.http + "/metrics", timeout=10).text
     for name in ("disagg_requests_total{outcome=\"completed\"}", "disagg_queue_depth{role=\"denoiser\"}",
                  "disagg_instance_free_slots{", "disagg_instance_state{", "disagg_instance_restarts{",
                  "disagg_requests_in_flight", "disagg_request_latency_seconds_bucket", "disagg_stage_seconds_bucket",
-                 "disagg_gateway_http_requests_total{"):
+                 "disagg_gateway_http_requests_total{", 'disagg_transfer_bytes_total{engine="shm",source="encoder"'):
         assert name in text, name
     line = next(x for x in text.splitlines() if x.startswith("disagg_gateway_http_requests_total")
                 and 'route="/v1/images/generations"' in x and 'code="200"' in x)

@@ -599,3 +599,13 @@ def test_cancel_of_a_running_request_tells_its_role_and_the_slot_comes_back_when
     assert h.router.registry.get(enc).free_slots == 0  # until the role says it stopped
     h.role(enc, Failed(request_id="r1", attempt=1, error="cancelled"))
     assert h.router.registry.get(enc).free_slots == 1
+
+
+def test_status_counts_bytes_per_edge_and_engine():
+    h = Harness()
+    for role in ("encoder", "denoiser", "decoder"):
+        h.add(role)
+    drive_one(h, "a")
+    drive_one(h, "b")
+    edges = {(t.source, t.target, t.engine): (t.count, t.bytes) for t in h.router.snapshot(h.now).transfers}
+    assert edges == {("encoder", "denoiser", "shm"): (2, 512), ("denoiser", "decoder", "shm"): (2, 512)}

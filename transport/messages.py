@@ -212,6 +212,16 @@ class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cancelled: int = 0
 
 
+class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Handoffs along one edge (producer role -> consumer role) with one engine, since start."""
+
+    source: str
+    target: str
+    engine: str
+    count: int
+    bytes: int
+
+
 class StatusReport(_Msg, tag="status_report", kw_only=True):
     """The orchestrator's stats snapshot."""
 
@@ -220,6 +230,10 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     queues: dict[str, int]
     requests: RequestCounts
     throughput_rps: float = 0.0
+    #: bytes moved between stages, per edge and engine
+    transfers: list[TransferCount] = []
+    #: the HTTP gateways serving this deployment
+    gateways: list[GatewayStatus] = []
 
 
 class Cancel(_Msg, tag="cancel", kw_only=True):
@@ -251,6 +265,23 @@ class RequestStates(_Msg, tag="request_states", kw_only=True):
     """The orchestrator's answer to a RequestQuery."""
 
     states: dict[str, RequestState]
+
+
+class GatewayBeat(_Msg, tag="gateway_beat", kw_only=True):
+    """An HTTP gateway says it serves this deployment (every second; no answer): `status` lists it."""
+
+    url: Annotated[str, Meta(max_length=512)]
+    pid: Count
+    restarts: Count = 0
+
+
+class GatewayStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A gateway heard from in the last few seconds."""
+
+    url: str
+    pid: int
+    restarts: int = 0
+    last_seen_s: float = 0.0
 
 
 class Stop(_Msg, tag="stop", kw_only=True):
@@ -416,7 +447,7 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
-ClientMessage = Union[Submit, StatusQuery, Stop, Cancel, RequestQuery]
+ClientMessage = Union[Submit, StatusQuery, Stop, Cancel, RequestQuery, GatewayBeat]
 ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
 OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
