@@ -136,14 +136,15 @@ class StageRunner:
             self.pool.free(offset)
             return True
 
-    def release_all(self) -> int:
-        """Free every staged output (the orchestrator that knew of them is gone)."""
+    def release_staged(self, offsets: set[int]) -> int:
+        """Free these staged outputs (those staged when the orchestrator last heard our Register: a
+        registration starts us with none it knows, so nobody would release them)."""
         with self.lock:
-            n = len(self.staged)
-            for offset in self.staged:
+            gone = offsets & self.staged
+            for offset in gone:
                 self.pool.free(offset)
-            self.staged.clear()
-        return n
+            self.staged -= gone
+        return len(gone)
 
     def execute(self, run: Run, frames: list[bytes], received: float) -> None:
         """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""

@@ -91,6 +91,8 @@ class Worker:
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
         self.limits = model_limits(spec.model)
         self.orchestrator_id = ""
+        #: offsets staged when the last Register left (freed once it is accepted: see handle_registered)
+        self.staged_at_register: set[int] = set()
         self.stop = False
         self.parent_pid = os.getppid()
         self.last_heard = time.monotonic()
@@ -181,6 +183,9 @@ class Worker:
         self.register()
 
     def register(self) -> None:
+        # what is staged now is forgotten by the orchestrator once it takes this Register
+        with self.runner.lock:
+            self.staged_at_register = set(self.runner.staged)
         self.send(
             Register(
                 role=self.spec.role,
@@ -324,10 +329,13 @@ class Worker:
             self.log.warning("orchestrator not accepting messages; a report was dropped")
 
     def handle_registered(self, msg: Registered, frames) -> None:
-        if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
-            # a new orchestrator never heard of our staged outputs: nobody will release them
-            freed = self.runner.release_all()
-            self.log.warning("orchestrator restarted; freed %d staged outputs", freed)
+        # a registration starts this instance afresh at the orchestrator (a new one, or the same one that
+        # declared us dead): outputs staged before the Register are nobody's, and would never be released
+        freed = self.runner.release_staged(self.staged_at_register)
+        self.staged_at_register = set()
+        if freed:
+            self.log.warning("freed %d staged outputs the orchestrator no longer knows (it %s)", freed,
+                             "restarted" if msg.orchestrator_id != self.orchestrator_id else "declared us dead")
         self.orchestrator_id = msg.orchestrator_id
         self.open_lane(msg.lane)
         self.backoff_s = HEARTBEAT_INTERVAL_S
@@ -417,7 +425,8 @@ class Worker:
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
             engine.close()
-        self.sock.close(linger=500)
+        if self.sock is not None:
+            self.sock.close(linger=500)
         with self._dealers_lock:
             for sock in self._dealers:
                 sock.close(linger=500)
