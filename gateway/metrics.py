@@ -7,7 +7,7 @@ observed on the requests this gateway served."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from transport.messages import STATES, StatusReport
 
@@ -62,6 +62,17 @@ class StatusCollector:
             handoffs.add_metric([t.source, t.target, t.engine], t.count)
         yield moved
         yield handoffs
+        stages = SummaryMetricFamily("disagg_stage_seconds", "Per-stage queue, compute and transfer time of every "
+                                     "request since the orchestrator started", labels=["role", "phase"])
+        for t in r.stage_times:
+            stages.add_metric([t.role, PHASES.get(t.phase, t.phase)], t.count, t.sum_s)
+        yield stages
+        batch = CounterMetricFamily("disagg_batch_steps", "Denoising steps run per batch size (continuous batching)",
+                                    labels=["role", "instance", "size"])
+        for i in r.instances:
+            for size, n in sorted(i.batch_steps.items()):
+                batch.add_metric([i.role, i.id, str(size)], n)
+        yield batch
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
 
@@ -77,7 +88,7 @@ class Metrics:
                             ["route", "method", "code"], registry=self.registry)
         self.latency = Histogram("disagg_request_latency_seconds", "End-to-end latency of requests served over HTTP",
                                  ["outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.stage = Histogram("disagg_stage_seconds", "Per-stage queue, compute and transfer time of requests "
+        self.stage = Histogram("disagg_http_stage_seconds", "Per-stage queue, compute and transfer time of requests "
                                "served over HTTP", ["role", "phase"], buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def observe(self, ok: bool, latency_s: float, timings: dict[str, float]) -> None:

@@ -49,7 +49,7 @@ class HttpLoadClient:
                 async with http.get(f"{self.url}/stats", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status != 200:
                         raise Unreachable(f"{self.url}/stats answered {r.status}: {await r.text()}")
-                    return msgspec.convert(await r.json(), StatusReport)
+                    return msgspec.convert(await r.json(), StatusReport, str_keys=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise Unreachable(f"cannot reach the gateway at {self.url}: {exc}") from None
 

@@ -44,6 +44,7 @@ class Instance:
     model: str = ""
     #: request id -> [done, total] denoising steps, as its last heartbeat said
     steps: dict[str, list[int]] = field(default_factory=dict)
+    batch_steps: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -117,6 +118,7 @@ class Instance:
             max_batch=self.max_batch,
             components=self.components,
             model=self.model,
+            batch_steps=self.batch_steps,
             lane=self.lane,
         )
 

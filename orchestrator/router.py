@@ -230,6 +230,8 @@ class Router:
         if msg.components:
             inst.components = msg.components
         inst.steps = msg.steps
+        if msg.batch_steps:
+            inst.batch_steps = msg.batch_steps
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
@@ -428,7 +430,7 @@ class Router:
     def end(self, req: Request, state: str, now: float) -> None:
         req.state = state
         del self.requests[req.id]
-        self.stats.record(state, now)
+        self.stats.record(state, now, req.timings)
 
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
         """Mark an instance dead; every request it held or whose data it held gets a new attempt."""

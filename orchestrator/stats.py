@@ -6,9 +6,11 @@ import collections
 import os
 
 from orchestrator.requests import ROLES, STAGES
-from transport.messages import GatewayStatus, RequestCounts, StatusReport, TransferCount
+from transport.messages import GatewayStatus, RequestCounts, StageTime, StatusReport, TransferCount
 
 THROUGHPUT_WINDOW_S = 10.0
+#: the timings a request's Result carries per stage, as phase_role
+STAGE_PHASES = ("queue", "compute", "fetch")
 #: a gateway not heard from for this long is no longer listed in status
 GATEWAY_SILENCE_S = 5.0
 
@@ -20,11 +22,19 @@ class Stats:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        #: (role, phase) -> [requests, seconds]: every client's requests, for /metrics
+        self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
         #: (producer role, consumer role, engine) -> [handoffs, bytes]
         self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
         self._finish_times: collections.deque[float] = collections.deque()
 
-    def record(self, state: str, now: float) -> None:
+    def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
+        for key, seconds in (timings or {}).items():
+            phase, _, role = key.partition("_")
+            if phase in STAGE_PHASES and role:
+                total = self.stage_times[(role, phase)]
+                total[0] += 1
+                total[1] += seconds
         if state == "done":
             self.completed += 1
             self._finish_times.append(now)
@@ -71,6 +81,8 @@ def snapshot(router, now: float) -> StatusReport:
         throughput_rps=router.stats.throughput(now, router.started_at),
         gateways=[GatewayStatus(url=beat.url, pid=beat.pid, restarts=beat.restarts, last_seen_s=round(now - seen, 3))
                   for beat, seen in router.gateways.values() if now - seen <= GATEWAY_SILENCE_S],
+        stage_times=[StageTime(role=r, phase=ph, count=n, sum_s=round(t, 6))
+                     for (r, ph), (n, t) in sorted(router.stats.stage_times.items())],
         transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
                    for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
     )

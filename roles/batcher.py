@@ -15,6 +15,7 @@ The adapter supplies the step-level API:
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections import deque
@@ -43,8 +44,8 @@ class StepBatcher:
         self._waiting: deque[_Entry] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        #: batch size of every step run so far (tests and the bench read the distribution)
-        self.batch_sizes: list[int] = []
+        #: batch size -> steps run at that size so far (heartbeats carry it; /metrics shows it)
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
 
     def denoise(self, inputs: dict, params: dict, progress=None) -> tuple[dict, float]:
         """Blocks until this request is denoised; returns (output tensors, its share of device seconds)."""
@@ -93,7 +94,7 @@ class StepBatcher:
                     active = [e for e in active if e not in running]
                     continue
                 share = (time.perf_counter() - t0) / len(running)
-                self.batch_sizes.append(len(running))
+                self.batch_sizes[len(running)] += 1
                 for e in running:
                     e.device_s += share
                     if e.progress:

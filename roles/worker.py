@@ -215,8 +215,14 @@ class Worker:
                 progress=self.runner.progress,
                 components=self.components,
                 steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
+                batch_steps=self.batch_steps(),
             )
         )
+
+    def batch_steps(self) -> dict[int, int]:
+        stage = self.runner.stage
+        batcher = getattr(stage, "batcher", None)
+        return dict(batcher.batch_sizes) if batcher is not None else {}
 
     def boot(self) -> None:
         """Load the model off the loop thread, so heartbeats go on while it loads."""

@@ -96,7 +96,7 @@ def test_batched_throughput_follows_the_profile_curve():
     took = time.perf_counter() - t0
     unbatched = 8 * 2 * 0.065
     assert took < unbatched / 2, f"8 requests took {took:.3f} s batched vs {unbatched:.3f} s one by one"
-    assert max(stage.batcher.batch_sizes) == 8
+    assert max(stage.batcher.batch_sizes) == 8  # the largest batch size that ran
 
 
 def test_a_model_without_step_batching_refuses_max_batch():

@@ -120,6 +120,17 @@ def test_batching_denoiser_end_to_end(tmp_path):
         assert 0.3 < util <= 1.0
         # 2 steps of 65 ms one by one would allow at most 7.7 req/s; batches of 4 take 107 ms a step
         assert doc["throughput_rps"] > 1 / 0.130
+        # the denoiser reports its batch sizes (heartbeats, once a second): 27 requests (3 of warm-up) x 2 steps
+        from client import Client
+
+        deadline = time.monotonic() + 5
+        while True:
+            with Client(dep.endpoint) as client:
+                [den] = [i for i in client.status().instances if i.role == "denoiser"]
+            if sum(size * n for size, n in den.batch_steps.items()) >= 54 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert max(den.batch_steps) > 1 and sum(size * n for size, n in den.batch_steps.items()) == 54, den.batch_steps
     finally:
         dep.stop()
 

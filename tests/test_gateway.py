@@ -158,7 +158,8 @@ def test_stats_and_metrics(tiny):
     text = httpx.get(tiny.http + "/metrics", timeout=10).text
     for name in ("disagg_requests_total{outcome=\"completed\"}", "disagg_queue_depth{role=\"denoiser\"}",
                  "disagg_instance_free_slots{", "disagg_instance_state{", "disagg_instance_restarts{",
-                 "disagg_requests_in_flight", "disagg_request_latency_seconds_bucket", "disagg_stage_seconds_bucket",
+                 "disagg_requests_in_flight", "disagg_request_latency_seconds_bucket", "disagg_http_stage_seconds_bucket",
+                 'disagg_stage_seconds_count{phase="compute",role="denoiser"}',
                  "disagg_gateway_http_requests_total{", 'disagg_transfer_bytes_total{engine="shm",source="encoder"'):
         assert name in text, name
     line = next(x for x in text.splitlines() if x.startswith("disagg_gateway_http_requests_total")

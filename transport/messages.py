@@ -200,6 +200,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lane: bool = False
     #: the model it serves, as given to `disagg launch --model`
     model: str = ""
+    #: continuous batching: batch size -> denoising steps run at that size
+    batch_steps: dict[int, int] = {}
 
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -222,6 +224,15 @@ class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bytes: int
 
 
+class StageTime(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Requests that finished a phase of a stage since start, and the seconds they spent in it."""
+
+    role: str
+    phase: str
+    count: int
+    sum_s: float
+
+
 class StatusReport(_Msg, tag="status_report", kw_only=True):
     """The orchestrator's stats snapshot."""
 
@@ -234,6 +245,8 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     transfers: list[TransferCount] = []
     #: the HTTP gateways serving this deployment
     gateways: list[GatewayStatus] = []
+    #: per role and phase (queue, compute, fetch): requests and their seconds summed, every client's
+    stage_times: list[StageTime] = []
 
 
 class Cancel(_Msg, tag="cancel", kw_only=True):
@@ -351,6 +364,8 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
     #: denoising steps of each request it runs: request id -> [done, total]
     steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
+    #: continuous batching: batch size -> denoising steps run at that size since it started
+    batch_steps: dict[Annotated[int, Meta(ge=1, le=4096)], Count] = {}
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
