@@ -45,6 +45,8 @@ class Instance:
     #: request id -> [done, total] denoising steps, as its last heartbeat said
     steps: dict[str, list[int]] = field(default_factory=dict)
     batch_steps: dict[int, int] = field(default_factory=dict)
+    #: slots taken by work it said it still ran when it registered (Register.busy): request -> attempt
+    inherited: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":

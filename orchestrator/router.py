@@ -212,6 +212,7 @@ class Router:
         self._inline_cache.clear()
         # work still computing from before: its slots stay taken until it reports
         inst.running = dict(msg.busy)
+        inst.inherited = dict(msg.busy)
         inst.free_slots = max(0, inst.capacity - len(inst.running))
         if inst.role == self.first_stage:
             self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
@@ -230,6 +231,14 @@ class Router:
         if msg.components:
             inst.components = msg.components
         inst.steps = msg.steps
+        if inst.inherited:
+            # work it ran when it registered and runs no more: its report may have overtaken the Register
+            # (compute threads report on their own sockets) and been dropped. The request itself got a new
+            # attempt when the instance registered; only the slot is still held.
+            for rid in set(inst.inherited) - set(msg.running):
+                attempt = inst.inherited.pop(rid)
+                if inst.running.get(rid) == attempt:  # not a new attempt sent here since
+                    self.finish_run(inst, rid, attempt)
         if msg.batch_steps:
             inst.batch_steps = msg.batch_steps
         if msg.progress != inst.progress:

@@ -216,6 +216,7 @@ class Worker:
                 components=self.components,
                 steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
                 batch_steps=self.batch_steps(),
+                running=list(self.runner.busy),
             )
         )
 

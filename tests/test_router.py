@@ -609,3 +609,29 @@ def test_status_counts_bytes_per_edge_and_engine():
     drive_one(h, "b")
     edges = {(t.source, t.target, t.engine): (t.count, t.bytes) for t in h.router.snapshot(h.now).transfers}
     assert edges == {("encoder", "denoiser", "shm"): (2, 512), ("denoiser", "decoder", "shm"): (2, 512)}
+
+
+def test_a_slot_inherited_from_register_is_freed_when_its_work_is_gone():
+    """The report of work it ran across a re-registration can overtake the Register and be dropped."""
+    h = Harness()
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
+    reg = Register(role="denoiser", instance_id="denoiser-0", pid=1, host_id="h", device="cpu", capacity=1,
+                   pool=pool, ready=True, busy={"old": 1})
+    h.role("denoiser-0", reg)
+    inst = h.router.registry.get("denoiser-0")
+    assert inst.free_slots == 0
+    h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=["old"]))
+    assert inst.free_slots == 0  # still running there
+    h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=[]))
+    assert inst.free_slots == 1 and not inst.running
+
+
+def test_an_inherited_slot_is_not_freed_under_a_new_attempt_sent_to_the_same_instance():
+    h = Harness()
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name="p", pool_bytes=1 << 20)
+    h.role("denoiser-0", Register(role="denoiser", instance_id="denoiser-0", pid=1, host_id="h", device="cpu",
+                                  capacity=2, pool=pool, ready=True, busy={"r": 1}))
+    inst = h.router.registry.get("denoiser-0")
+    inst.running["r"] = 2  # attempt 2 of the same request was sent here meanwhile
+    h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=[]))
+    assert inst.running == {"r": 2} and not inst.inherited

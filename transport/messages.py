@@ -366,6 +366,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
     #: continuous batching: batch size -> denoising steps run at that size since it started
     batch_steps: dict[Annotated[int, Meta(ge=1, le=4096)], Count] = {}
+    #: requests computing here now (the orchestrator frees slots it inherited from a Register's
+    #: `busy` once their request is no longer among them: their report may have been lost)
+    running: Annotated[list[Id], Meta(max_length=4096)] = []
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
