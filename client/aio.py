@@ -60,30 +60,25 @@ class AsyncClient:
             self._reader.cancel()
         self.sock.close(linger=0)
 
-    async def status(self, timeout_s: float = 2.0) -> StatusReport:
+    async def _ask(self, msg, waiters: list[asyncio.Future], timeout_s: float):
+        """Send `msg`; the next reply of its kind (answers come in order) resolves the oldest waiter."""
         fut = asyncio.get_running_loop().create_future()
-        self._status_waiters.append(fut)
-        await self.sock.send_multipart([encode(StatusQuery())])
+        waiters.append(fut)
+        await self.sock.send_multipart([encode(msg)])
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)") from None
         finally:
-            if fut in self._status_waiters:
-                self._status_waiters.remove(fut)
+            if fut in waiters:
+                waiters.remove(fut)
+
+    async def status(self, timeout_s: float = 2.0) -> StatusReport:
+        return await self._ask(StatusQuery(), self._status_waiters, timeout_s)
 
     async def query(self, request_ids: list[str], timeout_s: float = 2.0) -> RequestStates:
         """Where these requests are (queued / running in which stage / denoising step)."""
-        fut = asyncio.get_running_loop().create_future()
-        self._query_waiters.append(fut)
-        await self.sock.send_multipart([encode(RequestQuery(request_ids=request_ids))])
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)") from None
-        finally:
-            if fut in self._query_waiters:
-                self._query_waiters.remove(fut)
+        return await self._ask(RequestQuery(request_ids=request_ids), self._query_waiters, timeout_s)
 
     async def beat(self, url: str, pid: int, restarts: int = 0) -> None:
         """Tell the orchestrator this gateway serves it (status lists gateways heard from lately)."""

@@ -63,29 +63,36 @@ def parse_image_request(body: bytes) -> ImageRequest:
     return req
 
 
+def parse_size(size: str | None, example: str) -> dict[str, int]:
+    """{width, height} from "WxH" ({} for None or "auto"); a 400 naming `size` otherwise."""
+    if size in (None, "auto"):
+        return {}
+    m = SIZE.match(size)
+    if not m:
+        raise ApiError(400, f"size {size!r}: expected WIDTHxHEIGHT, e.g. {example}", param="size", code="invalid_value")
+    return {"width": int(m.group(1)), "height": int(m.group(2))}
+
+
+def extensions(req, names: tuple[str, ...]) -> dict:
+    """Our fields of `req`, top level or inside its `extra_body` (which wins); unknown ones are a 400."""
+    extra = req.extra_body or {}
+    unknown = sorted(set(extra) - set(names))
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body (known: {', '.join(names)})",
+                       param=f"extra_body.{unknown[0]}", code="unknown_parameter")
+    return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}
+
+
 def to_params(req: ImageRequest) -> GenerationParams:
     """Validated generation parameters; a bad value is a 400 naming its field."""
-    fields: dict = {"prompt": req.prompt, "num_images_per_prompt": req.n, "response_format": req.output_format}
-    if req.size not in (None, "auto"):
-        m = SIZE.match(req.size)
-        if not m:
-            raise ApiError(400, f"size {req.size!r}: expected WIDTHxHEIGHT, e.g. 1024x1024", param="size",
-                           code="invalid_value")
-        fields["width"], fields["height"] = int(m.group(1)), int(m.group(2))
-    extra = req.extra_body or {}
-    unknown = sorted(set(extra) - set(EXTENSIONS))
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body (known: {', '.join(EXTENSIONS)})",
-                       param=f"extra_body.{unknown[0]}", code="unknown_parameter")
-    for name in EXTENSIONS:
-        value = extra.get(name, getattr(req, name))
-        if value is not None:
-            fields[name] = value
+    fields: dict = {"prompt": req.prompt, "num_images_per_prompt": req.n, "response_format": req.output_format,
+                    **parse_size(req.size, "1024x1024"), **extensions(req, EXTENSIONS)}
     try:
         return params_from_obj(fields)
     except MessageError as exc:
         err = field_error(exc)
-        if err.param in ("width", "height") and req.size and "width" not in extra and req.width is None:
+        if err.param in ("width", "height") and req.size and req.width is None and req.height is None \
+                and not (req.extra_body or {}).keys() & {"width", "height"}:
             err.param = "size"
         if err.param == "num_images_per_prompt":
             err.param = "n"

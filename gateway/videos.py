@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from client import Unreachable
 from gateway.errors import ApiError, from_outcome_error
-from gateway.images import SIZE, field_error
+from gateway.images import extensions, field_error, parse_size
 from transport.messages import GenerationParams, MessageError, params_from_obj
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
@@ -74,22 +74,8 @@ def to_params(req: VideoRequest) -> GenerationParams:
     if req.input_reference is not None:
         raise ApiError(400, "input_reference: image-to-video is not served yet", param="input_reference",
                        code="unsupported_parameter")
-    fields: dict = {"prompt": req.prompt, "response_format": "mp4"}
-    if req.size not in (None, "auto"):
-        m = SIZE.match(req.size)
-        if not m:
-            raise ApiError(400, f"size {req.size!r}: expected WIDTHxHEIGHT, e.g. 832x480", param="size",
-                           code="invalid_value")
-        fields["width"], fields["height"] = int(m.group(1)), int(m.group(2))
-    extra = req.extra_body or {}
-    unknown = sorted(set(extra) - set(EXTENSIONS))
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body", param=f"extra_body.{unknown[0]}",
-                       code="unknown_parameter")
-    for name in EXTENSIONS:
-        value = extra.get(name, getattr(req, name))
-        if value is not None:
-            fields[name] = value
+    fields: dict = {"prompt": req.prompt, "response_format": "mp4", **parse_size(req.size, "832x480"),
+                    **extensions(req, EXTENSIONS)}
     if "num_frames" not in fields and req.seconds is not None:
         fields["num_frames"] = int(req.seconds * fields.get("fps", DEFAULT_FPS)) + 1
     try:
