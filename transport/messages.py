@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from transport.status import GatewayStatus, InstanceStatus, RequestCounts, StageTime, TransferCount  # noqa: F401
+
 #: Largest control message we decode; anything bigger is refused before parsing.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Largest total of the raw frames that may follow a message (images, inline tensors).
@@ -164,75 +166,6 @@ class StatusQuery(_Msg, tag="status_query", kw_only=True):
     """Client asks for a stats snapshot."""
 
 
-class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One role instance as `disagg status` shows it."""
-
-    id: str
-    role: str
-    pid: int
-    host: str
-    device: str
-    state: str
-    capacity: int
-    free_slots: int
-    in_flight: int
-    completed: int
-    failed: int
-    #: the engine of its last pull (else the fastest it serves), and every engine it serves
-    engine: str = ""
-    engines: list[str] = []
-    pool_bytes: int = 0
-    #: staged outputs not yet fetched (orchestrator's count) / free bytes the role last reported
-    pool_used_bytes: int = 0
-    pool_free_bytes: int = 0
-    #: mooncake registration: peer id and registered base address of the pool
-    session_id: str = ""
-    base_addr: int = 0
-    last_seen_s: float = 0.0
-    restarts: int = 0
-    #: seconds spent computing (fetch + stage) since registration, for utilization
-    busy_s: float = 0.0
-    #: requests that may share one forward (continuous batching); 1 = no batching
-    max_batch: int = 1
-    #: model components this instance loaded -> parameters (0: tokenizer, scheduler)
-    components: dict[str, int] = {}
-    #: its control messages take the same-host fast lane (transport/lane.py), not ZeroMQ
-    lane: bool = False
-    #: the model it serves, as given to `disagg launch --model`
-    model: str = ""
-    #: continuous batching: batch size -> denoising steps run at that size
-    batch_steps: dict[int, int] = {}
-
-
-class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Request totals since the orchestrator started."""
-
-    in_flight: int = 0
-    completed: int = 0
-    failed: int = 0
-    #: given up by their clients (Cancel)
-    cancelled: int = 0
-
-
-class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Handoffs along one edge (producer role -> consumer role) with one engine, since start."""
-
-    source: str
-    target: str
-    engine: str
-    count: int
-    bytes: int
-
-
-class StageTime(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Requests that finished a phase of a stage since start, and the seconds they spent in it."""
-
-    role: str
-    phase: str
-    count: int
-    sum_s: float
-
-
 class StatusReport(_Msg, tag="status_report", kw_only=True):
     """The orchestrator's stats snapshot."""
 
@@ -286,15 +219,6 @@ class GatewayBeat(_Msg, tag="gateway_beat", kw_only=True):
     url: Annotated[str, Meta(max_length=512)]
     pid: Count
     restarts: Count = 0
-
-
-class GatewayStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A gateway heard from in the last few seconds."""
-
-    url: str
-    pid: int
-    restarts: int = 0
-    last_seen_s: float = 0.0
 
 
 class Stop(_Msg, tag="stop", kw_only=True):
