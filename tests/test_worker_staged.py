@@ -11,6 +11,7 @@ from roles.spec import WorkerSpec
 from roles.worker import Worker
 from transport.messages import Registered
 from transport.pool import make_pool
+from transport.shm import list_segments, remove_segments
 
 
 def test_outputs_staged_before_a_register_are_freed_once_it_is_accepted_and_later_ones_kept():
@@ -33,3 +34,5 @@ def test_outputs_staged_before_a_register_are_freed_once_it_is_accepted_and_late
         assert pool.free_bytes > free
     finally:
         worker.close()
+        remove_segments(name)  # what the launcher does for a role's pool
+    assert not list_segments(name)
