@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import hmac
 import logging
 import os
@@ -28,6 +27,7 @@ from client.aio import AsyncClient
 from gateway.errors import ApiError, from_outcome_error
 from gateway.images import parse_image_request, to_params
 from gateway.metrics import Metrics
+from gateway.store import BoundedCache
 from gateway.videos import add_video_routes
 
 log = logging.getLogger("disagg.gateway")
@@ -53,36 +53,15 @@ class GatewaySettings:
     api_key: str = ""
     #: CurveZMQ client keys of the deployment, when it uses them
     keys_dir: str = ""
-    #: response_format=url: images kept this long, at most this many
+    #: response_format=url: images kept this long, at most this many and this many bytes
     image_ttl_s: float = 600.0
     image_store_max: int = 256
-    #: completed answers kept for X-Request-Id resubmissions
+    image_store_bytes: int = 512 * 1024 * 1024
+    #: completed answers kept for X-Request-Id resubmissions (count and bytes of their images)
     recent_max: int = 1024
+    recent_bytes: int = 128 * 1024 * 1024
     #: where it serves, as `status` lists it
     url: str = ""
-
-
-class ImageStore:
-    """Bounded, expiring store behind GET /v1/images/{id}/content."""
-
-    def __init__(self, ttl_s: float, max_items: int):
-        self.ttl_s, self.max_items = ttl_s, max_items
-        self.items: collections.OrderedDict[str, tuple[bytes, str, float]] = collections.OrderedDict()
-
-    def put(self, data: bytes, content_type: str) -> str:
-        now = time.monotonic()
-        while self.items and (len(self.items) >= self.max_items or next(iter(self.items.values()))[2] < now):
-            self.items.popitem(last=False)
-        key = uuid.uuid4().hex
-        self.items[key] = (data, content_type, now + self.ttl_s)
-        return key
-
-    def get(self, key: str) -> tuple[bytes, str] | None:
-        item = self.items.get(key)
-        if item is None or item[2] < time.monotonic():
-            self.items.pop(key, None)
-            return None
-        return item[0], item[1]
 
 
 async def _beat(client: AsyncClient, url: str) -> None:
@@ -106,8 +85,8 @@ async def _exit_with_launcher() -> None:
 
 def make_app(settings: GatewaySettings) -> FastAPI:
     metrics = Metrics()
-    store = ImageStore(settings.image_ttl_s, settings.image_store_max)
-    recent: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    store = BoundedCache(settings.image_store_max, settings.image_store_bytes, settings.image_ttl_s)
+    recent = BoundedCache(settings.recent_max, settings.recent_bytes)
     state: dict = {}
 
     @asynccontextmanager
@@ -218,8 +197,9 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         if not _REQUEST_ID.match(rid):
             raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
         headers = {"X-Request-Id": rid}
-        if rid in recent:  # a resubmission of a finished request: the same answer, not a second run
-            return JSONResponse(recent[rid], headers=headers)
+        answered = recent.get(rid)
+        if answered is not None:  # a resubmission of a finished request: the same answer, not a second run
+            return JSONResponse(answered, headers=headers)
         outcome = await submit_unless_gone(request, rid, params)
         if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
             return Response(status_code=499, headers=headers)
@@ -232,7 +212,8 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         data = []
         for image in outcome.images:
             if req.response_format == "url":
-                key = store.put(image, CONTENT_TYPES.get(fmt, "application/octet-stream"))
+                key = uuid.uuid4().hex
+                store.put(key, (image, CONTENT_TYPES.get(fmt, "application/octet-stream")), len(image))
                 data.append({"url": f"{str(request.base_url).rstrip('/')}/v1/images/{key}/content",
                              "revised_prompt": req.prompt})
             else:
@@ -242,9 +223,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                "size": f"{width}x{height}" if width and height else req.size,
                "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
                           "timings": outcome.timings, "model": outcome.resolved.get("model")}}
-        recent[rid] = doc
-        while len(recent) > settings.recent_max:
-            recent.popitem(last=False)
+        recent.put(rid, doc, sum(len(d.get("b64_json", "")) for d in data))
         return JSONResponse(doc, headers=headers)
 
     add_video_routes(app, client, served_model)

@@ -23,6 +23,8 @@ from transport.messages import GenerationParams, MessageError, params_from_obj
 #: how often clients are told to poll (the openai-poll-after-ms header)
 POLL_AFTER_MS = 1000
 MAX_JOBS = 1024
+#: MP4s kept for download, in all; the oldest finished jobs go first
+MAX_VIDEO_BYTES = 1024 * 1024 * 1024
 #: frames when only `seconds` is given: seconds x fps + 1 (Wan makes 4k+1 frames; 81 = 5 s at 16 fps)
 DEFAULT_FPS = 16
 #: progress while a stage runs: the encoder is quick, the denoiser's steps take most of it
@@ -125,6 +127,7 @@ def add_video_routes(app: FastAPI, client, served_model) -> None:
         outcome = await client().submit(job.id, params)
         if outcome.ok and outcome.images:
             job.status, job.progress, job.data = "completed", 100, outcome.images[0]
+            keep_bytes_bounded(job)
             w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
             if w and h:
                 job.size = f"{w}x{h}"
@@ -132,6 +135,14 @@ def add_video_routes(app: FastAPI, client, served_model) -> None:
             err = from_outcome_error(outcome.error or "failed")
             job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
         job.completed_at = int(time.time())
+
+    def keep_bytes_bounded(newest: VideoJob) -> None:
+        held = sum(len(j.data) for j in jobs.values() if j.data)
+        for old in [j for j in jobs.values() if j.data and j is not newest]:
+            if held <= MAX_VIDEO_BYTES:
+                break
+            held -= len(old.data)
+            jobs.pop(old.id, None)
 
     def get(video_id: str) -> VideoJob:
         job = jobs.get(video_id)

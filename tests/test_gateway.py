@@ -369,3 +369,21 @@ def test_bad_video_requests_are_400_naming_the_field(wan):
             api.videos.create(prompt="a cat", **kwargs)
         assert info.value.body["param"] == param, info.value.body
     assert httpx.get(wan.http + "/v1/videos/nope", timeout=10).status_code == 404
+
+
+def test_what_the_gateway_keeps_is_bounded_by_count_bytes_and_age():
+    from gateway.store import BoundedCache
+
+    cache = BoundedCache(max_items=3, max_bytes=100, ttl_s=None)
+    for k in range(3):
+        cache.put(f"k{k}", k, 30)
+    assert len(cache) == 3 and cache.nbytes == 90
+    cache.put("big", "b", 50)  # over 100 bytes: the oldest go until it fits
+    assert "k0" not in cache and "k1" not in cache and cache.get("big") == "b" and cache.nbytes == 80
+    cache.put("k3", 3, 10)
+    cache.put("k4", 4, 10)  # a 4th entry: the oldest goes
+    assert len(cache) == 3 and "k2" not in cache
+    aging = BoundedCache(max_items=10, max_bytes=10, ttl_s=0.05)
+    aging.put("a", 1, 1)
+    time.sleep(0.1)
+    assert aging.get("a") is None and aging.nbytes == 0
