@@ -70,6 +70,25 @@ class Launched:
         return self.proc.returncode
 
 
+def wait_until(pred, timeout=60, step=0.1, why=None):
+    """pred() once it is true; else fail, saying why() (the state that kept it false) when given."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"condition not met in {timeout} s" + (f": {why()}" if why else ""))
+
+
+def launch_with_http(args: list[str], tmp: Path) -> Launched:
+    """`disagg launch ARGS --http-port P`; the result's `http` is the gateway's base URL."""
+    port = free_port_pair()
+    dep = Launched([*args, "--http-port", str(port)], tmp)
+    dep.http = f"http://127.0.0.1:{port}"
+    return dep
+
+
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import ROOT, Launched, free_port_pair
+from tests.conftest import ROOT, launch_with_http, wait_until
 from transport.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
 
 pytestmark = pytest.mark.e2e
@@ -25,10 +25,7 @@ SLOW = dict(width=1024, height=1024, num_inference_steps=28)
 
 @pytest.fixture(scope="module")
 def sim(module_tmp):
-    http_port = free_port_pair()
-    dep = Launched(["--model", "sim:flux-h200", "-d", "1", "--capacity", "1,2,1", "--no-dashboard",
-                    "--http-port", str(http_port)], module_tmp)
-    dep.http = f"http://127.0.0.1:{http_port}"
+    dep = launch_with_http(["--model", "sim:flux-h200", "-d", "1", "--capacity", "1,2,1", "--no-dashboard"], module_tmp)
     try:
         dep.wait_ready(3)
         yield dep
@@ -45,16 +42,6 @@ def denoiser(report):
     return next(i for i in report.instances if i.role == "denoiser")
 
 
-def wait_for(pred, timeout=10.0, step=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
-
-
 def all_free(dep) -> bool:
     r = status(dep)
     return (all(i.free_slots == i.capacity for i in r.instances) and not any(r.queues.values())
@@ -68,11 +55,11 @@ def test_a_cancel_while_denoising_frees_the_slot_within_a_step_and_sends_no_resu
     sock.connect(sim.endpoint)
     before = status(sim).requests.cancelled
     sock.send_multipart([encode(Submit(request_id="cancel-me", params=GenerationParams(prompt="slow", **SLOW)))])
-    wait_for(lambda: denoiser(status(sim)).free_slots == 1)  # one of its 2 slots: denoising
+    wait_until(lambda: denoiser(status(sim)).free_slots == 1, timeout=10, step=0.01)  # one of its 2 slots: denoising
     time.sleep(0.5)  # a few steps in
     t0 = time.monotonic()
     sock.send_multipart([encode(Cancel(request_id="cancel-me"))])
-    wait_for(lambda: denoiser(status(sim)).free_slots == 2)
+    wait_until(lambda: denoiser(status(sim)).free_slots == 2, timeout=10, step=0.01)
     freed_s = time.monotonic() - t0
     print(f"cancel -> denoiser slot free: {freed_s * 1000:.0f} ms (one step: 170 ms)")
     assert freed_s <= 0.3
@@ -89,7 +76,7 @@ def test_an_http_client_that_hangs_up_cancels_its_request(sim):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(sim.http + "/v1/images/generations", json={"prompt": "slow", "size": "1024x1024",
                                                               "num_inference_steps": 28}, timeout=1.5)
-    wait_for(lambda: all_free(sim), timeout=2.0)
+    wait_until(lambda: all_free(sim), timeout=2.0, step=0.01)
     assert status(sim).requests.cancelled == before + 1
 
 
@@ -100,10 +87,10 @@ def test_ctrl_c_of_submit_cancels_what_it_had_in_flight(sim, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", sim.endpoint,
                              "--out", str(tmp_path / "out"), "--concurrency", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    wait_for(lambda: status(sim).requests.in_flight == 3, timeout=15)
+    wait_until(lambda: status(sim).requests.in_flight == 3, timeout=15, step=0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, out + err
-    wait_for(lambda: all_free(sim), timeout=2.0)
+    wait_until(lambda: all_free(sim), timeout=2.0, step=0.01)
     after = status(sim).requests
     assert after.cancelled == before.cancelled + 3 and after.completed == before.completed

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import Launched, pid_alive
+from tests.conftest import Launched, pid_alive, wait_until
 from transport.messages import GenerationParams, Heartbeat, Register, StatusQuery, Submit, encode
 
 pytestmark = pytest.mark.e2e
@@ -65,17 +65,6 @@ def status(dep):
 
 def instance(dep, iid):
     return next(i for i in status(dep).instances if i.id == iid)
-
-
-def wait_until(pred, timeout=60, step=0.1, why=None):
-    """pred() once it is true; else fail, saying why() (the state that kept it false) when given."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"condition not met in {timeout} s" + (f": {why()}" if why else ""))
 
 
 def wait_busy(dep, iid):

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from gateway.errors import from_outcome_error
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -39,9 +39,7 @@ def wait_http(url: str, timeout: float = 30.0, expect: int = 200) -> httpx.Respo
 
 @pytest.fixture(scope="module")
 def tiny(module_tmp):
-    http_port = free_port_pair()
-    dep = Launched(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard", "--http-port", str(http_port)], module_tmp)
-    dep.http = f"http://127.0.0.1:{http_port}"
+    dep = launch_with_http(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], module_tmp)
     try:
         dep.wait_ready(3)
         wait_http(dep.http + "/health")
@@ -277,11 +275,8 @@ def wan(module_tmp):
 
     folder = module_tmp / "wan21"
     save_tiny("wan21", folder)
-    http_port = free_port_pair()
     (module_tmp / "wan").mkdir()
-    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
-                    "--http-port", str(http_port)], module_tmp / "wan")
-    dep.http = f"http://127.0.0.1:{http_port}"
+    dep = launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], module_tmp / "wan")
     try:
         dep.wait_ready(3)
         wait_http(dep.http + "/health")

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from PIL import Image
 
-from tests.conftest import Launched, free_port_pair
+from tests.conftest import launch_with_http
 from tests.test_gateway import wait_http
 
 pytestmark = pytest.mark.e2e
@@ -29,11 +29,10 @@ def browse(url: str, *args: str) -> str:
 
 
 def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
-    http_port = free_port_pair()
-    dep = Launched(["-e", "1", "-d", "2", "-k", "1", "--no-dashboard", "--http-port", str(http_port)], tmp_path)
+    dep = launch_with_http(["-e", "1", "-d", "2", "-k", "1", "--no-dashboard"], tmp_path)
     try:
         dep.wait_ready(4)
-        base = f"http://127.0.0.1:{http_port}"
+        base = dep.http
         wait_http(base + "/health")
         url = base + "/?prompt=a%20red%20fox&size=128x96&seed=3&steps=2&generate=1"
         dom = browse(url, "--dump-dom")
