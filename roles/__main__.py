@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers(worker)
     worker.connect()
     worker.serve_forever()
+    run_id = os.environ.get("DISAGG_RUN_ID")
+    if worker.orphaned and run_id:  # as the orphaned orchestrator does: the last one out removes what
+        from transport.shm import SHM_PREFIX, remove_segments  # killed peers of this run left behind
+
+        remove_segments(f"{SHM_PREFIX}{run_id}-", only_dead=True)
     return worker.exit_code
 
 

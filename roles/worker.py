@@ -94,6 +94,8 @@ class Worker:
         #: offsets staged when the last Register left (freed once it is accepted: see handle_registered)
         self.staged_at_register: set[int] = set()
         self.stop = False
+        #: the launcher went away (killed): on the way out, clean what nobody else will
+        self.orphaned = False
         self.parent_pid = os.getppid()
         self.last_heard = time.monotonic()
         self.backoff_s = HEARTBEAT_INTERVAL_S
@@ -265,7 +267,7 @@ class Worker:
                 self.heartbeat()
                 if os.getppid() != self.parent_pid:
                     self.log.warning("launcher is gone; exiting")
-                    self.stop = True
+                    self.stop = self.orphaned = True
             self.flush()
         self.close()
 
