@@ -11,7 +11,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, Outcome, Unreachable
+from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SUSPECT_PROBE_S, Outcome, Unreachable
 from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
@@ -44,13 +44,20 @@ class AsyncClient:
         self.sock.setsockopt(zmq.IDENTITY, b"gateway-" + uuid.uuid4().hex.encode())
         apply_client_curve(self.sock, curve)
         self.sock.connect(endpoint)
+        # told when the connection drops (the orchestrator died): then ask who answers now
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.suspect = False
         #: request id -> (params, sent at, its future)
         self._pending: dict[str, tuple[GenerationParams, float, asyncio.Future]] = {}
+        #: request id -> its Submit's timeout_s (sent again, under the same id, to an orchestrator that restarted)
+        self._timeouts: dict[str, float | None] = {}
         self._status_waiters: list[asyncio.Future] = []
         self._query_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
         self._last_heard = time.monotonic()
         self.orchestrator_id = ""
+        #: pending requests to send again (the orchestrator restarted)
+        self._resubmit: list[str] = []
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="orchestrator-replies")
@@ -58,6 +65,8 @@ class AsyncClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
     async def _ask(self, msg, waiters: list[asyncio.Future], timeout_s: float):
@@ -94,6 +103,7 @@ class AsyncClient:
         if fut is None:  # the same id twice: both wait for the one run
             fut = asyncio.get_running_loop().create_future()
             self._pending[request_id] = (params, time.monotonic(), fut)
+            self._timeouts[request_id] = timeout_s
             await self.sock.send_multipart([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
         return await asyncio.shield(fut)
 
@@ -109,24 +119,34 @@ class AsyncClient:
         return True
 
     def _settle(self, rid: str, outcome: Outcome) -> None:
+        self._timeouts.pop(rid, None)
         entry = self._pending.pop(rid, None)
         if entry is not None and not entry[2].done():
             entry[2].set_result(outcome)
 
     async def _read_forever(self) -> None:
         last_probe = 0.0
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        await self.sock.send_multipart([encode(StatusQuery())])  # learn the orchestrator's id (restarts change it)
         while True:
-            if await self.sock.poll(500):
-                frames = await self.sock.recv_multipart()
-                self._last_heard = time.monotonic()
-                try:
-                    replies = decode_frames(frames, ServerReply)
-                except MessageError as exc:
-                    log.warning("bad reply from the orchestrator: %s", exc)
-                    continue
-                for reply, rest in replies:
-                    self._handle(reply, rest)
-                continue
+            events = dict(await poller.poll(SUSPECT_PROBE_S * 1000 if self.suspect else 500))
+            if self.monitor in events:
+                while await self.monitor.poll(0):
+                    await self.monitor.recv_multipart()
+                self.suspect = True
+            if self.sock in events:
+                while await self.sock.poll(0):
+                    frames = await self.sock.recv_multipart()
+                    self._last_heard = time.monotonic()
+                    try:
+                        replies = decode_frames(frames, ServerReply)
+                    except MessageError as exc:
+                        log.warning("bad reply from the orchestrator: %s", exc)
+                        continue
+                    for reply, rest in replies:
+                        self._handle(reply, rest)
             now = time.monotonic()
             if not self._pending:
                 continue
@@ -134,9 +154,17 @@ class AsyncClient:
                 for rid, (params, t0, _) in list(self._pending.items()):
                     self._settle(rid, Outcome(rid, params, False, f"the orchestrator at {self.endpoint} stopped "
                                                                   "answering; request lost", latency_s=now - t0))
-            elif now - last_probe > PROBE_INTERVAL_S:  # quiet: make sure the orchestrator is still there
-                last_probe = now
+            elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S) and (
+                    self.suspect or now - self._last_heard > PROBE_INTERVAL_S):
+                last_probe = now  # quiet, or the connection dropped: who answers now?
                 await self.sock.send_multipart([encode(StatusQuery())])
+            if self._resubmit:
+                todo, self._resubmit = self._resubmit, []
+                for rid in todo:
+                    if rid in self._pending:
+                        msg = Submit(request_id=rid, params=self._pending[rid][0], timeout_s=self._timeouts.get(rid),
+                                     resume=True)
+                        await self.sock.send_multipart([encode(msg)])
 
     def _handle(self, reply, frames: list[bytes]) -> None:
         if isinstance(reply, MessageError):
@@ -144,10 +172,10 @@ class AsyncClient:
             return
         if isinstance(reply, StatusReport):
             oid = str(reply.orchestrator.get("id", ""))
+            self.suspect = False
             if self.orchestrator_id and oid != self.orchestrator_id:
-                for rid, (params, t0, _) in list(self._pending.items()):
-                    self._settle(rid, Outcome(rid, params, False, "the orchestrator restarted and lost this request; "
-                                                                  "submit it again", latency_s=time.monotonic() - t0))
+                # a successor: it knows our requests only from us (and what the roles still hold)
+                self._resubmit.extend(self._pending)
             self.orchestrator_id = oid
             waiters, self._status_waiters = self._status_waiters, []
             for fut in waiters:

@@ -35,6 +35,9 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 CONNECT_TIMEOUT_S = 1.0
 #: while requests are pending and nothing arrives, ask for status this often...
 PROBE_INTERVAL_S = 2.0
+#: ...and this often once the connection to the orchestrator dropped, until one answers (it restarted:
+#: the pending requests then go to it again under the same ids, Submit.resume)
+SUSPECT_PROBE_S = 0.2
 #: ...and give the pending requests up when nothing at all arrived for this long
 ORCHESTRATOR_SILENCE_S = 15.0
 
@@ -88,9 +91,17 @@ class Client:
         self.lane: LaneLink | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        # told when the connection drops (the orchestrator died): run_all then asks who answers now
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        #: the connection (lane or ZeroMQ) to the orchestrator dropped since it last answered
+        self.suspect = False
 
     def close(self) -> None:
         self.close_lane()
+        self.poller.unregister(self.monitor)
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
     def open_lane(self, report: StatusReport) -> None:
@@ -117,6 +128,7 @@ class Client:
             self.poller.unregister(self.lane.fd)
             self.lane.close()
             self.lane = None
+            self.suspect = True
 
     def _send(self, frames: list) -> None:
         if self.lane is not None:
@@ -139,6 +151,10 @@ class Client:
         if not events:
             return []
         messages = []
+        if self.monitor in events:
+            while self.monitor.poll(0):
+                self.monitor.recv_multipart()
+            self.suspect = True
         if self.lane is not None and self.lane.fd in events:
             try:
                 messages.extend(self.lane.recv(most))
@@ -279,16 +295,23 @@ class Client:
                     # quiet: make sure the orchestrator that holds our requests is still there
                     if now - last_heard > ORCHESTRATOR_SILENCE_S:
                         lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
-                    elif now - last_probe > PROBE_INTERVAL_S:
+                    elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S):
                         self.sock.send_multipart([encode(StatusQuery())])
                         last_probe = now
                     continue
                 last_heard = now
+                if self.suspect and pending and now - last_probe > SUSPECT_PROBE_S:
+                    self.sock.send_multipart([encode(StatusQuery())])  # who answers now? (it may have restarted)
+                    last_probe = now
                 for reply, frames in got:
                     if isinstance(reply, StatusReport):
+                        self.suspect = False
                         if reply.orchestrator.get("id") != orchestrator_id:
-                            lose_pending("the orchestrator restarted and lost this request; submit it again")
+                            # a successor: it knows our requests only from us (and what the roles still hold)
                             orchestrator_id = reply.orchestrator.get("id")
+                            self.open_lane(reply)
+                            for rid, (p, _) in pending.items():
+                                outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s, resume=True))
                         continue
                     rid = getattr(reply, "request_id", None)
                     if isinstance(reply, Rejected) and rid is None:

@@ -25,12 +25,14 @@ STOP_GRACE_S = 5.0
 
 @dataclass
 class RestartPolicy:
-    """Growing delays between restarts, and at most `max_restarts` within `window_s`."""
+    """Growing delays between restarts, and at most `max_restarts` within `window_s`. A process that ran
+    `healthy_s` before it died is not in a crash loop: it restarts at once, its history forgotten."""
 
     initial_delay_s: float = 0.5
     max_delay_s: float = 10.0
     max_restarts: int = 5
     window_s: float = 120.0
+    healthy_s: float = 10.0
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Child:
     restart_times: collections.deque = field(default_factory=collections.deque)
     restart_at: float | None = None
     gave_up: bool = False
+    started_at: float = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -88,6 +91,7 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         child.env["DISAGG_RESTARTS"] = str(child.restarts)
         child.returncode = None
+        child.started_at = time.monotonic()
         with open(child.log_path, "ab") as logf:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -132,6 +136,11 @@ class Supervisor:
             self.events.put(f"{child.name} failed to start (status {child.returncode}); not restarting it:\n{child.log_tail(5)}")
             return
         p = self.policy
+        if now - child.started_at >= p.healthy_s:  # it ran fine for a while: killed, not crash-looping
+            child.restart_times.clear()
+            child.restart_at = now
+            self.events.put(f"{child.name} (pid {child.pid}) exited with status {child.returncode}; restarting it")
+            return
         while child.restart_times and now - child.restart_times[0] > p.window_s:
             child.restart_times.popleft()
         if len(child.restart_times) >= p.max_restarts:
@@ -145,7 +154,11 @@ class Supervisor:
     def start_supervising(self, interval_s: float = 0.1) -> None:
         def loop():
             while not self.stopping:
-                self.supervise()
+                try:
+                    self.supervise()
+                except Exception:  # noqa: BLE001 - one bad turn must not end all restarts
+                    log.exception("supervisor turn failed")
+                    self.events.put("error: the supervisor failed a turn (see the launcher's log); going on")
                 time.sleep(interval_s)
 
         self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)

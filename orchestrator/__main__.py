@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         router = Router(config, now=time.monotonic())
-        router.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
+        # a restart: clients resubmit and roles re-register; it resumes their requests (orchestrator/recovery.py)
+        router.restarted(int(os.environ.get("DISAGG_RESTARTS", "0")), time.monotonic())
         server = OrchestratorServer(router, args.host, args.port, args.keys, lane=not args.no_lane)
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)

@@ -47,6 +47,10 @@ class Instance:
     batch_steps: dict[int, int] = field(default_factory=dict)
     #: slots taken by work it said it still ran when it registered (Register.busy): request -> attempt
     inherited: dict[str, int] = field(default_factory=dict)
+    #: inherited work its heartbeat no longer lists: request -> when first missed
+    vanished: dict[str, float] = field(default_factory=dict)
+    #: stages the process finished since it started, by its own count (Heartbeat.computed)
+    computed: int = 0
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -122,6 +126,7 @@ class Instance:
             model=self.model,
             batch_steps=self.batch_steps,
             lane=self.lane,
+            computed=self.computed,
         )
 
 

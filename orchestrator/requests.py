@@ -30,12 +30,15 @@ class Request:
 
     id: str
     params: GenerationParams
-    client: bytes
+    #: every client waiting for it: its Result goes to each (one that sent it again after a restart, or
+    #: through another gateway, joins instead of starting a second run)
+    clients: list[bytes]
     submitted_at: float
     deadline: float
     attempt: int = 1
     stage: str = "encoder"
-    #: queued | running | done | failed
+    #: queued | running | done | failed, or parked: sent during a restarted orchestrator's recovery window,
+    #: placed when it closes (orchestrator/recovery.py)
     state: str = "queued"
     assigned: str | None = None
     #: the previous stage's output, staged in its producer's pool, until the consumer fetched it

@@ -14,6 +14,7 @@ import msgspec
 
 from orchestrator.dispatch import make_policy, pick_joining_batch
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
+from orchestrator.recovery import Recovery
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, snapshot
@@ -57,6 +58,8 @@ class Router:
         self.limits: dict[str, int] = {}
         #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
         self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
+        #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
+        self.recovery = Recovery(self)
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -75,6 +78,12 @@ class Router:
 
     # --- entry points -----------------------------------------------------------------------
 
+    def restarted(self, restarts: int, now: float) -> None:
+        """This orchestrator replaces one that died: its requests come back from clients and roles."""
+        self.restarts = restarts
+        if restarts:
+            self.recovery.begin(now)
+
     def handle_client(self, identity: bytes, msg, frames: list[bytes], now: float) -> list[Out]:
         out: list[Out] = []
         self._handlers[type(msg)](identity, msg, frames, now, out)
@@ -85,6 +94,8 @@ class Router:
         out: list[Out] = []
         if not isinstance(msg, Register):
             inst = self.registry.get(sender)
+            if inst is None and self.recovery.keep_early(sender, msg, frames, now):
+                return []  # a report that overtook its role's Register (after a restart): replayed after it
             if inst is None:
                 log.warning("message %s from unregistered instance %r dropped", type(msg).__name__, sender)
                 return [to_instance(sender, Rejected(reason="not registered: send Register first"))]
@@ -100,6 +111,9 @@ class Router:
         out: list[Out] = []
         self.expire_instances(now, out)
         self.expire_requests(now, out)
+        if self.recovery.parked and not self.recovery.recovering(now):
+            self.recovery.close_window(now, out)
+        self.recovery.expire(now, out)
         self.dispatch_queued(now, out)
         if self.draining and not self.requests and not self.stopping:
             log.info("drained; stopping")
@@ -113,15 +127,22 @@ class Router:
             why = "draining: finishing in-flight work, then stopping" if self.draining else "shutting down"
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
             return
+        known = self.requests.get(msg.request_id)
+        if known is not None:
+            # the same request again (resubmitted after a restart, or by another gateway): it joins the run
+            same = msg.params if msg.params.seed is not None else msgspec.structs.replace(msg.params, seed=known.params.seed)
+            if same != known.params:
+                out.append(to_client(identity, Rejected(request_id=msg.request_id,
+                                                        reason="duplicate request_id with other parameters")))
+            elif identity not in known.clients:
+                known.clients.append(identity)
+            return
         for role, limit in self.config.max_queue.items():
             waiting = len(self.queues[role])
             if waiting >= limit:
                 reason = f"overloaded: the {role} queue holds {waiting} requests (max_queue {limit}); retry later"
                 out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=reason)))
                 return
-        if msg.request_id in self.requests:
-            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason="duplicate request_id")))
-            return
         too_big = over_limits(self.limits, msg.params)
         if too_big:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=too_big)))
@@ -131,9 +152,13 @@ class Router:
             # fixed here, so a retry of any stage reproduces the same image
             params = msgspec.structs.replace(params, seed=random.randrange(2**31))
         timeout = msg.timeout_s or self.config.request_timeout_s
-        req = Request(id=msg.request_id, params=params, client=identity, submitted_at=now, deadline=now + timeout)
+        req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout)
         self.requests[req.id] = req
-        self.enqueue(req, self.first_stage, now)
+        if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
+            req.state = "parked"
+            self.recovery.parked.append(req.id)
+            return
+        self.recovery.place(req, now, out)
 
     def handle_status_query(self, identity, msg, frames, now, out) -> None:
         out.append(to_client(identity, self.snapshot(now)))
@@ -162,8 +187,11 @@ class Router:
         """The client that sent a request gives it up: it ends now, without a Result. Its role, if it
         runs it, is told to stop; the slot comes back when the role reports (finish_run)."""
         req = self.requests.get(msg.request_id)
-        if req is None or req.client != identity:
+        if req is None or identity not in req.clients:
             return  # finished already, or not this client's: nothing to do
+        if len(req.clients) > 1:  # others still wait for it
+            req.clients.remove(identity)
+            return
         if req.state == "running" and req.assigned:
             out.append(to_instance(req.assigned, Cancel(request_id=req.id, attempt=req.attempt)))
         self.release_source(req, out)
@@ -224,6 +252,8 @@ class Router:
                            lane=self.lane),
             )
         )
+        # what it holds and computes for requests not known here is kept for their clients (a restart)
+        self.recovery.on_register(inst, msg, now, out)
 
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
@@ -231,14 +261,9 @@ class Router:
         if msg.components:
             inst.components = msg.components
         inst.steps = msg.steps
+        inst.computed = msg.computed
         if inst.inherited:
-            # work it ran when it registered and runs no more: its report may have overtaken the Register
-            # (compute threads report on their own sockets) and been dropped. The request itself got a new
-            # attempt when the instance registered; only the slot is still held.
-            for rid in set(inst.inherited) - set(msg.running):
-                attempt = inst.inherited.pop(rid)
-                if inst.running.get(rid) == attempt:  # not a new attempt sent here since
-                    self.finish_run(inst, rid, attempt)
+            self.settle_inherited(inst, set(msg.running), now, out)
         if msg.batch_steps:
             inst.batch_steps = msg.batch_steps
         if msg.progress != inst.progress:
@@ -248,6 +273,34 @@ class Router:
             inst.state = "ready"
             self._inline_cache.clear()
             log.info("%s ready", inst.id)
+
+    def settle_inherited(self, inst: Instance, running: set[str], now: float, out: list[Out]) -> None:
+        """Work it ran when it registered (Register.busy) and runs no more, one heartbeat later: had its
+        report come, it would have closed the run. The slot comes back; a request resumed as running there
+        (orchestrator/recovery.py) whose report never came gets a new attempt."""
+        for rid in set(inst.inherited) - running:
+            attempt = inst.inherited[rid]
+            if inst.running.get(rid) != attempt:  # reported, or a new attempt was sent here since
+                del inst.inherited[rid]
+                inst.vanished.pop(rid, None)
+                continue
+            if now - inst.vanished.setdefault(rid, now) < HEARTBEAT_INTERVAL_S / 2:
+                continue  # its report may still be on its way (compute threads report on their own sockets)
+            del inst.inherited[rid]
+            del inst.vanished[rid]
+            req = self.finish_run(inst, rid, attempt)
+            if req is not None and req.state == "running":
+                self.retry(req, f"{inst.id} no longer runs it, and its report was lost", now, out)
+
+    def instance_exited(self, instance_id: str, pid: int, now: float) -> list[Out]:
+        """The process of an instance is gone (its same-host lane closed and its pid has exited): its work
+        moves elsewhere now, not after the heartbeat timeout."""
+        out: list[Out] = []
+        inst = self.registry.get(instance_id)
+        if inst is not None and inst.state != "dead" and inst.pid == pid:
+            self.lose_instance(inst, f"its process {pid} exited", now, out)
+            self.dispatch_queued(now, out)
+        return out
 
     def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
         self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
@@ -259,9 +312,11 @@ class Router:
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
-            out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
-            inst.staged.pop(msg.slot.offset, None)
+            if not self.recovery.keep_output(inst, msg, frames, now):
+                out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
+                inst.staged.pop(msg.slot.offset, None)
             return
+        self.release_source(req, out)  # its input, in case the Fetched was lost (an orchestrator restart)
         role = inst.role
         inst.completed += 1
         req.mark(f"staged_{role}", now)
@@ -297,7 +352,9 @@ class Router:
         inst = self.registry.get(sender)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
+            self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)
             return
+        self.release_source(req, out)
         inst.completed += 1
         req.mark("done", now)
         req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
@@ -315,7 +372,11 @@ class Router:
             resolved=msg.resolved,
         )
         self.end(req, "done", now)
-        out.append(to_client(req.client, result, frames))
+        self.send_result(req, result, frames, out)
+
+    def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
+        for client in req.clients:
+            out.append(to_client(client, result, frames))
 
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
         inst = self.registry.get(sender)
@@ -434,11 +495,12 @@ class Router:
         result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
                         timings=req.timings, stopping=stopping)
         self.end(req, "failed", now)
-        out.append(to_client(req.client, result))
+        self.send_result(req, result, (), out)
 
     def end(self, req: Request, state: str, now: float) -> None:
         req.state = state
         del self.requests[req.id]
+        self.recovery.ended_request(req.id)
         self.stats.record(state, now, req.timings)
 
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
@@ -448,6 +510,7 @@ class Router:
         inst.state, inst.free_slots = "dead", 0
         inst.running.clear()
         inst.staged.clear()
+        self.recovery.forget_instance(inst.id)
         for req in list(self.requests.values()):
             held = req.assigned == inst.id and req.state == "running"
             staged_here = req.source is not None and req.source.slot.instance_id == inst.id

@@ -17,6 +17,7 @@ from orchestrator.router import Out, Router
 from transport.auth import secure_server
 from transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
 from transport.bundle import Outbox, decode_frames
+from transport.shm import pid_alive
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
@@ -46,6 +47,9 @@ BUSY_POLL_S = 0.0003
 BUSY_POLL_MAX_IN_FLIGHT = 4
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
+#: after a role's lane closed, how long its pid is watched for its exit (a dying process closes its
+#: sockets a moment before it has exited)
+EXIT_WATCH_S = 1.0
 
 
 class OrchestratorServer:
@@ -88,7 +92,10 @@ class OrchestratorServer:
         #: (is client, identity) -> lane, for sending
         self._lane_to: dict[tuple[bool, bytes], Lane] = {}
         #: instance id (bytes) -> the ZeroMQ identity of its socket (DEPLOYMENT/INSTANCE), learnt from its Register
-        self._route: dict[str, bytes] = {}
+        self._route: dict[bytes, bytes] = {}
+        self._known_senders: set[str] = set()
+        #: instance id -> (pid, watch until): roles whose lane closed, watched until their process exited
+        self._exits: dict[str, tuple[int, float]] = {}
         self._stop_requested = False
         #: the launcher went away (killed): the process stops, and cleans what it can on its way out
         self.orphaned = False
@@ -128,6 +135,7 @@ class OrchestratorServer:
                 self.drain_inbox(self.frontend, self.handle_frontend_frames)
             now = time.monotonic()
             if now >= next_tick:
+                self.watch_exits(now)
                 self.send(self.router.tick(now))
                 next_tick = now + TICK_S
                 if os.getppid() != parent:  # the launcher was killed: do not linger as an orphan
@@ -155,7 +163,13 @@ class OrchestratorServer:
         try:
             packets = lane.recv()
         except LaneClosed:
+            entry = self._lanes.get(fd)
             self.drop_lane(fd)
+            if entry is not None and not entry[1]:  # a role's lane: did its process die?
+                inst = self.router.registry.get(entry[2].decode())
+                if inst is not None and inst.state != "dead":
+                    self._exits[inst.id] = (inst.pid, time.monotonic() + EXIT_WATCH_S)
+                    self.watch_exits(time.monotonic())
             return
         for frames in packets:
             if isinstance(frames, LaneError):
@@ -201,6 +215,15 @@ class OrchestratorServer:
         if not is_client:
             inst.lane = True
         lane.send([WELCOME])  # the peer switches to the lane only now, so nothing it sends is lost
+
+    def watch_exits(self, now: float) -> None:
+        """A role whose lane closed and whose process has exited is dead at once (kill -9, a crash)."""
+        for iid, (pid, until) in list(self._exits.items()):
+            if not pid_alive(pid):
+                del self._exits[iid]
+                self.send(self.router.instance_exited(iid, pid, now))
+            elif now > until:
+                del self._exits[iid]  # alive: it only closed its lane (it reconnects)
 
     def drop_lane(self, fd: int) -> None:
         lane = self._new_lanes.pop(fd, None)
@@ -270,7 +293,9 @@ class OrchestratorServer:
             if isinstance(msg, MessageError):
                 self._drop("backend", str(msg))
                 continue
-            if isinstance(msg, Register):
+            if isinstance(msg, Register) or sender not in self._known_senders:
+                # also before it registers: a successor's "not registered" must reach a role at once
+                self._known_senders.add(sender)
                 self._route[sender.encode()] = route.encode()
             self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 

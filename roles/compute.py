@@ -16,7 +16,7 @@ from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
 from transport.manifest import unpack
-from transport.messages import Done, Failed, Fetched, Run, Staged
+from transport.messages import Done, Failed, Fetched, Held, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
@@ -25,6 +25,10 @@ log = logging.getLogger("disagg.role")
 FOLD_FETCHED_BELOW_S = 0.002
 #: when each of the last 32 computes took less than this, a role runs the next ones on its loop thread
 RUN_INLINE_BELOW_S = 0.005
+#: a decoder keeps its Done messages this long (and at most this many bytes): one its orchestrator took
+#: and died with before the Result left is sent again to the next one (orchestrator/recovery.py)
+KEEP_RESULTS_S = 10.0
+KEEP_RESULTS_BYTES = 64 * 2**20
 
 
 class Cancelled(Exception):
@@ -82,8 +86,13 @@ class StageRunner:
         self.cancelled: dict[str, int] = {}
         #: request id -> [done, total] denoising steps of what runs now (heartbeats carry it)
         self.steps: dict[str, list[int]] = {}
-        #: offsets of outputs staged here and not yet released
-        self.staged: set[int] = set()
+        #: outputs staged here and not yet released, by offset (every Register lists them)
+        self.staged: dict[int, Held] = {}
+        #: recent Done messages and their frames: (when, message, frames), oldest first
+        self.finished: collections.deque[tuple[float, Done, list[bytes]]] = collections.deque()
+        self._finished_bytes = 0
+        #: stages finished since the process started (heartbeats carry it)
+        self.computed = 0
         self.meter = BusyMeter()
         #: the last computes' times (short_computes and fold_fetched read them)
         self.recent: collections.deque[float] = collections.deque(maxlen=32)
@@ -130,21 +139,29 @@ class StageRunner:
 
     def release(self, offset: int) -> bool:
         with self.lock:
-            if offset not in self.staged:
+            if self.staged.pop(offset, None) is None:
                 return False
-            self.staged.discard(offset)
             self.pool.free(offset)
             return True
 
-    def release_staged(self, offsets: set[int]) -> int:
-        """Free these staged outputs (those staged when the orchestrator last heard our Register: a
-        registration starts us with none it knows, so nobody would release them)."""
+    def held(self) -> list[Held]:
         with self.lock:
-            gone = offsets & self.staged
-            for offset in gone:
-                self.pool.free(offset)
-            self.staged -= gone
-        return len(gone)
+            return list(self.staged.values())
+
+    def keep_result(self, done: Done, frames: list[bytes]) -> None:
+        """Keep a Done for a while: the orchestrator may die before its Result reaches the client."""
+        now = time.monotonic()
+        with self.lock:
+            self.computed += 1
+            self.finished.append((now, done, list(frames)))
+            self._finished_bytes += sum(map(len, frames))
+            while self.finished and (self.finished[0][0] < now - KEEP_RESULTS_S or self._finished_bytes > KEEP_RESULTS_BYTES):
+                self._finished_bytes -= sum(map(len, self.finished.popleft()[2]))
+
+    def recent_results(self) -> list[tuple[Done, list[bytes]]]:
+        horizon = time.monotonic() - KEEP_RESULTS_S
+        with self.lock:
+            return [(done, frames) for t, done, frames in self.finished if t >= horizon]
 
     def execute(self, run: Run, frames: list[bytes], received: float) -> None:
         """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
@@ -183,11 +200,14 @@ class StageRunner:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                             image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
                             resolved=out.resolved)
+                self.keep_result(done, out.images)
                 self.report(done, out.images)
             else:
                 slot = self.pool.stage(self.instance_id, out.tensors)
                 with self.lock:
-                    self.staged.add(slot.offset)
+                    self.computed += 1
+                    self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
+                                                    slot=slot, seed=run.params.seed)
                 extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
                                    fetch_s=fetch_s, device_s=device_s), extra)

@@ -91,8 +91,6 @@ class Worker:
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
         self.limits = model_limits(spec.model)
         self.orchestrator_id = ""
-        #: offsets staged when the last Register left (freed once it is accepted: see handle_registered)
-        self.staged_at_register: set[int] = set()
         self.stop = False
         #: the launcher went away (killed): on the way out, clean what nobody else will
         self.orphaned = False
@@ -147,6 +145,8 @@ class Worker:
         except LaneClosed:
             self.log.info("the orchestrator closed the fast lane; control messages take ZeroMQ")
             self.close_lane()
+            # it may have died: a heartbeat now tells (a successor answers "not registered", and we register)
+            self.heartbeat()
             return
         if self.lane.welcomed and not welcomed:
             self.log.info("control messages take the fast lane")
@@ -185,9 +185,6 @@ class Worker:
         self.register()
 
     def register(self) -> None:
-        # what is staged now is forgotten by the orchestrator once it takes this Register
-        with self.runner.lock:
-            self.staged_at_register = set(self.runner.staged)
         self.send(
             Register(
                 role=self.spec.role,
@@ -200,6 +197,8 @@ class Worker:
                 pool=self.pool_info(),
                 ready=self.ready,
                 busy=dict(self.runner.busy),
+                # what it holds: a restarted orchestrator resumes requests from it, or releases it
+                held=self.runner.held(),
                 restarts=self.spec.restarts,
                 deployment_id=self.spec.deployment_id,
                 model=self.spec.model,
@@ -219,6 +218,7 @@ class Worker:
                 steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
                 batch_steps=self.batch_steps(),
                 running=list(self.runner.busy),
+                computed=self.runner.computed,
             )
         )
 
@@ -338,13 +338,14 @@ class Worker:
             self.log.warning("orchestrator not accepting messages; a report was dropped")
 
     def handle_registered(self, msg: Registered, frames) -> None:
-        # a registration starts this instance afresh at the orchestrator (a new one, or the same one that
-        # declared us dead): outputs staged before the Register are nobody's, and would never be released
-        freed = self.runner.release_staged(self.staged_at_register)
-        self.staged_at_register = set()
-        if freed:
-            self.log.warning("freed %d staged outputs the orchestrator no longer knows (it %s)", freed,
-                             "restarted" if msg.orchestrator_id != self.orchestrator_id else "declared us dead")
+        # what we hold went with the Register: the orchestrator resumes requests from it or releases it
+        if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
+            # a new orchestrator: results we sent the old one may have died with it before reaching their client
+            results = self.runner.recent_results()
+            for done, images in results:
+                self.send(done, images)
+            self.log.info("the orchestrator restarted; told the new one what we hold (%d outputs, %d recent results)",
+                          len(self.runner.staged), len(results))
         self.orchestrator_id = msg.orchestrator_id
         self.open_lane(msg.lane)
         self.backoff_s = HEARTBEAT_INTERVAL_S

@@ -390,13 +390,22 @@ def test_unregistered_sender_rejected():
     assert isinstance(out[0].msg, Rejected)
 
 
-def test_duplicate_request_id_refused_and_seed_assigned():
+def test_same_request_again_joins_its_run_and_other_parameters_are_refused():
     h = Harness()
-    h.add("encoder")
+    [enc] = h.add("encoder")
     [(_, run)] = runs(h.submit("r1"))
     assert run.params.seed is not None
-    out = h.submit("r1")
+    assert h.submit("r1") == []  # the same request again (a resubmission): no second run, no error
+    other = h.router.handle_client(b"gateway-2", Submit(request_id="r1", params=GenerationParams(prompt="a cat")), [], h.now)
+    assert other == [] and h.router.requests["r1"].clients == [CLIENT, b"gateway-2"]
+    out = h.submit("r1", prompt="a dog")
     assert isinstance(out[0].msg, Rejected) and "duplicate" in out[0].msg.reason
+    # its one Result goes to each client waiting for it
+    h.add("denoiser"), h.add("decoder")
+    h.role(enc, staged(enc, "r1"))
+    h.role("denoiser-0", staged("denoiser-0", "r1"))
+    results = [o for o in h.role("decoder-0", Done(request_id="r1", attempt=1, num_images=1), [b"png"]) if isinstance(o.msg, Result)]
+    assert sorted(o.to_client for o in results) == [CLIENT, b"gateway-2"]
 
 
 def test_inline_transfer_carries_frames():
@@ -622,6 +631,9 @@ def test_a_slot_inherited_from_register_is_freed_when_its_work_is_gone():
     assert inst.free_slots == 0
     h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=["old"]))
     assert inst.free_slots == 0  # still running there
+    h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=[]))
+    assert inst.free_slots == 0  # its report may still be on its way: one heartbeat later
+    h.now += 1.0
     h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=[]))
     assert inst.free_slots == 1 and not inst.running
 

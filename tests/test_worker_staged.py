@@ -1,5 +1,6 @@
-"""A role frees the outputs it staged before a registration once that registration is accepted: the
-orchestrator (a new one, or the same one after declaring it dead) starts it with none it knows."""
+"""A role keeps what it staged across registrations and lists it in every Register (the orchestrator
+resumes requests from it, or releases it); after a restart of the orchestrator it sends its recent Done
+messages again, since a result may have died with the old one."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import torch
 
 from roles.spec import WorkerSpec
 from roles.worker import Worker
-from transport.messages import Registered
+from transport.bundle import decode_frames
+from transport.messages import Done, Held, Register, Registered, RoleMessage
 from transport.pool import make_pool
 from transport.shm import list_segments, remove_segments
 
 
-def test_outputs_staged_before_a_register_are_freed_once_it_is_accepted_and_later_ones_kept():
+def sent(worker) -> list:
+    """What the worker's loop would send at the end of this turn."""
+    frames = []
+    worker.outbox.flush(lambda _dest, f: frames.append(f))
+    return [msg for f in frames for msg, _ in decode_frames(f, RoleMessage)]
+
+
+def test_staged_outputs_are_kept_and_told_and_recent_results_sent_again_to_a_new_orchestrator():
     name = f"disagg-test-{uuid.uuid4().hex[:8]}"
     pool = make_pool(name, 1 << 20, "cpu")
     worker = Worker(WorkerSpec(role="denoiser", instance_id="denoiser-0", endpoint="tcp://127.0.0.1:1",
@@ -22,16 +31,21 @@ def test_outputs_staged_before_a_register_are_freed_once_it_is_accepted_and_late
     try:
         worker.connect()  # a socket (to nothing: ZeroMQ connects lazily) and the first Register
         worker.handle_registered(Registered(session=1, heartbeat_interval_s=1.0, orchestrator_id="o1"), [])
-        old = pool.stage("denoiser-0", {"x": torch.ones(256)})
-        worker.runner.staged.add(old.offset)
-        worker.register()  # e.g. after the orchestrator declared us dead: it will not know `old`
-        new = pool.stage("denoiser-0", {"x": torch.ones(256)})  # staged after: reported, known, kept
-        worker.runner.staged.add(new.offset)
+        slot = pool.stage("denoiser-0", {"x": torch.ones(256)})
+        worker.runner.staged[slot.offset] = Held(request_id="r1", attempt=1, role="denoiser", slot=slot, seed=3)
+        worker.runner.keep_result(Done(request_id="r0", attempt=1, num_images=1), [b"png"])
+        sent(worker)
+        worker.register()
+        [register] = [m for m in sent(worker) if isinstance(m, Register)]
+        assert [(h.request_id, h.slot.offset, h.seed) for h in register.held] == [("r1", slot.offset, 3)]
         free = pool.free_bytes
-        # the same orchestrator id: it declared us dead and forgot what we had staged
+        # the same orchestrator again: nothing is freed by the role itself, nothing sent again
         worker.handle_registered(Registered(session=2, heartbeat_interval_s=1.0, orchestrator_id="o1"), [])
-        assert worker.runner.staged == {new.offset}
-        assert pool.free_bytes > free
+        assert worker.runner.staged and pool.free_bytes == free and sent(worker) == []
+        # a new orchestrator: the recent result goes to it again
+        worker.handle_registered(Registered(session=1, heartbeat_interval_s=1.0, orchestrator_id="o2"), [])
+        assert [(m.request_id, type(m).__name__) for m in sent(worker)] == [("r0", "Done")]
+        assert worker.runner.release(slot.offset) and not worker.runner.staged
     finally:
         worker.close()
         remove_segments(name)  # what the launcher does for a role's pool

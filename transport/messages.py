@@ -24,7 +24,8 @@ ROLES = ("encoder", "denoiser", "decoder", "monolith")
 FOREIGN_DEPLOYMENT = "another deployment"
 #: every role heartbeats this often; an orchestrator's heartbeat timeout must be at least twice it
 HEARTBEAT_INTERVAL_S = 1.0
-STATES = ("starting", "ready", "draining", "dead")
+#: `standby`: loaded and registered, given no work until an instance of its role dies (--standby)
+STATES = ("starting", "ready", "standby", "draining", "dead")
 
 Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
@@ -134,6 +135,9 @@ class Submit(_Msg, tag="submit", kw_only=True):
     request_id: Id
     params: GenerationParams
     timeout_s: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+    #: sent again, under the same id, to an orchestrator that restarted since the first Submit: the roles
+    #: may still hold its stages' outputs, so the new orchestrator resumes it from the furthest one
+    resume: bool = False
 
 
 class Result(_Msg, tag="result", kw_only=True):
@@ -237,6 +241,19 @@ class Stopping(_Msg, tag="stopping", kw_only=True):
 # --- role <-> orchestrator ----------------------------------------------------------------
 
 
+class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An output a role holds in its pool (its Staged), told again in every Register: an orchestrator
+    that restarted resumes the request from it instead of starting over, or releases it."""
+
+    request_id: Id
+    attempt: Count
+    #: the role that made it (the stage it ends)
+    role: Role
+    slot: SlotRef
+    #: the request's seed (the first orchestrator may have chosen it): the rest of its stages use it too
+    seed: int | None = None
+
+
 class Register(_Msg, tag="register", kw_only=True):
     """A role instance introduces itself (again, after a restart)."""
 
@@ -252,6 +269,9 @@ class Register(_Msg, tag="register", kw_only=True):
     ready: bool = False
     #: work still computing from before this registration: request id -> attempt
     busy: dict[Id, Count] = {}
+    #: outputs staged in its pool and not yet released (a decoder sends its recent Done messages again
+    #: right after registering with an orchestrator that restarted)
+    held: Annotated[list[Held], Meta(max_length=65_536)] = []
     #: how often the launcher restarted this instance
     restarts: Count = 0
     #: the deployment this instance belongs to; an orchestrator refuses instances of another one
@@ -293,6 +313,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: requests computing here now (the orchestrator frees slots it inherited from a Register's
     #: `busy` once their request is no longer among them: their report may have been lost)
     running: Annotated[list[Id], Meta(max_length=4096)] = []
+    #: stages this process finished since it started, by its own count (an orchestrator's count
+    #: starts again when it restarts; this one shows whether work was done twice)
+    computed: Count = 0
 
 
 class Alive(_Msg, tag="alive", kw_only=True):

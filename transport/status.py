@@ -43,6 +43,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = ""
     #: continuous batching: batch size -> denoising steps run at that size
     batch_steps: dict[int, int] = {}
+    #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
+    computed: int = 0
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""

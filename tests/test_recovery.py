@@ -1,0 +1,121 @@
+"""A restarted orchestrator (a Router driven by scripted messages) resumes each request from the furthest
+stage its roles hold, answers results that came back, and releases what nobody claims."""
+
+from orchestrator.recovery import GRACE_S, WINDOW_MAX_S
+from tests.test_router import CLIENT, Harness, runs, staged
+from transport.messages import (
+    Done, GenerationParams, Heartbeat, Held, PoolInfo, Register, Registered, Release, Result, Submit,
+)
+
+
+def register(h, iid, role, held=(), busy=None, pid=1):
+    pool = PoolInfo(host_id="h", engines=["shm"], pool_name=f"p-{iid}", pool_bytes=1 << 20)
+    out = h.role(iid, Register(role=role, instance_id=iid, pid=pid, host_id="h", device="cpu", capacity=2, pool=pool,
+                               ready=True, busy=busy or {}, held=list(held)))
+    assert isinstance(out[0].msg, Registered)
+    return out
+
+
+def held(iid, rid, role, offset, attempt=1, seed=None):
+    return Held(request_id=rid, attempt=attempt, role=role, slot=staged(iid, rid, offset=offset).slot, seed=seed)
+
+
+def resubmit(h, rid, **params):
+    params.setdefault("prompt", "a cat")
+    return h.router.handle_client(CLIENT, Submit(request_id=rid, params=GenerationParams(**params), resume=True), [], h.now)
+
+
+def advance(h, seconds, running=None):
+    """Time passes, with every instance heartbeating (listing what it runs) each second."""
+    out = []
+    for _ in range(int(seconds)):
+        h.now += 1.0
+        for iid in list(h.router.registry.by_id):
+            out += h.role(iid, Heartbeat(instance_id=iid, running=(running or {}).get(iid, [])))
+        out += h.tick()
+    return out
+
+
+def releases(outs):
+    return sorted((o.to_instance, o.msg.offset) for o in outs if isinstance(o.msg, Release))
+
+
+def test_each_request_resumes_from_its_furthest_stage_after_a_restart():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    out = register(h, "encoder-0", "encoder", held=[held("encoder-0", "at-den", "encoder", 0, seed=7),
+                                                    held("encoder-0", "running", "encoder", 1024)])
+    out += register(h, "denoiser-0", "denoiser", held=[held("denoiser-0", "at-dec", "denoiser", 0)],
+                    busy={"running": 1})
+    out += register(h, "decoder-0", "decoder")
+    # a decoder sends its recent Done again; the result waits for its client
+    out += h.role("decoder-0", Done(request_id="finished", attempt=1, num_images=1), [b"png"])
+    assert runs(out) == [] and releases(out) == []
+    for rid in ("finished", "at-den", "at-dec", "running", "fresh"):
+        assert resubmit(h, rid) == []  # parked: the roles may still be telling what they hold
+    out = advance(h, WINDOW_MAX_S, running={"denoiser-0": ["running"]})
+    placed = {run.request_id: (to, run) for to, run in runs(out)}
+    # done: answered at once, nothing runs
+    [result] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert result.request_id == "finished" and result.ok and "finished" not in placed
+    # staged by the encoder: to a denoiser, reading the encoder's slot, with the seed the first orchestrator chose
+    to, run = placed["at-den"]
+    assert to == "denoiser-0" and run.source.slot.instance_id == "encoder-0" and run.params.seed == 7
+    # staged by the denoiser: straight to the decoder
+    assert placed["at-dec"][0] == "decoder-0" and placed["at-dec"][1].source.slot.instance_id == "denoiser-0"
+    # running on the denoiser: nothing sent; its report continues it, and then frees the encoder's slot it read
+    assert "running" not in placed and h.router.requests["running"].assigned == "denoiser-0"
+    assert placed["fresh"][0] == "encoder-0"  # nothing held: from the start
+    out = h.role("denoiser-0", staged("denoiser-0", "running", offset=4096))
+    assert ("encoder-0", 1024) in releases(out)
+    assert [to for to, run in runs(out) if run.request_id == "running"] == ["decoder-0"]
+    assert h.router.recovery.resumed == {"done": 1, "staged": 2, "running": 1}
+
+
+def test_what_nobody_claims_is_released_after_the_grace_period():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "encoder-0", "encoder", held=[held("encoder-0", "orphan", "encoder", 2048)])
+    assert releases(advance(h, GRACE_S / 2)) == []
+    assert releases(advance(h, GRACE_S)) == [("encoder-0", 2048)]
+    assert h.router.registry.get("encoder-0").staged == {}
+
+
+def test_a_report_before_its_roles_register_is_kept_and_replayed():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    # a compute thread's Staged overtakes its role's Register
+    assert h.role("denoiser-0", staged("denoiser-0", "early", offset=512)) == []
+    register(h, "denoiser-0", "denoiser")
+    register(h, "decoder-0", "decoder")
+    resubmit(h, "early")
+    [(to, run)] = runs(advance(h, WINDOW_MAX_S))
+    assert to == "decoder-0" and run.source.slot.offset == 512
+
+
+def test_outputs_of_requests_known_to_have_moved_on_are_released_at_once():
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    h.submit("r1")
+    h.role(enc, staged(enc, "r1"))
+    # the encoder re-registers (it was thought dead): its old output of r1, a request that moved on, goes
+    out = register(h, enc, "encoder", held=[held(enc, "r1", "encoder", 0)], pid=2)
+    assert releases(out) == [(enc, 0)]
+    # and an output of a request that ended here is released at once too, not kept
+    h.router.handle_client(CLIENT, __import__("transport.messages", fromlist=["Cancel"]).Cancel(request_id="r1"), [], h.now)
+    out = h.role("denoiser-0", staged("denoiser-0", "r1", offset=64))
+    assert releases(out) == [("denoiser-0", 64)]
+
+
+def test_a_resumed_running_request_whose_report_was_lost_is_tried_again():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "encoder-0", "encoder")
+    register(h, "denoiser-0", "denoiser", busy={"r": 1})
+    resubmit(h, "r")
+    advance(h, WINDOW_MAX_S, running={"denoiser-0": ["r"]})
+    assert h.router.requests["r"].assigned == "denoiser-0"
+    advance(h, 2)  # it no longer runs r, and no report came in a heartbeat's time
+    req = h.router.requests["r"]
+    assert req.attempt == 2 and req.stage == "encoder"
