@@ -97,6 +97,8 @@ def cli(verbose: bool) -> None:
 @click.option("-d", "--denoisers", type=click.IntRange(1, 256), help="Number of denoiser instances.")
 @click.option("-k", "--decoders", type=click.IntRange(1, 256), help="Number of decoder instances.")
 @click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
+@click.option("--standby", metavar="E,D,K", help="Warm standbys per role besides -e/-d/-k: loaded, registered, given no work until an instance of their role dies (config <role>.standby).")
+@click.option("--spares", type=click.IntRange(0, 64), help="Interpreters kept with torch and diffusers imported, to replace a role that dies in about a second (default 1; config spares).")
 @click.option("--max-batch", type=click.IntRange(1, 256), help="Denoisers: requests of one shape sharing each forward, joining at step boundaries (continuous batching; default 1).")
 @click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
 @click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
@@ -122,7 +124,7 @@ def cli(verbose: bool) -> None:
 @click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
 @click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
 @click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
-def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -138,7 +140,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
-                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane)):
+                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares)):
         if value is not None:
             setattr(config, key, value)
     for key, value in (("port", http_port), ("host", http_host), ("api_key", api_key)):
@@ -152,6 +154,11 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, m
         if min(caps) < 1:
             raise click.BadParameter("every capacity must be at least 1", param_hint="--capacity")
         config.encoders.capacity, config.denoisers.capacity, config.decoders.capacity = caps
+    standbys = _int_list(standby, "--standby", 3)
+    if standbys:
+        if min(standbys) < 0:
+            raise click.BadParameter("a standby count cannot be negative", param_hint="--standby")
+        config.encoders.standby, config.denoisers.standby, config.decoders.standby = standbys
     if max_batch is not None:
         config.denoisers.max_batch = max_batch
     gpu_list = _int_list(gpus, "--gpus")

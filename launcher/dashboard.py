@@ -8,7 +8,7 @@ from rich.text import Text
 
 from transport.messages import StatusReport
 
-STATE_STYLE = {"ready": "green", "starting": "yellow", "draining": "cyan", "dead": "bold red"}
+STATE_STYLE = {"ready": "green", "standby": "blue", "starting": "yellow", "draining": "cyan", "dead": "bold red"}
 
 
 def _mib(n: int) -> str:

@@ -87,6 +87,7 @@ class Deployment:
                 "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
                 "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
                 "--deployment-id", self.run_id,
+                "--standby", ",".join(f"{role}={c.role(role).standby}" for role in ("encoder", "denoiser", "decoder")),
                 *(["--colocated"] if c.colocated else []),
                 *([] if c.lane else ["--no-lane"]),
             ),
@@ -142,7 +143,8 @@ class Deployment:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
         env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
-            p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus
+            p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus,
+            spare_ok=True,
         )
 
     def pool_limits(self) -> dict[str, int]:
@@ -169,7 +171,10 @@ class Deployment:
         }
 
     def supervise(self) -> None:
-        """From now on dead children are restarted (before, any death stops the launch)."""
+        """From now on dead children are restarted (before, any death stops the launch), a role by a spare
+        interpreter when one waits (started now, once the deployment's own imports are done)."""
+        if not self.config.colocated:
+            self.supervisor.keep_spares(self.config.spares, self.supervisor.python("roles", "--spare"), self._env())
         self.supervisor.start_supervising()
 
     def _check_children(self) -> None:
@@ -227,7 +232,7 @@ class Deployment:
                     on_status(report)
                 # only the instances this launcher started (their pids), whatever else registered
                 pids = {name: c.pid for name, c in self.supervisor.children.items()}
-                ready = {i.id for i in report.instances if i.state == "ready" and pids.get(i.id) == i.pid}
+                ready = {i.id for i in report.instances if i.state in ("ready", "standby") and pids.get(i.id) == i.pid}
                 if expected <= ready and self._gateway_listens():
                     return report
                 if time.monotonic() > deadline:

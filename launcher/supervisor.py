@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import queue
@@ -51,6 +52,8 @@ class Child:
     restart_at: float | None = None
     gave_up: bool = False
     started_at: float = 0.0
+    #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
+    spare_ok: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -81,17 +84,57 @@ class Supervisor:
         self.lock = threading.RLock()
         self.stopping = False
         self._thread: threading.Thread | None = None
+        #: spare interpreters that imported torch and diffusers already and wait (on stdin) to become a
+        #: role: a role that dies is replaced in about a second instead of the ~4 s those imports take
+        self.spares: list[subprocess.Popen] = []
+        self.spares_wanted = 0
+        self.spare_argv: list[str] = []
+        self.spare_env: dict[str, str] = {}
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None) -> Child:
-        child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [])
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None,
+              spare_ok: bool = False) -> Child:
+        child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [], spare_ok=spare_ok)
         self._start(child)
         self.children[name] = child
         return child
+
+    def keep_spares(self, count: int, argv: list[str], env: dict[str, str]) -> None:
+        """From now on keep `count` spare interpreters (`argv` waits on stdin to become a role)."""
+        self.spares_wanted, self.spare_argv, self.spare_env = count, argv, {**os.environ, **env}
+
+    def _top_up_spares(self) -> None:
+        self.spares = [p for p in self.spares if p.poll() is None]
+        while len(self.spares) < self.spares_wanted:
+            with open(self.logs / "spares.log", "ab") as logf:
+                proc = subprocess.Popen(self.spare_argv, env=self.spare_env, stdin=subprocess.PIPE, stdout=logf,
+                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            self.spares.append(proc)
+            log.info("started a spare interpreter (pid %d)", proc.pid)
+
+    def _take_spare(self, child: Child) -> bool:
+        """Turn a waiting spare into `child` (its argv's last item is the role's spec); False if none."""
+        while self.spares:
+            proc = self.spares.pop(0)
+            if proc.poll() is not None:
+                continue
+            order = {"spec": child.argv[-1], "env": child.env, "log": str(child.log_path)}
+            try:
+                proc.stdin.write((json.dumps(order) + "\n").encode())
+                proc.stdin.close()
+            except OSError:
+                continue
+            child.proc = proc
+            return True
+        return False
 
     def _start(self, child: Child) -> None:
         child.env["DISAGG_RESTARTS"] = str(child.restarts)
         child.returncode = None
         child.started_at = time.monotonic()
+        if child.spare_ok and child.restarts and self._take_spare(child):
+            self._pin(child)
+            log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
+            return
         with open(child.log_path, "ab") as logf:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -102,12 +145,15 @@ class Supervisor:
                 start_new_session=True,  # own process group: a terminal's Ctrl-C reaches only us
                 close_fds=True,
             )
+        self._pin(child)
+        log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def _pin(self, child: Child) -> None:
         if child.cpus:
             try:
                 psutil.Process(child.proc.pid).cpu_affinity(child.cpus)
             except (psutil.Error, AttributeError, ValueError) as exc:
                 log.warning("cannot pin %s to CPUs %s: %s", child.name, child.cpus, exc)
-        log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     # --- restarts -----------------------------------------------------------------------------
 
@@ -126,6 +172,7 @@ class Supervisor:
                     child.restart_times.append(now)
                     self._start(child)
                     self.events.put(f"{child.name} restarted (pid {child.pid}, restart {child.restarts})")
+            self._top_up_spares()  # after the restarts: a spare taken now is replaced in the background
 
     def _schedule(self, child: Child, now: float) -> None:
         if child.returncode == 0:  # asked to stop (disagg stop, Shutdown): not a failure
@@ -187,9 +234,23 @@ class Supervisor:
     def running(self) -> list[Child]:
         return [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
 
+    def _end_spares(self) -> None:
+        for proc in self.spares:
+            try:
+                proc.stdin.close()  # a spare told nothing exits
+            except OSError:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=5)
+        self.spares = []
+
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
         self.stop_supervising()
+        self._end_spares()
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self.running() and time.monotonic() < deadline:

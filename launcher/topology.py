@@ -33,6 +33,9 @@ class RoleConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: denoisers only: requests of one shape that share a forward, joining at step boundaries
     #: (continuous batching); capacity is raised to at least this
     max_batch: Annotated[int, Meta(ge=1, le=256)] = 1
+    #: warm standbys besides `count`: loaded and registered, given no work until an instance of this
+    #: role dies, then serving at once (a standby costs a whole instance: on a GPU, its device's memory)
+    standby: Annotated[int, Meta(ge=0, le=256)] = 0
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -71,6 +74,9 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: ZeroMQ (about 100 µs less per hop on a small VM); false = ZeroMQ for everything
     lane: bool = True
     ready_timeout_s: Annotated[float, Meta(gt=0)] = 180.0
+    #: interpreters kept with torch and diffusers imported, each ready to become any role whose process
+    #: died: its replacement then loads only its model (about 1 s for the tiny one instead of 5)
+    spares: Annotated[int, Meta(ge=0, le=64)] = 1
     encoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
     denoisers: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=2))
     decoders: RoleConfig = msgspec.field(default_factory=lambda: RoleConfig(count=1))
@@ -218,7 +224,7 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
         capacity = max(rc.capacity, rc.max_batch)
         pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, capacity)
         gpus = rc.gpus if rc.gpus is not None else config.gpus
-        for i in range(rc.count):
+        for i in range(rc.count + rc.standby):
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
             placements.append(Placement(role, f"{role}-{i}", capacity, pool_bytes, gpu, [],
                                         simulated=simulated, max_batch=rc.max_batch))

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer", default="auto")
     ap.add_argument("--deployment-id", default="",
                     help="refuse role instances of any other deployment (empty: take any)")
+    ap.add_argument("--standby", default="", metavar="ROLE=N,...",
+                    help="warm standbys to keep per role, e.g. denoiser=1 (they get work once an instance dies)")
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--no-lane", action="store_true",
                     help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue={role: args.max_queue for role in ROLES},
         colocated=args.colocated,
         deployment_id=args.deployment_id,
+        standby={role: int(n) for role, _, n in (kv.partition("=") for kv in args.standby.split(",") if kv)},
     )
     try:
         router = Router(config, now=time.monotonic())

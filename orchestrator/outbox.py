@@ -28,6 +28,9 @@ class RouterConfig:
     #: the deployment this orchestrator serves; instances registering with another id are refused
     #: (empty: any)
     deployment_id: str = ""
+    #: role -> warm standbys to keep: loaded, registered instances that get no work until an instance of
+    #: their role dies, then take over at once (--standby)
+    standby: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -242,6 +242,8 @@ class Router:
         inst.running = dict(msg.busy)
         inst.inherited = dict(msg.busy)
         inst.free_slots = max(0, inst.capacity - len(inst.running))
+        if inst.state == "ready":
+            inst.state = self.serving_or_standby(inst)
         if inst.role == self.first_stage:
             self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
@@ -270,9 +272,28 @@ class Router:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
         if msg.ready and inst.state == "starting":
-            inst.state = "ready"
+            inst.state = self.serving_or_standby(inst)
             self._inline_cache.clear()
-            log.info("%s ready", inst.id)
+            log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
+
+    def serving_or_standby(self, inst: Instance) -> str:
+        """The state of an instance that just became ready: a standby while its role has fewer standbys
+        than wanted and someone else serves; else ready. Work it holds makes it serve."""
+        want = self.config.standby.get(inst.role, 0)
+        if not want or inst.running:
+            return "ready"
+        peers = [i for i in self.registry.of_role(inst.role) if i is not inst and i.state != "dead"]
+        standbys = sum(i.state == "standby" for i in peers)
+        serving = sum(i.state in ("ready", "starting") for i in peers)
+        return "standby" if standbys < want and serving >= 1 else "ready"
+
+    def promote_standby(self, dead: Instance) -> None:
+        """A serving instance died: a standby of its role takes its place at once (its replacement, once
+        restarted, becomes the new standby)."""
+        standby = next((i for i in self.registry.of_role(dead.role) if i.state == "standby"), None)
+        if standby is not None:
+            standby.state = "ready"
+            log.warning("standby %s takes over from %s", standby.id, dead.id)
 
     def settle_inherited(self, inst: Instance, running: set[str], now: float, out: list[Out]) -> None:
         """Work it ran when it registered (Register.busy) and runs no more, one heartbeat later: had its
@@ -507,6 +528,8 @@ class Router:
         """Mark an instance dead; every request it held or whose data it held gets a new attempt."""
         log.warning("instance %s is dead: %s", inst.id, why)
         self._inline_cache.clear()
+        if inst.state == "ready":
+            self.promote_standby(inst)
         inst.state, inst.free_slots = "dead", 0
         inst.running.clear()
         inst.staged.clear()

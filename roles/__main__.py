@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -9,8 +10,33 @@ import sys
 from transport.messages import BOOT_ERROR_EXIT
 
 
+def wait_as_spare() -> list[str] | None:
+    """`python -m roles --spare`: import what every role needs (torch, diffusers, the adapters), then wait
+    on stdin for the supervisor to make this process a role: one line of JSON with the role's spec, its
+    environment and its log file. Empty stdin (the launcher went away): None, exit."""
+    import torch  # noqa: F401 - the point: imported before anyone waits for it
+    import roles.worker  # noqa: F401
+    from roles.pipelines import preload
+
+    preload()
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    order = json.loads(line)
+    os.environ.update(order["env"])  # before anything initialises CUDA: CUDA_VISIBLE_DEVICES is read then
+    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return [order["spec"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spare"]:
+        argv = wait_as_spare()
+        if argv is None:
+            return 0
     from roles.spec import spec_from_json
     from roles.worker import Worker, install_signal_handlers
 

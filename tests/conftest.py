@@ -32,6 +32,8 @@ class Launched:
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
         self.log = open(tmp / log_name, "w")
+        if "--spares" not in args:  # a spare interpreter costs seconds of CPU: only where a test wants one
+            args = [*args, "--spares", "0"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,

@@ -26,7 +26,7 @@ RECOVERY = {}  # what the closing note reports: kill -> replacement ready, per r
 
 @pytest.fixture(scope="module")
 def deployment(module_tmp):
-    dep = Launched(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2"], module_tmp)
+    dep = Launched(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2", "--spares", "1"], module_tmp)
     try:
         dep.wait_ready(N_INSTANCES)
         yield dep

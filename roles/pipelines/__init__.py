@@ -116,3 +116,16 @@ def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto"
     from roles.pipelines.payload import PayloadAdapter
 
     return PayloadAdapter(role, device)
+
+
+#: what a spare interpreter imports ahead (python -m roles --spare): every adapter, and through them
+#: the diffusers and transformers classes they use; the rest of a role's start is its model's load
+PRELOAD = ("roles.pipelines.tiny", "roles.pipelines.sim", "roles.pipelines.payload",
+           *(module for module, _ in FAMILY_ADAPTERS.values()))
+
+
+def preload() -> None:
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
