@@ -102,6 +102,8 @@ class AsyncClient:
         fut = self.in_flight(request_id)
         if fut is None:  # the same id twice: both wait for the one run
             fut = asyncio.get_running_loop().create_future()
+            if not self._pending:  # silence counts from here: an idle client hears nothing, and that is fine
+                self._last_heard = time.monotonic()
             self._pending[request_id] = (params, time.monotonic(), fut)
             self._timeouts[request_id] = timeout_s
             await self.sock.send_multipart([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
@@ -136,6 +138,7 @@ class AsyncClient:
                 while await self.monitor.poll(0):
                     await self.monitor.recv_multipart()
                 self.suspect = True
+                log.info("lost the connection to the orchestrator; asking who answers")
             if self.sock in events:
                 while await self.sock.poll(0):
                     frames = await self.sock.recv_multipart()
@@ -175,6 +178,8 @@ class AsyncClient:
             self.suspect = False
             if self.orchestrator_id and oid != self.orchestrator_id:
                 # a successor: it knows our requests only from us (and what the roles still hold)
+                log.info("the orchestrator restarted (%s, was %s); sending its %d pending requests again", oid,
+                         self.orchestrator_id, len(self._pending))
                 self._resubmit.extend(self._pending)
             self.orchestrator_id = oid
             waiters, self._status_waiters = self._status_waiters, []

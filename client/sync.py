@@ -199,6 +199,8 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
+            if not got and time.monotonic() < deadline:
+                continue  # woken by a connection event, not an answer
             if not got:
                 self.probe()  # gone (connection refused) rather than silent: say that
                 hint = "" if self.secured else " (if it uses keys, pass --keys)"

@@ -170,10 +170,11 @@ class Deployment:
             "DISAGG_RUN_ID": self.run_id,
         }
 
-    def supervise(self) -> None:
+    def supervise(self, spares: bool = True) -> None:
         """From now on dead children are restarted (before, any death stops the launch), a role by a spare
-        interpreter when one waits (started now, once the deployment's own imports are done)."""
-        if not self.config.colocated:
+        interpreter when one waits (started now, once the deployment's own imports are done; not for a
+        batch run, which would pay its imports for nothing)."""
+        if spares and not self.config.colocated:
             self.supervisor.keep_spares(self.config.spares, self.supervisor.python("roles", "--spare"), self._env())
         self.supervisor.start_supervising()
 
@@ -267,6 +268,9 @@ class Deployment:
         if orchestrator is not None and orchestrator.proc.poll() is None and self.orchestrator_id:
             try:
                 with self.client() as client:
+                    report = client.status(timeout_s=1)
+                    if report.orchestrator.get("pid") == orchestrator.pid:  # ours, maybe restarted since we looked
+                        self.follow(report)
                     client.stop(timeout_s=1, orchestrator_id=self.orchestrator_id)
                 deadline = time.monotonic() + 3
                 while self.supervisor.running() and time.monotonic() < deadline:

@@ -80,7 +80,7 @@ def run_deployment(
         dep.start_processes()
         dep.wait_ready(on_status=view)
         view.say(f"ready: {n} instances registered" + (f"; HTTP at {dep.http_url}/v1" if dep.http_url else ""))
-        dep.supervise()
+        dep.supervise(spares=prompts is None)
         if prompts is not None:
             with dep.client() as client:
                 return run_prompts(client, prompts, out_dir, concurrency, console, as_json,

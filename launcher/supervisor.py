@@ -127,14 +127,15 @@ class Supervisor:
             return True
         return False
 
-    def _start(self, child: Child) -> None:
+    def _start(self, child: Child) -> bool:
+        """Start (again) `child`; True if a spare interpreter became it."""
         child.env["DISAGG_RESTARTS"] = str(child.restarts)
         child.returncode = None
         child.started_at = time.monotonic()
         if child.spare_ok and child.restarts and self._take_spare(child):
             self._pin(child)
             log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
-            return
+            return True
         with open(child.log_path, "ab") as logf:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -147,6 +148,7 @@ class Supervisor:
             )
         self._pin(child)
         log.info("started %s (pid %d)", child.name, child.proc.pid)
+        return False
 
     def _pin(self, child: Child) -> None:
         if child.cpus:
@@ -170,8 +172,9 @@ class Supervisor:
                     child.restart_at = None
                     child.restarts += 1
                     child.restart_times.append(now)
-                    self._start(child)
-                    self.events.put(f"{child.name} restarted (pid {child.pid}, restart {child.restarts})")
+                    spare = self._start(child)
+                    self.events.put(f"{child.name} restarted (pid {child.pid}, restart {child.restarts}"
+                                    f"{', from a spare interpreter' if spare else ''})")
             self._top_up_spares()  # after the restarts: a spare taken now is replaced in the background
 
     def _schedule(self, child: Child, now: float) -> None:

@@ -1,5 +1,6 @@
 """No request lost: kill -9, SIGSTOP, a killed orchestrator, garbage floods and timeouts, over real
-processes. One 2:2:2 tiny deployment shared by the module; the orchestrator kill comes last."""
+processes. One 2:2:2 tiny deployment (with a spare interpreter) shared by the module; the orchestrator
+kill comes last."""
 
 from __future__ import annotations
 
@@ -189,21 +190,19 @@ def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment
 
 
 def test_zz_kill_9_orchestrator(deployment):
-    """Last: the orchestrator restarts, roles re-register without restarting, clients get errors."""
+    """Last: the orchestrator restarts, roles re-register without restarting, and every request in flight
+    still finishes (tests/test_orchestrator_restart.py checks that no stage ran twice)."""
     report = status(deployment)
     role_pids = {i.id: i.pid for i in report.instances}
     old = psutil.Process(int(report.orchestrator["pid"]))
-    load = Load(deployment.endpoint, [GenerationParams(prompt=f"lost {i}", width=256, height=256, num_inference_steps=6, seed=i)
+    load = Load(deployment.endpoint, [GenerationParams(prompt=f"kept {i}", width=256, height=256, num_inference_steps=6, seed=i)
                                       for i in range(20)], concurrency=20)
     time.sleep(0.5)
     old.kill()
     t_kill = time.monotonic()
-    outcomes = load.join(timeout=60)
-    assert time.monotonic() - t_kill < 30  # an error, not a hang
-    lost = [o for o in outcomes if not o.ok]
-    assert all("orchestrator" in o.error for o in lost), [o.error for o in lost]
-    RECOVERY["orchestrator_requests_lost_with_error"] = f"{len(lost)}/{len(outcomes)}"
-    RECOVERY["orchestrator_error_after_s"] = round(max((o.latency_s for o in lost), default=0.0), 1)
+    outcomes = load.join(timeout=120)
+    assert len(outcomes) == 20 and [o.error for o in outcomes if not o.ok] == []
+    RECOVERY["orchestrator_requests_kept"] = f"{sum(o.ok for o in outcomes)}/{len(outcomes)}"
     # a new orchestrator, the same role processes, all registered and ready again
     report = wait_until(lambda: (r := status(deployment)).orchestrator["pid"] != old.pid
                         and sum(i.state == "ready" for i in r.instances) == N_INSTANCES and r, timeout=60)

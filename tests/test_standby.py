@@ -74,5 +74,6 @@ def test_killing_the_serving_denoiser_hands_its_work_to_the_standby_at_once(dep)
     back = wait_until(lambda: (d := denoisers(status(dep))[serving.id]).pid != serving.pid and d.state == "standby" and d,
                       timeout=60)
     assert back.restarts == 1
+    assert "denoiser" in dep.output() and "from a spare interpreter" in dep.output()
     assert denoisers(status(dep))[standby.id].completed > 0
     print(f"\nstandby serving {took_over_s:.2f} s after the kill")

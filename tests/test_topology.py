@@ -45,11 +45,11 @@ def test_cpu_only_placement():
 def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
     dep = Deployment(DeploymentConfig(gpus=[3]), run_dir=tmp_path)
     seen = {}
-    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None: seen.update(name=name, argv=argv, env=env, cpus=cpus))
+    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None, **kw: seen.update(name=name, argv=argv, env=env, cpus=cpus))
     dep.spawn_role(dep.placements[1])
     assert seen["name"] == "denoiser-0" and seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
     dep = Deployment(DeploymentConfig(gpus=[2, 5, 7]), run_dir=tmp_path)
-    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None: seen.update(name=name, argv=argv, env=env, cpus=cpus))
+    monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None, **kw: seen.update(name=name, argv=argv, env=env, cpus=cpus))
     dep.spawn_role(dep.placements[1])  # denoiser-0 on GPU 5 sees it first, then the others
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5,2,7" and '"visible_gpus":[5,2,7]' in seen["argv"][-1]
     assert '"device":"cuda:0"' in seen["argv"][-1] and seen["cpus"]
