@@ -140,6 +140,8 @@ class Recovery:
                 inst.staged[held.slot.offset] = held.slot.nbytes
                 self._add(held.request_id, Orphan(held.request_id, "staged", inst.id, held.role, held.attempt, now, slot=held.slot,
                                                   seed=held.seed))
+            elif self.router.is_source(held.request_id, inst.id, held.slot.offset):
+                inst.staged[held.slot.offset] = held.slot.nbytes  # told again: still what its request reads
             else:
                 out.append(to_instance(inst.id, Release(request_id=held.request_id, offset=held.slot.offset)))
         for rid, attempt in msg.busy.items():

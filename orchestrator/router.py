@@ -333,6 +333,8 @@ class Router:
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
+            if self.is_source(msg.request_id, inst.id, msg.slot.offset):
+                return  # a late copy of the report a resumed request already reads from (orchestrator/recovery.py)
             if not self.recovery.keep_output(inst, msg, frames, now):
                 out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
                 inst.staged.pop(msg.slot.offset, None)
@@ -500,6 +502,12 @@ class Router:
         if req is None or req.ended or req.attempt != attempt or req.assigned != inst.id:
             return None
         return req
+
+    def is_source(self, request_id: str, instance_id: str, offset: int) -> bool:
+        """Whether that staged output is what its request reads next."""
+        req = self.requests.get(request_id)
+        slot = req.source.slot if req is not None and req.source is not None else None
+        return slot is not None and slot.instance_id == instance_id and slot.offset == offset
 
     def release_source(self, req: Request, out: list[Out]) -> None:
         if req.source is None:

@@ -119,3 +119,16 @@ def test_a_resumed_running_request_whose_report_was_lost_is_tried_again():
     advance(h, 2)  # it no longer runs r, and no report came in a heartbeat's time
     req = h.router.requests["r"]
     assert req.attempt == 2 and req.stage == "encoder"
+
+
+def test_a_late_copy_of_the_report_a_resumed_request_reads_from_does_not_release_it():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "denoiser-0", "denoiser", held=[held("denoiser-0", "r", "denoiser", 128)], busy={"r": 1})
+    register(h, "decoder-0", "decoder", busy={"other": 1})  # busy: r waits in the decoder queue
+    resubmit(h, "r")
+    advance(h, WINDOW_MAX_S, running={"denoiser-0": ["r"], "decoder-0": ["other"]})
+    assert h.router.requests["r"].source.slot.offset == 128
+    # the compute thread's Staged for that same output comes in only now
+    out = h.role("denoiser-0", staged("denoiser-0", "r", offset=128))
+    assert releases(out) == [] and h.router.requests["r"].source.slot.offset == 128
