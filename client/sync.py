@@ -26,6 +26,7 @@ from transport.messages import (
     StatusQuery,
     StatusReport,
     Stop,
+    StopHost,
     Stopping,
     Submit,
     encode,
@@ -228,6 +229,10 @@ class Client:
     def stop(self, timeout_s: float = CONNECT_TIMEOUT_S, drain: bool = False, orchestrator_id: str = "") -> Stopping:
         """Stop the deployment; with `orchestrator_id`, only if that orchestrator is the one answering."""
         return self._ask(Stop(drain=drain, orchestrator_id=orchestrator_id), Stopping, timeout_s)
+
+    def stop_host(self, host_id: str, drain: bool = False, timeout_s: float = CONNECT_TIMEOUT_S) -> Stopping:
+        """Stop one host's instances only (with `drain`, once what they run and hold is done)."""
+        return self._ask(StopHost(host_id=host_id, drain=drain), Stopping, timeout_s)
 
     def run_all(
         self,

@@ -93,9 +93,9 @@ def cli(verbose: bool) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in tiny deployment, as in configs/tiny.yaml).")
 @click.option("--model", help="Model to serve: 'tiny' (embedded default), a diffusers checkpoint (local folder or Hugging Face id: Flux, SD3, SDXL, Wan 2.1/2.2) or sim:PROFILE.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Checkpoint weights' dtype (default auto: bf16 on a GPU, fp32 on the CPU).")
-@click.option("-e", "--encoders", type=click.IntRange(1, 256), help="Number of encoder instances.")
-@click.option("-d", "--denoisers", type=click.IntRange(1, 256), help="Number of denoiser instances.")
-@click.option("-k", "--decoders", type=click.IntRange(1, 256), help="Number of decoder instances.")
+@click.option("-e", "--encoders", type=click.IntRange(0, 256), help="Number of encoder instances (0: none on this host; others may join).")
+@click.option("-d", "--denoisers", type=click.IntRange(0, 256), help="Number of denoiser instances (0: none on this host; others may join).")
+@click.option("-k", "--decoders", type=click.IntRange(0, 256), help="Number of decoder instances (0: none on this host; others may join).")
 @click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
 @click.option("--standby", metavar="E,D,K", help="Warm standbys per role besides -e/-d/-k: loaded, registered, given no work until an instance of their role dies (config <role>.standby).")
 @click.option("--spares", type=click.IntRange(0, 64), help="Interpreters kept with torch and diffusers imported, to replace a role that dies in about a second (default 1; config spares).")
@@ -103,6 +103,8 @@ def cli(verbose: bool) -> None:
 @click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
 @click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
 @click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
+@click.option("--join", metavar="tcp://HEAD:PORT", help="Start only role processes here, registered with the orchestrator of another host (config join).")
+@click.option("--advertise-host", help="The address other hosts reach this host's roles at (default: the interface that routes to the head).")
 @click.option("--port", type=click.IntRange(1, 65534), help="Client port; roles use PORT+1 (default 5555).")
 @click.option("--transfer", type=click.Choice(TRANSFER_CHOICES), help="Transfer engine between stages (default auto).")
 @click.option("--transfer-protocol", type=click.Choice(["tcp", "rdma"]), help="Mooncake protocol (default rdma with --ib-device, else tcp).")
@@ -124,7 +126,7 @@ def cli(verbose: bool) -> None:
 @click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
 @click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
 @click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
-def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, join, advertise_host, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -140,7 +142,8 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
-                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares)):
+                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares),
+                       ("join", join), ("advertise_host", advertise_host)):
         if value is not None:
             setattr(config, key, value)
     for key, value in (("port", http_port), ("host", http_host), ("api_key", api_key)):
@@ -190,14 +193,17 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
         check_gpus(config)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    if config.join and (submit_path or config.http.port):
+        raise click.UsageError("a join host runs roles only: --submit and --http-port belong to the head")
     try:  # before anything is spawned: a second launch must never disturb the deployment already there
-        check_ports(config.host, config.port, lane_path(config.port) if config.lane else None)
+        if not config.join:
+            check_ports(config.host, config.port, lane_path(config.port) if config.lane else None)
         if config.http.port:
             check_http_port(config.http.host, config.http.port)
     except PortBusy as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    if not config.keys and not _loopback(config.host):
+    if not config.keys and not config.join and not _loopback(config.host):
         click.echo(f"warning: binding {config.host} without --keys: anyone who can reach it can submit and register",
                    err=True)
     from launcher.run import run_deployment
@@ -280,9 +286,20 @@ def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurre
 @endpoint_option
 @keys_option
 @click.option("--drain", is_flag=True, help="Refuse new work, finish what is in flight, then stop.")
-def stop(endpoint: str, keys: str | None, drain: bool) -> None:
+@click.option("--host", "host_id", help="Stop only the instances of this host (its id, as `status` shows it); with --drain once they finished their work, else now (their work moves elsewhere).")
+def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None) -> None:
     """Shut the deployment down: the orchestrator stops every role, then the launcher exits."""
     with _client(endpoint, keys) as client:
+        if host_id:
+            try:
+                client.stop_host(host_id, drain=drain)
+            except Unreachable as exc:
+                _unreachable(exc)
+            except RuntimeError as exc:  # refused: no such host
+                click.echo(f"error: {exc}", err=True)
+                sys.exit(EXIT_FAILED)
+            click.echo(f"{'draining' if drain else 'stopping'} host {host_id} of the deployment at {endpoint}")
+            return
         try:
             client.stop(drain=drain)
         except Unreachable as exc:

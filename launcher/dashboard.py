@@ -19,7 +19,7 @@ def _mib(n: int) -> str:
 #: (the id names the role already, so the role column goes early)
 COLUMNS = (
     ("id", "left"), ("state", "left"), ("free/cap", "right"), ("in flight", "right"), ("done", "right"),
-    ("failed", "right"), ("device", "left"), ("pid", "right"), ("restarts", "right"), ("engine", "left"),
+    ("failed", "right"), ("host", "left"), ("device", "left"), ("pid", "right"), ("restarts", "right"), ("engine", "left"),
     ("pool MiB used/total", "right"), ("role", "left"),
 )
 #: what one column costs beside its text: Rich's padding and the border
@@ -28,7 +28,7 @@ COLUMN_EXTRA = 3
 
 def _cells(i) -> dict[str, str]:
     return {
-        "role": i.role, "id": i.id, "pid": str(i.pid), "device": i.device, "state": i.state,
+        "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host, "device": i.device, "state": i.state,
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),
@@ -42,7 +42,7 @@ def fit_columns(rows: list[dict[str, str]], width: int | None) -> list[tuple[str
         need = {name: max([len(name), *(len(r[name]) for r in rows)]) + COLUMN_EXTRA for name, _ in COLUMNS}
         while len(keep) > 2 and sum(need[name] for name, _ in keep) + 1 > width:
             keep.pop()
-    order = ("role", "id", "pid", "device", "state", "free/cap", "in flight", "done", "failed", "engine",
+    order = ("role", "id", "host", "pid", "device", "state", "free/cap", "in flight", "done", "failed", "engine",
              "pool MiB used/total", "restarts")
     return sorted(keep, key=lambda col: order.index(col[0]))
 

@@ -15,6 +15,7 @@ import msgspec
 
 from client import Client, Unreachable
 from transport.auth import client_curve
+from launcher.hosts import host_id, route_address
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, place
 from transport.messages import StatusReport
@@ -45,7 +46,13 @@ class Deployment:
         self.supervisor = Supervisor(self.run_dir)
         self.placements: list[Placement] = place(config)
         self.endpoint = f"tcp://{config.host}:{config.port}"
-        self.host_id = socket.gethostname()
+        #: where roles register (the orchestrator's port + 1), and the deployment they belong to
+        self.role_endpoint = f"tcp://{config.host}:{config.port + 1}"
+        self.deployment_id = self.run_id
+        self.host_id = host_id()
+        #: the address peers on other hosts reach this host's pools at (Mooncake's local_hostname)
+        self.data_host = config.advertise_host or (
+            config.host if config.host not in ("0.0.0.0", "::") else route_address("192.0.2.1", 9))
         self.shm_prefix = f"{SHM_PREFIX}{self.run_id}-"
         self.interrupted = False
         self.keys_dir = str(Path(config.keys).resolve()) if config.keys else ""
@@ -117,7 +124,7 @@ class Deployment:
         spec = {
             "role": p.role,
             "instance_id": p.instance_id,
-            "endpoint": f"tcp://{self.config.host}:{self.config.port + 1}",
+            "endpoint": self.role_endpoint,
             "model": self.config.model,
             "device": p.device,
             "capacity": p.capacity,
@@ -131,12 +138,12 @@ class Deployment:
             "transfer": self.config.transfer,
             "transfer_protocol": self.config.protocol,
             "ib_device": self.config.ib_device,
-            "data_host": self.config.host,
+            "data_host": self.data_host,
             "visible_gpus": self.visible_gpus(p),
             "orchestrator_timeout_s": self.config.heartbeat_timeout_s,
             "keys_dir": self.keys_dir,
             "use_lane": self.config.lane,
-            "deployment_id": self.run_id,
+            "deployment_id": self.deployment_id,
             "pool_limits": self.pool_limits(),
         }
         env = self._env()
@@ -174,7 +181,7 @@ class Deployment:
         """From now on dead children are restarted (before, any death stops the launch), a role by a spare
         interpreter when one waits (started now, once the deployment's own imports are done; not for a
         batch run, which would pay its imports for nothing)."""
-        if spares and not self.config.colocated:
+        if spares and self.placements and not self.config.colocated:
             self.supervisor.keep_spares(self.config.spares, self.supervisor.python("roles", "--spare"), self._env())
         self.supervisor.start_supervising()
 
@@ -213,7 +220,9 @@ class Deployment:
             self.orchestrator_id = str(report.orchestrator.get("id", ""))
             self.lane_inode = _inode(str(report.orchestrator.get("lane", "")))
 
-    def wait_ready(self, on_status=None) -> StatusReport:
+    def wait_ready(self, on_status=None, any_orchestrator: bool = False) -> StatusReport:
+        """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
+        host, whose orchestrator runs elsewhere and may restart meanwhile."""
         expected = {p.instance_id for p in self.placements}
         deadline = time.monotonic() + self.config.ready_timeout_s
         with self.client() as client:
@@ -226,7 +235,9 @@ class Deployment:
                 except Unreachable:
                     self._check_children()  # stopped or dead: say so in one line
                     raise BootError(f"the orchestrator at {self.endpoint} stopped answering during startup") from None
-                if report.orchestrator.get("id") != self.orchestrator_id:
+                if any_orchestrator:
+                    self.follow(report)
+                elif report.orchestrator.get("id") != self.orchestrator_id:
                     self._check_children()
                     raise BootError(f"another orchestrator ({report.orchestrator.get('pid')}) answers at {self.endpoint}")
                 if on_status:

@@ -62,16 +62,20 @@ def run_deployment(
     concurrency: int,
     as_json: bool = False,
 ) -> int:
-    dep = Deployment(config, run_dir)
+    if config.join:
+        from launcher.join import JoinDeployment
+
+        dep = JoinDeployment(config, run_dir)
+    else:
+        dep = Deployment(config, run_dir)
     dep.install_signal_handlers()
     n = len(dep.placements)
     shape = f"{config.colocated} colocated" if config.colocated else (
         f"{config.encoders.count}:{config.denoisers.count}:{config.decoders.count}")
-    console.print(
-        f"disagg: {shape} "
-        f"({n} role processes + orchestrator), model {config.model}, endpoint {dep.endpoint}, logs in {dep.run_dir}/logs",
-        markup=False, highlight=False,
-    )
+    what = (f"joining {dep.endpoint} as host {dep.host_id} ({dep.data_host}) with {n} role processes" if config.join
+            else f"{n} role processes + orchestrator, endpoint {dep.endpoint}")
+    console.print(f"disagg: {shape} ({what}), model {config.model}, logs in {dep.run_dir}/logs",
+                  markup=False, highlight=False)
     view = LiveTable(console, dep.endpoint) if dashboard and prompts is None else EventLog(console)
     if isinstance(view, LiveTable):
         view.live.start()
@@ -103,14 +107,25 @@ def run_deployment(
 
 
 def watch(dep: Deployment, view) -> int:
-    """Show the deployment until Ctrl-C, SIGTERM or `disagg stop`."""
+    """Show the deployment until Ctrl-C, SIGTERM or `disagg stop` (a join host: this host's instances,
+    until they are all stopped from the head)."""
     if isinstance(view, LiveTable):
         view.ready = True
-    orchestrator = dep.supervisor.children["orchestrator"]
+    orchestrator = dep.supervisor.children.get("orchestrator")  # None on a join host
     with dep.client() as client:
         while not dep.interrupted:
             while not dep.supervisor.events.empty():
                 view.say(dep.supervisor.events.get())
+            if orchestrator is None:
+                children = list(dep.supervisor.children.values())
+                if children and all(c.returncode == 0 for c in children):
+                    view.say("the head stopped this host's roles")
+                    return 0
+                report = dep.status(client)
+                if report is not None:
+                    view(dep.local(report))
+                time.sleep(REFRESH_S)
+                continue
             if orchestrator.returncode == 0:
                 view.say("the orchestrator has stopped")
                 return 0

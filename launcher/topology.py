@@ -57,6 +57,12 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65534)] = 5555
+    #: join host: tcp://HEAD:PORT of another host's orchestrator; only role processes start here and
+    #: register with it (empty: this host runs the orchestrator)
+    join: str = ""
+    #: the address other hosts reach this host's roles at (Mooncake); empty: `host` if it is a real
+    #: address, else the interface that routes to the head (join) or out of this host
+    advertise_host: str = ""
     transfer: str = "auto"
     #: mooncake: tcp or rdma; empty = rdma when ib_device is named, else tcp
     transfer_protocol: str = ""
@@ -143,9 +149,15 @@ def validate(config: DeploymentConfig) -> None:
         raise ConfigError("--transfer cuda-ipc needs GPUs (--gpus or a role's gpus list)")
     if config.transfer_protocol == "rdma" and not config.ib_device:
         raise ConfigError("transfer_protocol rdma needs ib_device (e.g. mlx5_0)")
-    for role in ROLE_KEYS:
-        if config.role(role).count < 1:
-            raise ConfigError(f"{ROLE_KEYS[role]}.count must be at least 1")
+    if config.join:
+        from launcher.hosts import parse_endpoint
+
+        try:
+            parse_endpoint(config.join)
+        except ValueError as exc:
+            raise ConfigError(f"join: {exc}") from None
+        if not any(config.role(role).count for role in ROLE_KEYS) or config.colocated:
+            raise ConfigError("a join host needs some role instances here (-e/-d/-k), and cannot be colocated")
         if role != "denoiser" and config.role(role).max_batch > 1:
             raise ConfigError(f"{ROLE_KEYS[role]}.max_batch: only denoisers batch")
     if config.sim_slowdown and not config.model.startswith("sim:"):

@@ -21,7 +21,7 @@ from orchestrator.stats import GATEWAY_SILENCE_S, Stats, snapshot
 from transport.messages import (
     FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
     RequestQuery, RequestState, RequestStates, Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop,
-    Stopping, Submit,
+    StopHost, Stopping, Submit,
 )
 from transport.selection import choose_engine
 
@@ -64,6 +64,7 @@ class Router:
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
             Stop: self.handle_stop,
+            StopHost: self.handle_stop_host,
             Cancel: self.handle_cancel,
             RequestQuery: self.handle_request_query,
             GatewayBeat: self.handle_gateway_beat,
@@ -111,6 +112,7 @@ class Router:
         out: list[Out] = []
         self.expire_instances(now, out)
         self.expire_requests(now, out)
+        self.shutdown_drained(out, now)
         if self.recovery.parked and not self.recovery.recovering(now):
             self.recovery.close_window(now, out)
         self.recovery.expire(now, out)
@@ -211,6 +213,31 @@ class Router:
             log.info("draining %d requests before stopping", len(self.requests))
             return
         self.stop_all(out, now)
+
+    def handle_stop_host(self, identity, msg: StopHost, frames, now, out) -> None:
+        insts = [i for i in self.registry.alive() if i.host == msg.host_id]
+        if not insts:
+            hosts = sorted({i.host for i in self.registry.alive()})
+            out.append(to_client(identity, Rejected(reason=f"no live instance on host {msg.host_id!r}; hosts: "
+                                                          f"{', '.join(hosts) or 'none'}")))
+            return
+        out.append(to_client(identity, Stopping()))
+        log.info("%s host %s: %s", "draining" if msg.drain else "stopping", msg.host_id, ", ".join(i.id for i in insts))
+        for inst in insts:
+            if msg.drain:
+                inst.state = "draining"  # no new work; shut down once idle (tick)
+                self._inline_cache.clear()
+            else:
+                out.append(to_instance(inst.id, Shutdown()))
+                self.lose_instance(inst, f"its host {msg.host_id} was stopped", now, out)
+        self.shutdown_drained(out, now)
+
+    def shutdown_drained(self, out, now: float) -> None:
+        """Draining instances that run and hold nothing any more are told to exit."""
+        for inst in self.registry.alive():
+            if inst.state == "draining" and not inst.running and not inst.staged:
+                out.append(to_instance(inst.id, Shutdown()))
+                self.lose_instance(inst, "drained", now, out)
 
     def stop_all(self, out, now: float) -> None:
         """Tell every instance to exit, and every client with a request in flight that it ends now."""
@@ -427,7 +454,9 @@ class Router:
                     continue
                 if candidates is None:
                     candidates = self.registry.of_role(role)
-                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests)
+                producer = self.registry.get(req.source.slot.instance_id) if req.source is not None else None
+                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
+                                          producer.host if producer is not None else None)
                 if inst is None:
                     break
                 queue.popleft()
@@ -469,7 +498,7 @@ class Router:
                 self._warned_pairs.add((producer.id, inst.id))
                 log.warning("%s", warning)
             inst.engine = engine
-            self.stats.transferred(producer.role, inst.role, engine, req.source.slot.nbytes)
+            self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == "inline" else []
         if not inst.running:

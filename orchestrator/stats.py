@@ -6,7 +6,7 @@ import collections
 import os
 
 from orchestrator.requests import ROLES, STAGES
-from transport.messages import GatewayStatus, RequestCounts, StageTime, StatusReport, TransferCount
+from transport.messages import GatewayStatus, PairEngine, RequestCounts, StageTime, StatusReport, TransferCount
 
 THROUGHPUT_WINDOW_S = 10.0
 #: the timings a request's Result carries per stage, as phase_role
@@ -26,6 +26,8 @@ class Stats:
         self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
         #: (producer role, consumer role, engine) -> [handoffs, bytes]
         self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+        #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]
+        self.pairs: dict[tuple[str, str], list] = {}
         self._finish_times: collections.deque[float] = collections.deque()
 
     def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
@@ -43,10 +45,16 @@ class Stats:
         else:
             self.failed += 1
 
-    def transferred(self, producer: str, consumer: str, engine: str, nbytes: int) -> None:
-        edge = self.transfers[(producer, consumer, engine)]
+    def transferred(self, producer, consumer, engine: str, nbytes: int) -> None:
+        """One handoff from instance `producer` to instance `consumer`."""
+        edge = self.transfers[(producer.role, consumer.role, engine)]
         edge[0] += 1
         edge[1] += nbytes
+        pair = self.pairs.get((producer.id, consumer.id))
+        if pair is None:
+            pair = self.pairs[(producer.id, consumer.id)] = [engine, 0, producer.host, consumer.host]
+        pair[0] = engine
+        pair[1] += 1
 
     def throughput(self, now: float, since: float) -> float:
         while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
@@ -62,6 +70,7 @@ def snapshot(router, now: float) -> StatusReport:
         orchestrator={
             "pid": os.getpid(),
             "id": router.id,
+            "deployment_id": router.config.deployment_id,
             "endpoint": router.endpoint,
             "lane": router.lane,
             "restarts": router.restarts,
@@ -85,4 +94,6 @@ def snapshot(router, now: float) -> StatusReport:
                      for (r, ph), (n, t) in sorted(router.stats.stage_times.items())],
         transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
                    for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
+        pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
+               for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
     )

@@ -44,11 +44,11 @@ class Harness:
         self.now = 100.0
         self.router = Router(RouterConfig(**cfg), now=self.now)
 
-    def add(self, role, n=1, capacity=1, host="h"):
+    def add(self, role, n=1, capacity=1, host="h", engines=("shm", "inline")):
         ids = []
         for i in range(n):
             iid = f"{role}-{len(self.router.registry.of_role(role))}"
-            pool = PoolInfo(host_id=host, engines=["shm", "inline"], pool_name=f"p-{iid}", pool_bytes=1 << 20)
+            pool = PoolInfo(host_id=host, engines=list(engines), pool_name=f"p-{iid}", pool_bytes=1 << 20)
             out = self.role(iid, Register(role=role, instance_id=iid, pid=1000 + i, host_id=host, device="cpu", capacity=capacity, pool=pool))
             assert isinstance(out[0].msg, Registered)
             self.role(iid, Heartbeat(instance_id=iid, ready=True))
@@ -647,3 +647,62 @@ def test_an_inherited_slot_is_not_freed_under_a_new_attempt_sent_to_the_same_ins
     inst.running["r"] = 2  # attempt 2 of the same request was sent here meanwhile
     h.role("denoiser-0", Heartbeat(instance_id="denoiser-0", running=[]))
     assert inst.running == {"r": 2} and not inst.inherited
+
+
+MC = ("shm", "mooncake", "inline")
+
+
+def test_of_equally_good_instances_the_one_on_the_producers_host_wins_under_every_policy():
+    for policy in ("max-free-slots", "round-robin", "least-work"):
+        h = Harness(dispatch=policy)
+        [enc] = h.add("encoder", host="b", engines=MC)
+        h.add("denoiser", host="a", engines=MC), h.add("denoiser", host="b", engines=MC), h.add("denoiser", host="c", engines=MC)
+        h.add("decoder", host="a", engines=MC)
+        for inst in h.router.registry.of_role("denoiser"):
+            inst.stage_s_avg = 0.01  # all measured equally fast (least-work tries unmeasured ones first)
+        for k in range(4):  # every time, whatever the rotation says
+            h.submit(f"r{k}")
+            [(to, _)] = runs(h.role(enc, staged(enc, f"r{k}", offset=k * 256)))
+            assert h.router.registry.get(to).host == "b", policy
+            h.role(to, staged(to, f"r{k}"))  # done with it: the slot is free again
+            h.role("decoder-0", Done(request_id=f"r{k}", attempt=1, num_images=1), [b"png"])
+
+
+def test_stop_host_stops_only_that_hosts_instances_and_their_work_moves():
+    h = Harness()
+    [enc] = h.add("encoder", host="a", engines=MC)
+    [d_a] = h.add("denoiser", host="a", engines=MC)
+    [d_c] = h.add("denoiser", host="c", engines=MC)
+    h.add("decoder", host="a", engines=MC)
+    h.submit("r1")
+    h.role(enc, staged(enc, "r1"))
+    held_by = h.router.requests["r1"].assigned
+    out = h.router.handle_client(CLIENT, __import__("transport.messages", fromlist=["StopHost"]).StopHost(host_id="c"), [], h.now)
+    assert any(isinstance(o.msg, Stopping) for o in out)
+    assert [o.to_instance for o in out if isinstance(o.msg, Shutdown)] == [d_c]
+    assert h.router.registry.get(d_c).state == "dead" and h.router.registry.get(d_a).state == "ready"
+    assert h.router.requests["r1"].assigned == d_a  # the work it held moved (or stayed) on host a
+    del held_by
+    out = h.router.handle_client(CLIENT, __import__("transport.messages", fromlist=["StopHost"]).StopHost(host_id="zz"), [], h.now)
+    assert isinstance(out[0].msg, Rejected) and "hosts: a" in out[0].msg.reason
+
+
+def test_a_draining_host_gets_no_new_work_and_is_shut_down_once_idle():
+    from transport.messages import StopHost
+
+    h = Harness()
+    [enc] = h.add("encoder", host="a", engines=MC)
+    [d_c] = h.add("denoiser", host="c", engines=MC)
+    h.add("decoder", host="a", engines=MC)
+    h.submit("r1")
+    [(to, _)] = runs(h.role(enc, staged(enc, "r1")))
+    assert to == d_c
+    out = h.router.handle_client(CLIENT, StopHost(host_id="c", drain=True), [], h.now)
+    assert not [o for o in out if isinstance(o.msg, Shutdown)]  # it still runs r1
+    assert h.router.registry.get(d_c).state == "draining"
+    h.submit("r2")
+    assert runs(h.role(enc, staged(enc, "r2", offset=256))) == []  # nobody else: r2 waits
+    out = h.role(d_c, staged(d_c, "r1"))  # r1's output: staged there, still to be fetched
+    assert not [o for o in out if isinstance(o.msg, Shutdown)]
+    out = h.role("decoder-0", Fetched(request_id="r1", attempt=1)) + h.tick()
+    assert [o.to_instance for o in out if isinstance(o.msg, Shutdown)] == [d_c]

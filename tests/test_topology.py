@@ -59,7 +59,8 @@ def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
     "text,needle",
     [
         ("transfer: pigeon\n", "transfer"),
-        ("encoders: {count: 0}\n", "encoders.count"),
+        ("encoders: {count: -1}\n", "encoders.count"),
+        ("join: nowhere\nencoders: {count: 1}\n", "join"),
         ("port: 99999999\n", "port"),
         ("denoisers: [1, 2]\n", "denoisers"),
         ("model: [\n", "not valid YAML"),

@@ -12,7 +12,9 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from transport.status import GatewayStatus, InstanceStatus, RequestCounts, StageTime, TransferCount  # noqa: F401
+from transport.status import (  # noqa: F401
+    GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
+)
 
 #: Largest control message we decode; anything bigger is refused before parsing.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -180,6 +182,8 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     throughput_rps: float = 0.0
     #: bytes moved between stages, per edge and engine
     transfers: list[TransferCount] = []
+    #: per pair of instances that handed data over: the engine chosen for it (per host: mooncake across)
+    pairs: list[PairEngine] = []
     #: the HTTP gateways serving this deployment
     gateways: list[GatewayStatus] = []
     #: per role and phase (queue, compute, fetch): requests and their seconds summed, every client's
@@ -232,6 +236,15 @@ class Stop(_Msg, tag="stop", kw_only=True):
     #: stop only if this is the orchestrator's id (a launcher stops the one it started, never a
     #: successor that took its port); empty = whichever answers
     orchestrator_id: Annotated[str, Meta(max_length=64)] = ""
+
+
+class StopHost(_Msg, tag="stop_host", kw_only=True):
+    """Stop the instances of one host only (a join host's Ctrl-C, `disagg stop --host H`). Without drain
+    they are shut down now and their work moves elsewhere; with drain they get no new work and are
+    shut down once what they run and hold is done. Answered with Stopping (or Rejected: no such host)."""
+
+    host_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    drain: bool = False
 
 
 class Stopping(_Msg, tag="stopping", kw_only=True):
@@ -412,7 +425,7 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
-ClientMessage = Union[Submit, StatusQuery, Stop, Cancel, RequestQuery, GatewayBeat]
+ClientMessage = Union[Submit, StatusQuery, Stop, StopHost, Cancel, RequestQuery, GatewayBeat]
 ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
 OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]

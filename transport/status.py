@@ -64,6 +64,16 @@ class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     count: int
     bytes: int
 
+class PairEngine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Handoffs from one instance to another since start, and the engine they took (hosts: where each runs)."""
+
+    source: str
+    target: str
+    engine: str
+    count: int
+    source_host: str = ""
+    target_host: str = ""
+
 class GatewayStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A gateway heard from in the last few seconds."""
 
