@@ -158,6 +158,7 @@ def validate(config: DeploymentConfig) -> None:
             raise ConfigError(f"join: {exc}") from None
         if not any(config.role(role).count for role in ROLE_KEYS) or config.colocated:
             raise ConfigError("a join host needs some role instances here (-e/-d/-k), and cannot be colocated")
+    for role in ROLE_KEYS:
         if role != "denoiser" and config.role(role).max_batch > 1:
             raise ConfigError(f"{ROLE_KEYS[role]}.max_batch: only denoisers batch")
     if config.sim_slowdown and not config.model.startswith("sim:"):
