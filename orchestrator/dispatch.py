@@ -16,8 +16,20 @@ CROSS_HOST_BYTES_PER_S = 1.25e9
 
 
 class DispatchPolicy(Protocol):
+    #: the registry's FreeIndex (orchestrator/registry.py), when the router set it: then `indexed` picks
+    #: look only at ready instances with a free slot instead of scanning the whole role
+    index: object
+
     def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None,
-             nbytes: int = 0) -> Instance | None: ...
+             nbytes: int = 0, indexed: bool = False) -> Instance | None: ...
+
+
+def _free(policy, role: str, instances: list[Instance], indexed: bool) -> list[Instance]:
+    """The instances worth looking at: with the index, the role's ready ones with a free slot (by id)."""
+    index = getattr(policy, "index", None)
+    if indexed and index is not None:
+        return sorted(index.candidates(role), key=lambda i: i.id)
+    return instances
 
 
 class RoundRobin:
@@ -25,8 +37,24 @@ class RoundRobin:
 
     def __init__(self):
         self._cursor: dict[str, int] = {}
+        self._last: dict[str, str] = {}
+        self.index = None
 
-    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0):
+    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0,
+             indexed: bool = False):
+        if indexed and self.index is not None:  # in id order, starting after the last one picked
+            instances = _free(self, role, instances, indexed)
+            last = self._last.get(role, "")
+            start = next((k for k, i in enumerate(instances) if i.id > last), 0)
+            instances = instances[start:] + instances[:start]
+            self._cursor[role] = 0
+            inst = self._scan(role, instances, prefer_host)
+            if inst is not None:
+                self._last[role] = inst.id
+            return inst
+        return self._scan(role, instances, prefer_host)
+
+    def _scan(self, role: str, instances: list[Instance], prefer_host: str | None):
         n = len(instances)
         start = self._cursor.get(role, 0)
         first = None
@@ -49,6 +77,7 @@ class TieRotation:
 
     def __init__(self):
         self._turn: dict[str, int] = {}
+        self.index = None
 
     def rotate(self, role: str, tied: list[Instance], prefer_host: str | None = None) -> Instance:
         local = [i for i in tied if i.host == prefer_host] if prefer_host is not None else []
@@ -61,12 +90,27 @@ class TieRotation:
 class MaxFreeSlots(TieRotation):
     """The instance with the most free slots; ties rotate so equal instances share work."""
 
-    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0):
+    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0,
+             indexed: bool = False):
+        if indexed and self.index is not None:
+            return self._pick_indexed(role, prefer_host)
         ready = [i for i in instances if i.dispatchable]
         if not ready:
             return None
         most = max(i.free_slots for i in ready)
         return self.rotate(role, [i for i in ready if i.free_slots == most], prefer_host)
+
+    def _pick_indexed(self, role: str, prefer_host: str | None):
+        """The most free slots, the producer's host first among equals, equals in turn: from the buckets."""
+        for _free_slots, hosts in self.index.by_free(role):
+            groups = ([hosts[prefer_host]] if prefer_host in hosts else []) + [
+                g for h, g in hosts.items() if h != prefer_host]
+            for group in groups:
+                for inst in group.values():
+                    if inst.pool_has_room():
+                        self.index.rotate(inst)
+                        return inst
+        return None
 
 
 class LeastWork(TieRotation):
@@ -76,8 +120,9 @@ class LeastWork(TieRotation):
     it is the only way to use them well); ties rotate.
     """
 
-    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0):
-        ready = [i for i in instances if i.dispatchable]
+    def pick(self, role: str, instances: list[Instance], prefer_host: str | None = None, nbytes: int = 0,
+             indexed: bool = False):
+        ready = [i for i in _free(self, role, instances, indexed) if i.dispatchable]
         if not ready:
             return None
 
@@ -90,12 +135,14 @@ class LeastWork(TieRotation):
 
 
 def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instance], req, requests: dict,
-                       prefer_host: str | None = None):
+                       prefer_host: str | None = None, batching: bool | None = None):
     """The policy's pick, but where denoisers batch (max_batch > 1) an instance whose running batch `req`
     can join (or that runs nothing) comes first: a batch holds one shape, others wait behind it.
     `requests`: request id -> request, to read the shapes of what each instance runs."""
     nbytes = req.source.slot.nbytes if req.source is not None else 0
-    if role == "denoiser" and any(i.max_batch > 1 for i in instances):
+    if batching is None:
+        batching = any(i.max_batch > 1 for i in instances)
+    if role == "denoiser" and batching:
         key = (req.params.width, req.params.height)
 
         def joinable(inst: Instance) -> bool:
@@ -105,7 +152,7 @@ def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instan
         inst = policy.pick(role, [i for i in instances if joinable(i)], prefer_host, nbytes)
         if inst is not None:
             return inst
-    return policy.pick(role, instances, prefer_host, nbytes)
+    return policy.pick(role, instances, prefer_host, nbytes, indexed=True)
 
 
 POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}

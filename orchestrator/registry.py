@@ -51,6 +51,8 @@ class Instance:
     vanished: dict[str, float] = field(default_factory=dict)
     #: stages the process finished since it started, by its own count (Heartbeat.computed)
     computed: int = 0
+    #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
+    index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -130,20 +132,101 @@ class Instance:
         )
 
 
+class _Indexed:
+    """An Instance attribute whose every change the registry's free-slot index hears of."""
+
+    def __init__(self, name: str):
+        self.key = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj.__dict__[self.key]
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.key] = value
+        index = obj.__dict__.get("index")
+        if index is not None:
+            index.update(obj)
+
+
+# after the dataclass is made: its __init__ (defaults included) then sets them through these
+Instance.state = _Indexed("state")
+Instance.free_slots = _Indexed("free_slots")
+
+
+class FreeIndex:
+    """Ready instances with a free slot, per role, bucketed by free slots and then by host, each bucket in
+    the order its instances last changed: dispatch finds the best candidate without scanning the role."""
+
+    def __init__(self):
+        #: role -> free slots -> host -> instance id -> instance
+        self.buckets: dict[str, dict[int, dict[str, dict[str, Instance]]]] = {}
+        self._where: dict[int, tuple[str, int, str]] = {}
+
+    def update(self, inst: Instance) -> None:
+        key = id(inst)
+        old = self._where.pop(key, None)
+        if old is not None:
+            role, free, host = old
+            hosts = self.buckets[role][free]
+            del hosts[host][inst.id]
+            if not hosts[host]:
+                del hosts[host]
+                if not hosts:
+                    del self.buckets[role][free]
+        if inst.state == "ready" and inst.free_slots > 0:
+            self.buckets.setdefault(inst.role, {}).setdefault(inst.free_slots, {}).setdefault(inst.host, {})[inst.id] = inst
+            self._where[key] = (inst.role, inst.free_slots, inst.host)
+
+    def remove(self, inst: Instance) -> None:
+        inst.__dict__["_state"] = "gone"
+        self.update(inst)
+
+    def by_free(self, role: str) -> list[tuple[int, dict[str, dict[str, Instance]]]]:
+        """(free slots, host -> instances) of the role, most free first."""
+        buckets = self.buckets.get(role, {})
+        return [(free, buckets[free]) for free in sorted(buckets, reverse=True)]
+
+    def candidates(self, role: str) -> list[Instance]:
+        """Every ready instance of the role with a free slot (most free first)."""
+        return [i for _, hosts in self.by_free(role) for group in hosts.values() for i in group.values()]
+
+    def rotate(self, inst: Instance) -> None:
+        """Put `inst` last among its equals (it was just picked)."""
+        role, free, host = self._where[id(inst)]
+        group = self.buckets[role][free][host]
+        del group[inst.id]
+        group[inst.id] = inst
+
+
 class Registry:
-    """All instances by id, with per-role lists in registration order."""
+    """All instances by id, with per-role lists in registration order, and the free-slot index."""
 
     def __init__(self):
         self.by_id: dict[str, Instance] = {}
         self._by_role: dict[str, list[Instance]] = {}
+        self._batching: dict[str, bool] = {}
         self._sessions = 0
+        self.free = FreeIndex()
 
     def register(self, msg: Register, now: float) -> Instance:
         self._sessions += 1
         inst = Instance.from_register(msg, self._sessions, now)
+        old = self.by_id.get(inst.id)
+        if old is not None:
+            self.free.remove(old)
         self.by_id[inst.id] = inst
+        inst.index = self.free
+        self.free.update(inst)
         self._by_role.clear()
+        self._batching.clear()
         return inst
+
+    def batching(self, role: str) -> bool:
+        """Whether some instance of the role batches requests (max_batch > 1)."""
+        cached = self._batching.get(role)
+        if cached is None:
+            cached = self._batching[role] = any(i.max_batch > 1 for i in self.of_role(role))
+        return cached
 
     def get(self, instance_id: str) -> Instance | None:
         return self.by_id.get(instance_id)

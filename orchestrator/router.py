@@ -31,6 +31,18 @@ log = logging.getLogger("disagg.orchestrator")
 STOPPING_ERROR = "the deployment is stopping; the request was not finished"
 
 
+class InlineCache(dict):
+    """needs_inline's answers, and the consumers' kinds of pool they were computed from: cleared together."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[str, dict] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.kinds.clear()
+
+
 class Router:
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
@@ -38,6 +50,7 @@ class Router:
         self.config = config or RouterConfig()
         self.registry = Registry()
         self.policy = make_policy(self.config.dispatch)
+        self.policy.index = self.registry.free  # picks look at ready instances with a free slot only
         self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in ROLES}
         self.first_stage = MONOLITH if self.config.colocated else "encoder"
         self.requests: dict[str, Request] = {}
@@ -51,8 +64,10 @@ class Router:
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
         self.lane = ""  # the same-host fast lane's path, likewise; told to roles in Registered
         self._warned_pairs: set[tuple[str, str]] = set()
-        #: producer id -> whether some consumer needs its output inline; reset when instances change
-        self._inline_cache: dict[str, bool] = {}
+        #: (consumer role, producer pool kind) -> whether some consumer needs its output inline; and
+        #: role -> its ready consumers' kinds of pool. Both reset when instances change (_inline_cache.clear)
+        self._inline_cache = InlineCache()
+        self._consumer_kinds = self._inline_cache.kinds
         #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
         #: of the first stage report it: larger requests are refused at Submit
         self.limits: dict[str, int] = {}
@@ -456,7 +471,8 @@ class Router:
                     candidates = self.registry.of_role(role)
                 producer = self.registry.get(req.source.slot.instance_id) if req.source is not None else None
                 inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
-                                          producer.host if producer is not None else None)
+                                          producer.host if producer is not None else None,
+                                          batching=self.registry.batching(role))
                 if inst is None:
                     break
                 queue.popleft()
@@ -513,13 +529,22 @@ class Router:
         out.append(to_instance(inst.id, run, frames))
 
     def needs_inline(self, producer: Instance) -> bool:
-        """Whether some ready consumer of `producer`'s output can only be reached inline."""
-        cached = self._inline_cache.get(producer.id)
+        """Whether some ready consumer of `producer`'s output can only be reached inline. Cached per kind of
+        pool (host, engines, device) on both ends, so a role of a thousand instances costs a few checks."""
+        role = next_stage(producer.role)
+        if role is None:
+            return False
+        key = (role, producer.pool.host_id, tuple(producer.pool.engines), producer.pool.device)
+        cached = self._inline_cache.get(key)
         if cached is None:
-            role = next_stage(producer.role)
-            consumers = [i for i in self.registry.of_role(role) if i.state == "ready"] if role else []
-            cached = any(choose_engine(self.config.transfer, producer.pool, c.pool)[0] == "inline" for c in consumers)
-            self._inline_cache[producer.id] = cached
+            kinds = self._consumer_kinds.get(role)
+            if kinds is None:
+                kinds = self._consumer_kinds[role] = {
+                    (c.pool.host_id, tuple(c.pool.engines), c.pool.device): c.pool
+                    for c in self.registry.of_role(role) if c.state == "ready"}
+            cached = any(choose_engine(self.config.transfer, producer.pool, pool)[0] == "inline"
+                         for pool in kinds.values())
+            self._inline_cache[key] = cached
         return cached
 
     def finish_run(self, inst: Instance, request_id: str, attempt: int) -> Request | None:
