@@ -193,9 +193,11 @@ class FreeIndex:
     def rotate(self, inst: Instance) -> None:
         """Put `inst` last among its equals (it was just picked)."""
         role, free, host = self._where[id(inst)]
-        group = self.buckets[role][free][host]
+        hosts = self.buckets[role][free]
+        group = hosts[host]
         del group[inst.id]
         group[inst.id] = inst
+        hosts[host] = hosts.pop(host)  # and its host after the others: equal hosts share the work too
 
 
 class Registry:

@@ -29,6 +29,10 @@ class Launched:
 
     def __init__(self, args: list[str], tmp: Path, port: int | None = None, log_name: str = "launch.log"):
         self.port = port or free_port_pair()
+        if port is None and "--http-port" in args:  # the orchestrator's two ports must not be the HTTP one
+            http = int(args[args.index("--http-port") + 1])
+            while abs(self.port - http) <= 1:
+                self.port = free_port_pair()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
         self.log = open(tmp / log_name, "w")

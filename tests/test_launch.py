@@ -108,7 +108,7 @@ def test_status_without_orchestrator_exits_3_fast():
         (["--capacity", "1,2"], "--capacity"),
         (["--gpus", "a,b"], "--gpus"),
         (["--transfer", "carrier-pigeon"], "--transfer"),
-        (["-d", "0"], "--denoisers"),
+        (["-d", "-1"], "--denoisers"),
         (["--transfer", "cuda-ipc"], "cuda-ipc needs GPUs"),
         (["--transfer-protocol", "rdma"], "ib_device"),
     ],

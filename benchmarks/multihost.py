@@ -1,0 +1,100 @@
+"""Throughput of one deployment spread over three network-namespace hosts against the same instance counts
+on one host (`sim:flux-h200`, 1:6:1). Needs root (network namespaces).
+
+    python benchmarks/multihost.py --runs 3 --out benchmarks/results/multihost-cpu.json
+
+One host: `disagg launch --model sim:flux-h200 -e 1 -d 6 -k 1` in one namespace host. Three hosts: the
+head (orchestrator, encoder, decoder) on host 0 and `--join` with 3 denoisers on each of hosts 1 and 2, so
+every latent crosses a veth link over Mooncake TCP. Each is loaded from the root namespace with `disagg
+bench --concurrency 32 --num-requests 400 --width 1024 --height 1024 --steps 4`; the runs alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client import Client, Unreachable  # noqa: E402
+from launcher.ports import free_port_pair  # noqa: E402
+from tests import netns  # noqa: E402
+
+MODEL = ["--model", "sim:flux-h200", "--capacity", "1,1,1", "--spares", "0"]
+BENCH = ["--concurrency", "32", "--num-requests", "400", "--warmup", "2", "--width", "1024", "--height", "1024",
+         "--steps", "4", "--json"]
+
+
+def wait_ready(endpoint: str, n: int) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with Client(endpoint) as client:
+                if sum(i.state == "ready" for i in client.status(timeout_s=2).instances) >= n:
+                    return
+        except (Unreachable, RuntimeError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{endpoint}: not {n} instances ready in 180 s")
+
+
+def one(layout: str, tmp: Path) -> dict:
+    hosts = netns.Hosts(3 if layout == "3 hosts" else 1)
+    try:
+        port = free_port_pair()
+        head = f"tcp://{hosts.addr(0)}:{port}"
+        common = ["--host", "0.0.0.0", "--advertise-host", hosts.addr(0), "--port", str(port), *MODEL]
+        if layout == "3 hosts":
+            hosts.launch(0, [*common, "-e", "1", "-d", "0", "-k", "1", "--run-dir", str(tmp / "h0")], tmp / "h0.log")
+            wait_ready(head, 2)
+            for i in (1, 2):
+                hosts.launch(i, ["--join", head, "-e", "0", "-d", "3", "-k", "0", *MODEL, "--run-dir", str(tmp / f"h{i}")],
+                             tmp / f"h{i}.log")
+        else:
+            hosts.launch(0, [*common, "-e", "1", "-d", "6", "-k", "1", "--run-dir", str(tmp / "h0")], tmp / "h0.log")
+        wait_ready(head, 8)
+        res = subprocess.run([sys.executable, "-m", "launcher", "bench", "--endpoint", head, *BENCH], capture_output=True,
+                             text=True, cwd=ROOT, timeout=600)
+        if res.returncode:
+            raise SystemExit(f"bench failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
+        report = json.loads(res.stdout)
+        with Client(head) as client:
+            pairs = client.status().transfers
+        report["engines"] = sorted({f"{t.source}->{t.target}:{t.engine}" for t in pairs})
+        return report
+    finally:
+        hosts.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    why = netns.available()
+    if why:
+        raise SystemExit(why)
+    results: dict[str, list] = {"1 host": [], "3 hosts": []}
+    for _ in range(args.runs):
+        for layout in results:
+            with tempfile.TemporaryDirectory(prefix="disagg-mh-") as tmp:
+                r = one(layout, Path(tmp))
+            tput = r.get("throughput_rps") or r.get("throughput")
+            results[layout].append({"throughput_rps": tput, "engines": r["engines"], "failures": r.get("failures", 0)})
+            print(f"{layout}: {tput} req/s ({', '.join(r['engines'])})", flush=True)
+    med = {k: statistics.median(x["throughput_rps"] for x in v) for k, v in results.items()}
+    print(f"medians: {med}; 3 hosts / 1 host = {med['3 hosts'] / med['1 host']:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": results, "medians": med}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
