@@ -5,7 +5,8 @@ on one host (`sim:flux-h200`, 1:6:1). Needs root (network namespaces).
 
 One host: `disagg launch --model sim:flux-h200 -e 1 -d 6 -k 1` in one namespace host. Three hosts: the
 head (orchestrator, encoder, decoder) on host 0 and `--join` with 3 denoisers on each of hosts 1 and 2, so
-every latent crosses a veth link over Mooncake TCP. Each is loaded from the root namespace with `disagg
+every latent crosses a veth link over Mooncake TCP. Besides throughput it keeps the mean pull time per
+stage (the bench's `transfer_s_mean`: Run received to inputs copied): the cross-host handoff at this size. Each is loaded from the root namespace with `disagg
 bench --concurrency 32 --num-requests 400 --width 1024 --height 1024 --steps 4`; the runs alternate.
 """
 
@@ -87,8 +88,10 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="disagg-mh-") as tmp:
                 r = one(layout, Path(tmp))
             tput = r.get("throughput_rps") or r.get("throughput")
-            results[layout].append({"throughput_rps": tput, "engines": r["engines"], "failures": r.get("failures", 0)})
-            print(f"{layout}: {tput} req/s ({', '.join(r['engines'])})", flush=True)
+            fetch = {role: v["transfer_s_mean"] for role, v in r.get("stages", {}).items() if v.get("transfer_s_mean")}
+            results[layout].append({"throughput_rps": tput, "engines": r["engines"], "failures": r.get("failures", 0),
+                                    "fetch_s": fetch})
+            print(f"{layout}: {tput} req/s ({', '.join(r['engines'])}); mean pull times {fetch}", flush=True)
     med = {k: statistics.median(x["throughput_rps"] for x in v) for k, v in results.items()}
     print(f"medians: {med}; 3 hosts / 1 host = {med['3 hosts'] / med['1 host']:.3f}")
     if args.out:

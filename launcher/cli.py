@@ -110,6 +110,7 @@ def cli(verbose: bool) -> None:
 @click.option("--transfer-protocol", type=click.Choice(["tcp", "rdma"]), help="Mooncake protocol (default rdma with --ib-device, else tcp).")
 @click.option("--ib-device", help="RDMA NIC for Mooncake, e.g. mlx5_0.")
 @click.option("--dispatch", type=click.Choice(sorted(POLICIES)), help="Dispatch policy (default max-free-slots).")
+@click.option("--host-aware/--host-blind", "host_aware", default=None, help="Of equally good instances, prefer the one on the producer's host (default on; --host-blind to compare).")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.1), help="Seconds of silence after which an instance is dead (default 3).")
 @click.option("--stall-timeout", type=click.FloatRange(0.1), help="Seconds without progress while holding work after which an instance is dead for it (default 120).")
 @click.option("--request-timeout", type=click.FloatRange(0.1), help="Default per-request deadline in seconds (default 600).")
@@ -126,7 +127,7 @@ def cli(verbose: bool) -> None:
 @click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
 @click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
 @click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
-def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, join, advertise_host, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -143,7 +144,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
                        ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
                        ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares),
-                       ("join", join), ("advertise_host", advertise_host)):
+                       ("join", join), ("advertise_host", advertise_host), ("host_aware", host_aware)):
         if value is not None:
             setattr(config, key, value)
     for key, value in (("port", http_port), ("host", http_host), ("api_key", api_key)):

@@ -97,6 +97,7 @@ class Deployment:
                 "--standby", ",".join(f"{role}={c.role(role).standby}" for role in ("encoder", "denoiser", "decoder")),
                 *(["--colocated"] if c.colocated else []),
                 *([] if c.lane else ["--no-lane"]),
+                *([] if c.host_aware else ["--host-blind"]),
             ),
             env=self._env(),
         )

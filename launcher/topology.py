@@ -68,6 +68,8 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     transfer_protocol: str = ""
     ib_device: str = ""
     dispatch: str = "max-free-slots"
+    #: of two equally good consumers, the one on the producer's host wins (false: host-blind, to compare)
+    host_aware: bool = True
     gpus: list[Annotated[int, Meta(ge=0)]] = []
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
     stall_timeout_s: Annotated[float, Meta(gt=0)] = 120.0

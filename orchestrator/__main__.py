@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="refuse role instances of any other deployment (empty: take any)")
     ap.add_argument("--standby", default="", metavar="ROLE=N,...",
                     help="warm standbys to keep per role, e.g. denoiser=1 (they get work once an instance dies)")
+    ap.add_argument("--host-blind", action="store_true",
+                    help="dispatch ignores which host holds a request's input (to compare with host-aware dispatch)")
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--no-lane", action="store_true",
                     help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue={role: args.max_queue for role in ROLES},
         colocated=args.colocated,
         deployment_id=args.deployment_id,
+        host_aware=not args.host_blind,
         standby={role: int(n) for role, _, n in (kv.partition("=") for kv in args.standby.split(",") if kv)},
     )
     try:

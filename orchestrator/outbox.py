@@ -31,6 +31,8 @@ class RouterConfig:
     #: role -> warm standbys to keep: loaded, registered instances that get no work until an instance of
     #: their role dies, then take over at once (--standby)
     standby: dict[str, int] = field(default_factory=dict)
+    #: of equally good consumers, prefer the one on the producer's host (false: host-blind, to compare)
+    host_aware: bool = True
 
 
 @dataclass

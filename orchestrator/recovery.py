@@ -25,7 +25,7 @@ import msgspec
 
 from orchestrator.outbox import Out, to_instance
 from orchestrator.requests import MONOLITH, STAGES, Request, next_stage
-from transport.messages import Done, Fetched, Failed, Held, Register, Release, Result, SlotRef, Source, Staged
+from transport.messages import Done, Fetched, Failed, Register, Release, Result, SlotRef, Source, Staged
 
 log = logging.getLogger("disagg.orchestrator")
 

@@ -469,7 +469,8 @@ class Router:
                     continue
                 if candidates is None:
                     candidates = self.registry.of_role(role)
-                producer = self.registry.get(req.source.slot.instance_id) if req.source is not None else None
+                producer = (self.registry.get(req.source.slot.instance_id)
+                            if req.source is not None and self.config.host_aware else None)
                 inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
                                           producer.host if producer is not None else None,
                                           batching=self.registry.batching(role))

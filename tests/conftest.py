@@ -60,6 +60,22 @@ class Launched:
                 time.sleep(0.3)
         raise AssertionError(f"not ready in {timeout} s:\n{self.output()}")
 
+    def status(self, timeout_s: float = 5):
+        """The orchestrator's StatusReport."""
+        from client import Client
+
+        with Client(self.endpoint) as client:
+            return client.status(timeout_s=timeout_s)
+
+    def serve(self, n_instances: int):
+        """For a module fixture (`yield from dep.serve(n)`): this deployment once n instances are ready,
+        stopped afterwards."""
+        try:
+            self.wait_ready(n_instances)
+            yield self
+        finally:
+            self.stop()
+
     def output(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()

@@ -17,7 +17,6 @@ import time
 import httpx
 import pytest
 
-from client import Client
 from tests.conftest import launch_with_http, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -28,17 +27,12 @@ ROLES = ("encoder", "denoiser", "decoder")
 
 @pytest.fixture(scope="module")
 def dep(module_tmp):
-    d = launch_with_http(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2"], module_tmp)
-    try:
-        d.wait_ready(6)
-        yield d
-    finally:
-        d.stop()
+    yield from launch_with_http(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2"],
+                                module_tmp).serve(6)
 
 
 def status(dep):
-    with Client(dep.endpoint) as client:
-        return client.status(timeout_s=5)
+    return dep.status()
 
 
 def computed(dep) -> dict[str, int]:

@@ -706,3 +706,23 @@ def test_a_draining_host_gets_no_new_work_and_is_shut_down_once_idle():
     assert not [o for o in out if isinstance(o.msg, Shutdown)]
     out = h.role("decoder-0", Fetched(request_id="r1", attempt=1)) + h.tick()
     assert [o.to_instance for o in out if isinstance(o.msg, Shutdown)] == [d_c]
+
+
+def test_host_aware_dispatch_sends_fewer_bytes_across_hosts_than_a_host_blind_run():
+    def cross_host(host_aware):
+        h = Harness(host_aware=host_aware)
+        encs = h.add("encoder", 2, host="b", engines=MC)
+        dens = h.add("denoiser", 2, host="b", engines=MC) + h.add("denoiser", 2, host="c", engines=MC)
+        h.add("decoder", host="b", engines=MC)
+        host = {i: h.router.registry.get(i).host for i in encs + dens}
+        crossed = 0
+        for k in range(40):
+            [(enc, _)] = runs(h.submit(f"r{k}"))
+            [(den, _)] = runs(h.role(enc, staged(enc, f"r{k}", offset=k % 8 * 256)))
+            crossed += host[enc] != host[den]
+            h.role(den, staged(den, f"r{k}", offset=k % 8 * 256))
+            h.role("decoder-0", Done(request_id=f"r{k}", attempt=1, num_images=1), [b"png"])
+        return crossed
+
+    blind, aware = cross_host(False), cross_host(True)
+    assert aware == 0 and blind >= 10, (aware, blind)

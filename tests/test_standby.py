@@ -22,17 +22,12 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def dep(module_tmp):
-    d = Launched(["-e", "1", "-d", "1", "-k", "1", "--standby", "0,1,0", "--spares", "1", "--no-dashboard"], module_tmp)
-    try:
-        d.wait_ready(3)
-        yield d
-    finally:
-        d.stop()
+    yield from Launched(["-e", "1", "-d", "1", "-k", "1", "--standby", "0,1,0", "--spares", "1", "--no-dashboard"],
+                        module_tmp).serve(3)
 
 
 def status(dep):
-    with Client(dep.endpoint) as client:
-        return client.status(timeout_s=5)
+    return dep.status()
 
 
 def denoisers(report):
