@@ -2,6 +2,7 @@
 on one host (`sim:flux-h200`, 1:6:1). Needs root (network namespaces).
 
     python benchmarks/multihost.py --runs 3 --out benchmarks/results/multihost-cpu.json
+    python benchmarks/multihost.py --transfer --out benchmarks/results/multihost-transfer-cpu.json
 
 One host: `disagg launch --model sim:flux-h200 -e 1 -d 6 -k 1` in one namespace host. Three hosts: the
 head (orchestrator, encoder, decoder) on host 0 and `--join` with 3 denoisers on each of hosts 1 and 2, so
@@ -74,14 +75,58 @@ def one(layout: str, tmp: Path) -> dict:
         hosts.close()
 
 
+def transfer_by_size(cross: bool, tmp: Path, repeats: int) -> dict[int, float]:
+    """Median µs of the denoiser's pull (Run received -> inputs in its own pool, as `disagg bench transfer`
+    measures it), by size, with the compute-free `payload` model: the encoder on host 0 stages N bytes,
+    the denoiser on host 0 (shm) or, `cross`, on host 1 (Mooncake TCP over the veth link)."""
+    from launcher.bench_transfer import SIZES, shape_for
+    from transport.messages import GenerationParams
+
+    hosts = netns.Hosts(2 if cross else 1)
+    try:
+        port = free_port_pair()
+        head = f"tcp://{hosts.addr(0)}:{port}"
+        model = ["--model", "payload", "--spares", "0"]
+        hosts.launch(0, ["--host", "0.0.0.0", "--advertise-host", hosts.addr(0), "--port", str(port), *model, "-e", "1",
+                         "-d", "0" if cross else "1", "-k", "1", "--run-dir", str(tmp / "h0")], tmp / "h0.log")
+        if cross:
+            wait_ready(head, 2)
+            hosts.launch(1, ["--join", head, "-e", "0", "-d", "1", "-k", "0", *model, "--run-dir", str(tmp / "h1")],
+                         tmp / "h1.log")
+        wait_ready(head, 3)
+        out = {}
+        with Client(head) as client:
+            for n in SIZES:
+                height, width = shape_for(n)
+                params = [GenerationParams(prompt="x", width=width, height=height, seed=k) for k in range(repeats + 2)]
+                outcomes = client.run_all(params, concurrency=1)
+                pulls = [o.timings["fetch_denoiser"] for o in outcomes[2:] if o.ok and "fetch_denoiser" in o.timings]
+                out[n] = round(statistics.median(pulls) * 1e6, 1) if pulls else None
+        return out
+    finally:
+        hosts.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--transfer", action="store_true",
+                    help="instead: the denoiser's pull by size, same host (shm) against another host (mooncake)")
+    ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     why = netns.available()
     if why:
         raise SystemExit(why)
+    if args.transfer:
+        table = {}
+        for name, cross in (("same host (shm)", False), ("other host (mooncake tcp)", True)):
+            with tempfile.TemporaryDirectory(prefix="disagg-mh-") as tmp:
+                table[name] = transfer_by_size(cross, Path(tmp), args.repeats)
+            print(f"{name}: " + ", ".join(f"{n // 1024} KiB {us} µs" for n, us in table[name].items()), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+        return 0
     results: dict[str, list] = {"1 host": [], "3 hosts": []}
     for _ in range(args.runs):
         for layout in results:
