@@ -14,6 +14,7 @@ import msgspec
 
 from orchestrator.dispatch import make_policy, pick_joining_batch
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
+from orchestrator.instances import InstanceLifecycle
 from orchestrator.recovery import Recovery
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
@@ -43,7 +44,7 @@ class InlineCache(dict):
         self.kinds.clear()
 
 
-class Router:
+class Router(InstanceLifecycle):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -229,31 +230,6 @@ class Router:
             return
         self.stop_all(out, now)
 
-    def handle_stop_host(self, identity, msg: StopHost, frames, now, out) -> None:
-        insts = [i for i in self.registry.alive() if i.host == msg.host_id]
-        if not insts:
-            hosts = sorted({i.host for i in self.registry.alive()})
-            out.append(to_client(identity, Rejected(reason=f"no live instance on host {msg.host_id!r}; hosts: "
-                                                          f"{', '.join(hosts) or 'none'}")))
-            return
-        out.append(to_client(identity, Stopping()))
-        log.info("%s host %s: %s", "draining" if msg.drain else "stopping", msg.host_id, ", ".join(i.id for i in insts))
-        for inst in insts:
-            if msg.drain:
-                inst.state = "draining"  # no new work; shut down once idle (tick)
-                self._inline_cache.clear()
-            else:
-                out.append(to_instance(inst.id, Shutdown()))
-                self.lose_instance(inst, f"its host {msg.host_id} was stopped", now, out)
-        self.shutdown_drained(out, now)
-
-    def shutdown_drained(self, out, now: float) -> None:
-        """Draining instances that run and hold nothing any more are told to exit."""
-        for inst in self.registry.alive():
-            if inst.state == "draining" and not inst.running and not inst.staged:
-                out.append(to_instance(inst.id, Shutdown()))
-                self.lose_instance(inst, "drained", now, out)
-
     def stop_all(self, out, now: float) -> None:
         """Tell every instance to exit, and every client with a request in flight that it ends now."""
         self.stopping = True
@@ -317,53 +293,6 @@ class Router:
             inst.state = self.serving_or_standby(inst)
             self._inline_cache.clear()
             log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
-
-    def serving_or_standby(self, inst: Instance) -> str:
-        """The state of an instance that just became ready: a standby while its role has fewer standbys
-        than wanted and someone else serves; else ready. Work it holds makes it serve."""
-        want = self.config.standby.get(inst.role, 0)
-        if not want or inst.running:
-            return "ready"
-        peers = [i for i in self.registry.of_role(inst.role) if i is not inst and i.state != "dead"]
-        standbys = sum(i.state == "standby" for i in peers)
-        serving = sum(i.state in ("ready", "starting") for i in peers)
-        return "standby" if standbys < want and serving >= 1 else "ready"
-
-    def promote_standby(self, dead: Instance) -> None:
-        """A serving instance died: a standby of its role takes its place at once (its replacement, once
-        restarted, becomes the new standby)."""
-        standby = next((i for i in self.registry.of_role(dead.role) if i.state == "standby"), None)
-        if standby is not None:
-            standby.state = "ready"
-            log.warning("standby %s takes over from %s", standby.id, dead.id)
-
-    def settle_inherited(self, inst: Instance, running: set[str], now: float, out: list[Out]) -> None:
-        """Work it ran when it registered (Register.busy) and runs no more, one heartbeat later: had its
-        report come, it would have closed the run. The slot comes back; a request resumed as running there
-        (orchestrator/recovery.py) whose report never came gets a new attempt."""
-        for rid in set(inst.inherited) - running:
-            attempt = inst.inherited[rid]
-            if inst.running.get(rid) != attempt:  # reported, or a new attempt was sent here since
-                del inst.inherited[rid]
-                inst.vanished.pop(rid, None)
-                continue
-            if now - inst.vanished.setdefault(rid, now) < HEARTBEAT_INTERVAL_S / 2:
-                continue  # its report may still be on its way (compute threads report on their own sockets)
-            del inst.inherited[rid]
-            del inst.vanished[rid]
-            req = self.finish_run(inst, rid, attempt)
-            if req is not None and req.state == "running":
-                self.retry(req, f"{inst.id} no longer runs it, and its report was lost", now, out)
-
-    def instance_exited(self, instance_id: str, pid: int, now: float) -> list[Out]:
-        """The process of an instance is gone (its same-host lane closed and its pid has exited): its work
-        moves elsewhere now, not after the heartbeat timeout."""
-        out: list[Out] = []
-        inst = self.registry.get(instance_id)
-        if inst is not None and inst.state != "dead" and inst.pid == pid:
-            self.lose_instance(inst, f"its process {pid} exited", now, out)
-            self.dispatch_queued(now, out)
-        return out
 
     def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
         self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
