@@ -39,13 +39,9 @@ def wait_http(url: str, timeout: float = 30.0, expect: int = 200) -> httpx.Respo
 
 @pytest.fixture(scope="module")
 def tiny(module_tmp):
-    dep = launch_with_http(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], module_tmp)
-    try:
-        dep.wait_ready(3)
+    for dep in launch_with_http(["-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], module_tmp).serve(3):
         wait_http(dep.http + "/health")
         yield dep
-    finally:
-        dep.stop()
 
 
 @pytest.fixture(scope="module")
@@ -276,13 +272,10 @@ def wan(module_tmp):
     folder = module_tmp / "wan21"
     save_tiny("wan21", folder)
     (module_tmp / "wan").mkdir()
-    dep = launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], module_tmp / "wan")
-    try:
-        dep.wait_ready(3)
+    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
+                                module_tmp / "wan").serve(3):
         wait_http(dep.http + "/health")
         yield dep
-    finally:
-        dep.stop()
 
 
 def test_videos_create_retrieve_download_with_the_openai_client(wan):
