@@ -78,7 +78,8 @@ def memcpy_baseline(sizes, repeats: int) -> dict[int, dict[str, float]]:
 def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int], log) -> dict[int, dict[str, float]]:
     pool_mib = 2 * max(sizes) // 1024**2 + 16
     config = DeploymentConfig(
-        model="payload", port=free_port_pair(), transfer=engine, gpus=gpus,
+        # shm moves host pools: beside GPU engines it is the host-memory baseline, on the CPU
+        model="payload", port=free_port_pair(), transfer=engine, gpus=[] if engine == "shm" else gpus,
         encoders=RoleConfig(count=1, pool_mib=pool_mib), denoisers=RoleConfig(count=1, pool_mib=pool_mib),
         decoders=RoleConfig(count=1),
     )

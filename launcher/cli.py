@@ -435,7 +435,7 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
 @click.option("--sizes", help="Comma-separated payload sizes in bytes (default 16 KiB, 512 KiB, 4 MiB, 10 MiB, 30 MiB).")
 @click.option("--repeats", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Measured handoffs per size.")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=3, show_default=True, help="Unmeasured handoffs first, per size.")
-@click.option("--gpus", metavar="0,1,...", help="Place the roles on these GPUs (GPU pools, cuda-ipc).")
+@click.option("--gpus", metavar="0,1,...", help="Place the roles on these GPUs (GPU pools, cuda-ipc); shm still runs on host pools, as the baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench_transfer(engines, sizes, repeats, warmup, gpus, as_json) -> None:
     """Measure the stage handoff per transfer engine between real role processes."""

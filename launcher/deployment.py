@@ -17,7 +17,7 @@ from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
 from launcher.supervisor import Child, Supervisor
-from launcher.topology import DeploymentConfig, Placement, place
+from launcher.topology import DeploymentConfig, Placement, cuda_env, place
 from transport.messages import StatusReport
 from transport.lane import lane_in_use, lane_path
 from transport.shm import SHM_PREFIX, remove_segments
@@ -148,7 +148,7 @@ class Deployment:
             "pool_limits": self.pool_limits(),
         }
         env = self._env()
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec["visible_gpus"]))
+        env.update(cuda_env(spec["visible_gpus"], dict(os.environ)))
         env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus,

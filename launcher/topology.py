@@ -184,6 +184,30 @@ def check_gpus(config: DeploymentConfig) -> None:
                           f"visible{'' if count else ' (torch: ' + _no_cuda_reason(torch) + ')'}")
 
 
+def cuda_env(gpus: list[int], parent: dict[str, str]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER for a child that sees `gpus` (its own first).
+
+    `--gpus` counts the devices this launcher sees. Where a scheduler already narrowed them (Slurm's
+    or Kubernetes' CUDA_VISIBLE_DEVICES=4,5, or GPU UUIDs), index i is the parent list's i-th entry,
+    so the child's list is made of those entries. Devices are numbered in PCI bus order unless the
+    parent chose an order: the default (fastest first) can differ between processes' views."""
+    env = {"CUDA_DEVICE_ORDER": parent.get("CUDA_DEVICE_ORDER") or "PCI_BUS_ID"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+    listed = parent.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        return env
+    entries = [e.strip() for e in listed.split(",") if e.strip()]
+    missing = [g for g in gpus if g >= len(entries)]
+    if missing:
+        raise ConfigError(f"GPU {', '.join(map(str, missing))} not found: CUDA_VISIBLE_DEVICES={listed!r} "
+                          f"leaves this launcher {len(entries)} device(s), and --gpus counts those")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(entries[g] for g in gpus)
+    return env
+
+
 def _no_cuda_reason(torch) -> str:
     return "not compiled with CUDA" if torch.version.cuda is None else "no device"
 

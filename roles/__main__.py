@@ -14,6 +14,9 @@ def wait_as_spare() -> list[str] | None:
     """`python -m roles --spare`: import what every role needs (torch, diffusers, the adapters), then wait
     on stdin for the supervisor to make this process a role: one line of JSON with the role's spec, its
     environment and its log file. Empty stdin (the launcher went away): None, exit."""
+    # an is_available() during the imports must not initialise CUDA: CUDA_VISIBLE_DEVICES and
+    # CUDA_DEVICE_ORDER, which come with the order below, are read when it is
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch  # noqa: F401 - the point: imported before anyone waits for it
     import roles.worker  # noqa: F401
     from roles.pipelines import preload
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
         adapter = load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown)
         fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits else None
-        return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model)
+        return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model, sync=pool.compute_done)
 
     from transport.engines import EngineUnavailable
 

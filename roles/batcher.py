@@ -38,8 +38,11 @@ class _Entry:
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int):
+    def __init__(self, adapter, max_batch: int, sync=None):
         self.adapter = adapter
+        #: waits for the device to finish what a step queued (a GPU's kernels are asynchronous), so each
+        #: step's time, and every request's share of it, is the device's time and not the launch time
+        self.sync = sync or (lambda: None)
         self.max_batch = max_batch
         self._waiting: deque[_Entry] = deque()
         self._cond = threading.Condition()
@@ -76,6 +79,7 @@ class StepBatcher:
                 t0 = time.perf_counter()
                 try:
                     entry.state = self.adapter.denoise_start(entry.inputs, entry.params)
+                    self.sync()
                 except Exception as exc:  # that request's error only
                     entry.future.set_exception(exc)
                     continue
@@ -88,6 +92,7 @@ class StepBatcher:
                 t0 = time.perf_counter()
                 try:
                     self.adapter.denoise_steps([e.state for e in running])
+                    self.sync()
                 except Exception as exc:  # a failed forward fails every request in it
                     for e in running:
                         e.future.set_exception(exc)

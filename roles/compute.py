@@ -163,6 +163,15 @@ class StageRunner:
         with self.lock:
             return [(done, frames) for t, done, frames in self.finished if t >= horizon]
 
+    def inline_bytes(self, slot) -> bytes:
+        """A staged slot's bytes for a ZeroMQ frame (from a GPU pool on its copy stream)."""
+        view = self.pool.view(slot.offset, slot.nbytes)
+        if view.device.type == "cpu":
+            return view.numpy().tobytes()
+        with self.pool.copying(after_compute=False):
+            host = view.to("cpu", non_blocking=False)
+        return host.numpy().tobytes()
+
     def execute(self, run: Run, frames: list[bytes], received: float) -> None:
         """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
         self.busy[run.request_id] = run.attempt
@@ -190,6 +199,7 @@ class StageRunner:
                 self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
                 t0 = time.perf_counter()
                 out = self.stage.run(run.params, inputs, step)
+                self.pool.compute_done()  # GPU kernels are asynchronous: the time counts until they finish
                 compute_s = time.perf_counter() - t0
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
@@ -208,7 +218,7 @@ class StageRunner:
                     self.computed += 1
                     self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
                                                     slot=slot, seed=run.params.seed)
-                extra = [self.pool.view(slot.offset, slot.nbytes).cpu().numpy().tobytes()] if run.inline_output else []
+                extra = [self.inline_bytes(slot)] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
                                    fetch_s=fetch_s, device_s=device_s), extra)
         except Cancelled as exc:  # nobody waits for it: free the slot, no retry

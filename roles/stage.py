@@ -48,7 +48,7 @@ class Stage:
     the adapter says it is safe to share (`thread_safe`). Their transfers still overlap; a denoiser that
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
-    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = ""):
+    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None):
         self.role = role
         self.adapter = adapter
         self.model = model
@@ -60,7 +60,7 @@ class Stage:
                 raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
             from roles.batcher import StepBatcher
 
-            self.batcher = StepBatcher(adapter, max_batch)
+            self.batcher = StepBatcher(adapter, max_batch, sync=sync)
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
         self.turn = contextlib.nullcontext() if shared else threading.Lock()
 

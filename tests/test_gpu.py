@@ -1,59 +1,151 @@
-"""GPU checks: CUDA pools and the cuda-ipc engine between real processes. Skipped without CUDA."""
+"""GPU checks: CUDA pools and the cuda-ipc engine between real processes. Skipped without CUDA.
+
+Every wait on a child is bounded: a hang costs seconds of a short GPU run, not pytest's 300 s."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgspec
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.timeout(120)]
+
+WAIT_S = 60
 
 PRODUCER = textwrap.dedent("""
     import sys, torch, msgspec
     from transport.pool import CudaPool
     from transport.engines import make_engine, EngineOptions
-    pool = CudaPool("gpu-producer", 64 << 20, "cuda:0")
+    pool = CudaPool(sys.argv[1], 64 << 20, "cuda:0")
     engine = make_engine("cuda-ipc", pool, EngineOptions(visible_gpus=(0,)))
-    torch.manual_seed(0)
+    torch.manual_seed(int(sys.argv[2]))
     slot = pool.stage("encoder-0", {"emb": torch.randn(512, 4096, device="cuda:0").to(torch.bfloat16)})
-    adv = engine.advertise()
-    print(msgspec.json.encode({"slot": slot, "adv": adv}).decode(), flush=True)
+    print(msgspec.json.encode({"slot": slot, "adv": engine.advertise()}).decode(), flush=True)
     sys.stdin.readline()
 """)
 
 
-def test_cuda_ipc_pull_between_processes():
-    from transport.engines import EngineOptions, make_engine
-    from transport.manifest import unpack
-    from transport.messages import CudaIpcHandle, PoolInfo, SlotRef, Source
-    from transport.pool import CudaPool
+def readline(proc: subprocess.Popen, timeout: float = WAIT_S) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+        raise AssertionError(f"the producer printed nothing in {timeout} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"the producer exited with {proc.wait(timeout=5)} before printing its slot")
+    return line
 
-    proc = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        doc = msgspec.json.decode(proc.stdout.readline())
+
+class Producer:
+    """A child process that stages one bf16 tensor in its own GPU pool and waits."""
+
+    def __init__(self, name: str, seed: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(seed)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        from transport.messages import CudaIpcHandle, PoolInfo, SlotRef, Source
+
+        doc = msgspec.json.decode(readline(self.proc))
         slot = msgspec.convert(doc["slot"], SlotRef)
         adv = doc["adv"]
-        pool = PoolInfo(host_id="h", engines=["cuda-ipc"], pool_name="gpu-producer", pool_bytes=64 << 20, device="cuda:0",
+        pool = PoolInfo(host_id="h", engines=["cuda-ipc"], pool_name=name, pool_bytes=64 << 20, device="cuda:0",
                         cuda_ipc=msgspec.convert(adv["cuda_ipc"], CudaIpcHandle), gpu=adv["gpu"])
-        mine = CudaPool("gpu-consumer", 64 << 20, "cuda:0")
-        engine = make_engine("cuda-ipc", mine, EngineOptions(visible_gpus=(0,)))
-        dst = mine.view(0, slot.nbytes)
-        engine.read(Source(slot=slot, pool=pool, engine="cuda-ipc"), dst, [])
-        got = unpack(dst, slot.tensors)["emb"]
-        torch.manual_seed(0)
-        assert torch.equal(got, torch.randn(512, 4096, device="cuda:0").to(torch.bfloat16))
+        self.source = Source(slot=slot, pool=pool, engine="cuda-ipc")
+        torch.manual_seed(seed)
+        self.expected = torch.randn(512, 4096, device="cuda:0").to(torch.bfloat16)
+
+    def stop(self) -> None:
+        try:
+            self.proc.communicate("\n", timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+def consumer():
+    from transport.engines import EngineOptions, make_engine
+    from transport.pool import CudaPool
+
+    mine = CudaPool("gpu-consumer", 64 << 20, "cuda:0")
+    return mine, make_engine("cuda-ipc", mine, EngineOptions(visible_gpus=(0,)))
+
+
+def test_cuda_ipc_pull_between_processes():
+    from transport.manifest import unpack
+
+    producer = Producer("gpu-producer", 0)
+    mine, engine = consumer()
+    try:
+        dst = mine.view(0, producer.source.slot.nbytes)
+        engine.read(producer.source, dst, [])
+        assert torch.equal(unpack(dst, producer.source.slot.tensors)["emb"], producer.expected)
     finally:
-        proc.communicate("\n", timeout=60)
+        engine.close()  # close our mapping before the producer frees what it maps
+        producer.stop()
+
+
+def test_a_restarted_producer_replaces_its_old_mapping():
+    from transport.manifest import unpack
+
+    mine, engine = consumer()
+    first = Producer("gpu-producer-a", 1)
+    try:
+        engine.read(first.source, mine.view(0, first.source.slot.nbytes), [])
+    finally:
+        first.stop()
+    second = Producer("gpu-producer-b", 2)  # the same instance id (encoder-0) with a new pool
+    try:
+        dst = mine.view(0, second.source.slot.nbytes)
+        engine.read(second.source, dst, [])
+        assert engine.mapped() == {"encoder-0": "gpu-producer-b"}
+        assert torch.equal(unpack(dst, second.source.slot.tensors)["emb"], second.expected)
+    finally:
+        engine.close()
+        second.stop()
+
+
+def test_a_pull_does_not_wait_for_queued_compute():
+    producer = Producer("gpu-producer-c", 3)
+    mine, engine = consumer()
+    try:
+        torch.cuda._sleep(int(3e9))  # ~1-2 s of queued "compute" on the default stream
+        t0 = time.perf_counter()
+        engine.read(producer.source, mine.view(0, producer.source.slot.nbytes), [])
+        took = time.perf_counter() - t0
+        assert not torch.cuda.current_stream().query(), "the compute finished first: the test proves nothing"
+        assert took < 0.5
+        mine.compute_done()
+        assert torch.cuda.current_stream().query()
+    finally:
+        engine.close()
+        producer.stop()
 
 
 def test_gpu_pool_stages_without_host_copy():
+    from transport.manifest import unpack
     from transport.pool import CudaPool
 
     pool = CudaPool("gpu-stage", 1 << 20, "cuda:0")
+    assert pool.ipc is not None, pool.ipc_error
     t = torch.randn(64, 64, device="cuda:0")
     slot = pool.stage("denoiser-0", {"latents": t})
     assert pool.buffer.is_cuda and slot.nbytes >= t.numel() * 4
+    assert torch.equal(unpack(pool.view(slot.offset, slot.nbytes), slot.tensors)["latents"], t)
+    assert pool.ipc_handle() is pool.ipc  # made once, at creation
+
+
+def test_mooncake_refuses_a_gpu_pool_without_its_cuda_build():
+    from transport.engines import EngineUnavailable, make_engine
+    from transport.mooncake_engine import cuda_build_installed, installed_build
+    from transport.pool import CudaPool
+
+    if not installed_build() or cuda_build_installed():
+        pytest.skip(f"needs the non-CUDA Mooncake build (installed: {installed_build() or 'none'})")
+    with pytest.raises(EngineUnavailable, match="no CUDA support"):
+        make_engine("mooncake", CudaPool("gpu-mc", 1 << 20, "cuda:0"))

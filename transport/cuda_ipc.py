@@ -2,68 +2,108 @@
 
 from __future__ import annotations
 
+import collections
+import os
+
 import torch
 
 from transport.engines import EngineOptions, EngineUnavailable, TransferEngine, TransferError, check_bounds
 from transport.messages import Source
 from transport.pool import CudaPool, Pool
 
+#: allocator settings whose memory cudaIpcGetMemHandle cannot export (torch refuses or hands out another kind)
+UNSHAREABLE_ALLOC_CONF = ("expandable_segments:true", "backend:cudamallocasync")
+#: the most peer pools kept open at once (the least recently used is closed first)
+MAX_PEERS = 64
+
+
+def alloc_conf_problem(conf: str) -> str:
+    """Why PYTORCH_CUDA_ALLOC_CONF keeps a pool from being shared over CUDA IPC ('' if it does not)."""
+    settings = conf.replace(" ", "").lower().split(",")
+    bad = [s for s in UNSHAREABLE_ALLOC_CONF if s in settings]
+    return f"PYTORCH_CUDA_ALLOC_CONF={conf!r} ({', '.join(bad)}) makes allocations CUDA IPC cannot export" if bad else ""
+
 
 class CudaIpcEngine(TransferEngine):
-    """Pulls straight from a peer's GPU pool into ours (same GPU, or another over NVLink/PCIe)."""
+    """Pulls straight from a peer's GPU pool into ours (same GPU, or another over NVLink/PCIe).
+
+    A peer's pool is opened once, on our own device (lazy peer access: no CUDA context on the peer's
+    GPU), and closed when that instance comes back with another pool or falls out of the MAX_PEERS
+    most recently read. Copies run on the pool's copy stream, and a pull waits for that stream only."""
 
     name = "cuda-ipc"
 
     def __init__(self, pool: Pool, options: EngineOptions):
         if not isinstance(pool, CudaPool):
             raise EngineUnavailable("cuda-ipc needs a GPU pool")
+        problem = alloc_conf_problem(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        if problem:
+            raise EngineUnavailable(problem)
+        if pool.ipc is None:
+            raise EngineUnavailable(f"torch cannot share the pool over CUDA IPC: {pool.ipc_error}")
         self.pool = pool
         self.visible = list(options.visible_gpus)
-        self.gpu = self.visible[pool.buffer.device.index or 0] if self.visible else -1
-        self._peers: dict[str, torch.Tensor] = {}
+        self.device = torch.device(pool.device).index or 0
+        self.gpu = self.visible[self.device] if self.visible else -1
+        #: instance id -> (pool name, the peer's pool opened here), least recently read first
+        self._peers: collections.OrderedDict[str, tuple[str, torch.Tensor]] = collections.OrderedDict()
 
     def advertise(self) -> dict:
-        return {"cuda_ipc": self.pool.ipc_handle(), "gpu": self.gpu}
+        return {"cuda_ipc": self.pool.ipc, "gpu": self.gpu}
 
-    def _local_device(self, source: Source) -> int:
-        """Our cuda:N index of the peer's physical GPU (each role lists its own GPU first)."""
+    def _check_visible(self, source: Source) -> None:
         gpu = source.pool.gpu
-        if gpu is None or gpu < 0 or not self.visible:
-            return source.pool.cuda_ipc.device
-        if gpu not in self.visible:
+        if gpu is not None and gpu >= 0 and self.visible and gpu not in self.visible:
             raise TransferError(f"GPU {gpu} of {source.slot.instance_id} is not visible to this process")
-        return self.visible.index(gpu)
 
-    def _peer(self, source: Source) -> torch.Tensor:
-        buf = self._peers.get(source.pool.pool_name)
-        if buf is not None:
-            return buf
+    def _open(self, source: Source) -> torch.Tensor:
+        """The peer's whole pool as a uint8 tensor on our device (its memory stays on the peer's GPU)."""
         h = source.pool.cuda_ipc
-        if h is None:
-            raise TransferError(f"{source.slot.instance_id} advertised no CUDA IPC handle")
-        device = self._local_device(source)
         try:
             torch.cuda._lazy_init()
             storage = torch.UntypedStorage._new_shared_cuda(
-                device, h.handle, h.storage_bytes, h.storage_offset,
-                h.ref_counter_handle, h.ref_counter_offset, h.event_handle or None, h.event_sync_required,
+                self.device, h.handle, h.storage_bytes, h.storage_offset,
+                h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required,
             )
-        except RuntimeError as exc:
+        except (RuntimeError, TypeError) as exc:
             raise TransferError(f"cannot open the CUDA IPC handle of {source.slot.instance_id}: {exc}") from None
-        buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (h.storage_bytes,), (1,))
-        self._peers[source.pool.pool_name] = buf
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage, 0, (h.storage_bytes,), (1,))
+
+    def _peer(self, source: Source) -> torch.Tensor:
+        instance, name = source.slot.instance_id, source.pool.pool_name
+        cached = self._peers.get(instance)
+        if cached is not None and cached[0] == name:
+            self._peers.move_to_end(instance)
+            return cached[1]
+        if source.pool.cuda_ipc is None:
+            raise TransferError(f"{instance} advertised no CUDA IPC handle")
+        self._check_visible(source)
+        # a new pool under a known instance: it restarted. Dropping our last reference to the old pool
+        # closes its mapping (torch calls cudaIpcCloseMemHandle with the storage)
+        self._peers.pop(instance, None)
+        buf = self._open(source)
+        self._peers[instance] = (name, buf)
+        while len(self._peers) > MAX_PEERS:
+            self._peers.popitem(last=False)
         return buf
 
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         check_bounds(source, dst)
         peer = self._peer(source)
         slot = source.slot
-        dst.copy_(peer[slot.offset : slot.offset + slot.nbytes], non_blocking=True)
+        with self.pool.copying(after_compute=False):  # a pull does not wait for anyone's compute
+            dst.copy_(peer[slot.offset : slot.offset + slot.nbytes], non_blocking=True)
         # the producer may reuse the slot as soon as we report Fetched: the copy must be done
-        torch.cuda.current_stream(dst.device).synchronize()
+        self.pool.synchronize()
+
+    def mapped(self) -> dict[str, str]:
+        """Instance id -> pool name of every peer pool open here."""
+        return {k: v[0] for k, v in self._peers.items()}
 
     def forget(self, pool_name: str) -> None:
-        self._peers.pop(pool_name, None)
+        for instance, (name, _) in list(self._peers.items()):
+            if name == pool_name:
+                del self._peers[instance]
 
     def close(self) -> None:
         self._peers.clear()

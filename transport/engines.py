@@ -130,7 +130,7 @@ class InlineEngine(TransferEngine):
     name = "inline"
 
     def __init__(self, pool: Pool, options: EngineOptions):
-        pass
+        self.pool = pool
 
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         check_bounds(source, dst)
@@ -140,8 +140,10 @@ class InlineEngine(TransferEngine):
         src = np.frombuffer(frames[0], dtype=np.uint8)
         if dst.device.type == "cpu":
             np.copyto(dst.numpy(), src)
-        else:
-            dst.copy_(torch.from_numpy(src.copy()))
+        else:  # a GPU pool: on its copy stream, not behind the compute queued on the default one
+            with self.pool.copying(after_compute=False):
+                dst.copy_(torch.from_numpy(src.copy()))
+            self.pool.synchronize()
 
 
 def _engine_classes() -> dict[str, type[TransferEngine]]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import torch
 
 from transport.engines import MOONCAKE_HINT, EngineOptions, EngineUnavailable, TransferEngine, TransferError, check_bounds
 from transport.messages import Source
 from transport.pool import Pool
+
+#: the wheels that install the `mooncake` module: the CUDA build, and the one for hosts without CUDA
+CUDA_BUILD = "mooncake-transfer-engine"
+HOST_BUILD = "mooncake-transfer-engine-non-cuda"
 
 #: P2P handshake: peers exchange segment metadata directly, no etcd and no master
 METADATA = "P2PHANDSHAKE"
@@ -22,6 +28,13 @@ class MooncakeEngine(TransferEngine):
             from mooncake.engine import TransferEngine as Mooncake
         except ImportError as exc:
             raise EngineUnavailable(f"mooncake is not installed ({exc}): {MOONCAKE_HINT}") from None
+        if pool.device.startswith("cuda") and not cuda_build_installed():
+            # its TCP transport stages device memory through cudaMemcpy only when built with CUDA: the
+            # host build would read the GPU address as host memory (EFAULT, or a crash)
+            raise EngineUnavailable(
+                f"the installed Mooncake ({installed_build() or 'unknown build'}) has no CUDA support and cannot "
+                f"move a GPU pool; install {CUDA_BUILD} (`pip install 'disagg[mooncake]'`) instead of {HOST_BUILD}"
+            )
         self.engine = Mooncake()
         rc = self.engine.initialize(options.data_host, METADATA, options.protocol, options.ib_device)
         if rc != 0:
@@ -63,3 +76,17 @@ class MooncakeEngine(TransferEngine):
             self.engine.unregister_memory(self.base)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+
+
+def installed_build() -> str:
+    """Which Mooncake wheel is installed ('' if neither is)."""
+    for dist in (CUDA_BUILD, HOST_BUILD):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def cuda_build_installed() -> bool:
+    return installed_build().startswith(CUDA_BUILD + " ")

@@ -6,6 +6,7 @@ CUDA allocation that same-host peers open through its IPC handle.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -49,6 +50,11 @@ class Pool:
         with self._lock:
             self.allocator.free(offset)
 
+    def copying(self, after_compute: bool = True):
+        """Where copies into and out of the pool run (a GPU pool: its own copy stream, which first waits
+        for the compute queued so far when `after_compute`: the tensors to stage come from it)."""
+        return contextlib.nullcontext()
+
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
 
@@ -57,7 +63,8 @@ class Pool:
         specs, nbytes = plan(tensors)
         offset = self.alloc(nbytes)
         try:
-            pack(tensors, self.view(offset, nbytes), specs)
+            with self.copying():
+                pack(tensors, self.view(offset, nbytes), specs)
             self.synchronize()
         except BaseException:
             self.free(offset)
@@ -66,6 +73,10 @@ class Pool:
 
     def synchronize(self) -> None:
         """Wait until copies into the pool are complete (a peer may read right after)."""
+
+    def compute_done(self) -> None:
+        """Wait until the compute this thread queued on the pool's device has finished (timers call it:
+        GPU kernels run asynchronously, so a timer stopped without it sees only the launch time)."""
 
     def close(self) -> None:
         self.buffer = None
@@ -99,19 +110,47 @@ class ShmPool(Pool):
 
 
 class CudaPool(Pool):
-    """One CUDA allocation; outputs of GPU stages are staged here with no host round trip."""
+    """One CUDA allocation; outputs of GPU stages are staged here with no host round trip.
+
+    Copies into and out of it run on the pool's own copy stream, and a handoff synchronises only that
+    stream: it never waits behind other requests' denoising steps queued on the compute stream. Its
+    CUDA IPC handle is made once, here: making it again would swap the storage's data pointer under
+    copies that may be running."""
 
     def __init__(self, name: str, nbytes: int, device: str):
         super().__init__(name, nbytes)
         self.device = device
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.copy_stream = torch.cuda.Stream(self.buffer.device)
+        #: the IPC handle, or why there is none (cuda-ipc then refuses to serve this pool)
+        self.ipc: CudaIpcHandle | None = None
+        self.ipc_error = ""
+        try:
+            self.ipc = share_handle(self.buffer)
+        except (RuntimeError, TypeError) as exc:
+            self.ipc_error = f"{type(exc).__name__}: {exc}"
+
+    def copying(self, after_compute: bool = True):
+        if after_compute:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
+        return torch.cuda.stream(self.copy_stream)
 
     def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+
+    def compute_done(self) -> None:
         torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def ipc_handle(self) -> CudaIpcHandle:
-        (device, handle, size, offset, ref_handle, ref_offset, event, sync) = self.buffer.untyped_storage()._share_cuda_()
-        return CudaIpcHandle(device, handle, size, offset, ref_handle, ref_offset, event or b"", bool(sync))
+        if self.ipc is None:
+            raise RuntimeError(f"the pool {self.name} has no CUDA IPC handle: {self.ipc_error}")
+        return self.ipc
+
+
+def share_handle(buffer: torch.Tensor) -> CudaIpcHandle:
+    """The 8 fields torch's _new_shared_cuda needs to open `buffer`'s allocation in another process."""
+    (device, handle, size, offset, ref_handle, ref_offset, event, sync) = buffer.untyped_storage()._share_cuda_()
+    return CudaIpcHandle(device, handle, size, offset, ref_handle, ref_offset, event or b"", bool(sync))
 
 
 def make_pool(name: str, nbytes: int, device: str) -> Pool:

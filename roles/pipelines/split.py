@@ -59,8 +59,15 @@ class SplitPipeline:
         mine = self.ck.role_components(self.role)
         skip = {name: None for name in self.ck.components if name not in mine}
         cls = getattr(diffusers, self.ck.pipeline_class)
+        built = {}
+        if not self.ck.hub:
+            from roles.pipelines.random_weights import build_components, is_random
+
+            if is_random(self.ck.path):  # a checkpoint without weights: our components from their configs
+                built = build_components(self.ck.path, self.ck.index, mine, device, self.dtype)
         # a hub id, not its snapshot folder: diffusers then downloads only the components not skipped
-        self.pipe = cls.from_pretrained(self.ck.source if self.ck.hub else self.ck.path, torch_dtype=self.dtype, **skip)
+        self.pipe = cls.from_pretrained(self.ck.source if self.ck.hub else self.ck.path, torch_dtype=self.dtype,
+                                        **skip, **built)
         self.pipe.set_progress_bar_config(disable=True)
         self.pipe.to(device)
         self.loaded = mine

@@ -1,0 +1,185 @@
+"""The GPU run's end-to-end steps: parity of the tiny pipeline, and real-size Flux, disaggregated vs colocated.
+
+    python benchmarks/gpu_e2e.py parity --out DIR      # tiny (fp32) and a tiny Flux checkpoint (bf16), --gpus 0
+    python benchmarks/gpu_e2e.py flux --out DIR        # FLUX.1-dev shapes, random weights, 1024x1024, 4 and 28 steps
+    python benchmarks/gpu_e2e.py parity --device cpu   # the CPU dry run of the same code (no GPU flags)
+
+Each writes DIR/<step>.json. `parity`: a 1:1:1 deployment (cuda-ipc between the roles) against the
+same pipeline called in this process on the same device, worst pixel difference per image. `flux`:
+per-request latency of 1:1:1 on one GPU against `--colocated 1` on that GPU, and disagg's overhead as
+a share of the request's time: (disaggregated - colocated) / disaggregated, medians of --runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client import Client, Unreachable  # noqa: E402
+from launcher.ports import free_port_pair  # noqa: E402
+from transport.messages import GenerationParams  # noqa: E402
+
+
+class Deployment:
+    """`disagg launch` in the background, until every instance is ready; stopped on exit."""
+
+    def __init__(self, flags: list[str], log: Path, boot_s: float = 240):
+        self.port = free_port_pair()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--no-dashboard", "--spares", "0",
+               *flags]
+        print("$", " ".join(cmd), flush=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + boot_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the launch exited with {self.proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"not ready in {boot_s} s; see {log}")
+            try:
+                with Client(self.endpoint) as c:
+                    report = c.status(timeout_s=2)
+                states = [i.state for i in report.instances]
+                if states and all(s == "ready" for s in states):
+                    break
+            except Unreachable:
+                pass
+            time.sleep(0.5)
+        self.boot_s = boot_s - (deadline - time.monotonic())
+
+    def run(self, params: list[GenerationParams], timeout_s: float = 600):
+        with Client(self.endpoint) as c:
+            outcomes = c.run_all(params, concurrency=1, timeout_s=timeout_s)
+        bad = [o.error for o in outcomes if not o.ok]
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {len(outcomes)} requests failed: {bad[0]}")
+        return outcomes
+
+    def stop(self) -> None:
+        try:
+            with Client(self.endpoint) as c:
+                c.stop(timeout_s=5)
+        except Exception:  # noqa: BLE001 - it may be down already
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def pixels(png: bytes):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def parity(args) -> dict:
+    import numpy as np
+    import torch
+
+    gpu = args.device.startswith("cuda")
+    folder = Path(tempfile.mkdtemp(prefix="disagg-gpu-ck-"))
+    from tests.checkpoints import save_tiny
+
+    save_tiny("flux", folder)
+    cases = {"tiny (float32)": ("tiny", "float32"), "tiny Flux checkpoint (bfloat16)": (str(folder), "bfloat16")}
+    prompts = ["a red cat", "a blue car at night"]
+    doc = {"device": args.device, "cases": {}}
+    for name, (model, dtype) in cases.items():
+        params = [GenerationParams(prompt=p, seed=7 + i, width=128, height=128, num_inference_steps=4)
+                  for i, p in enumerate(prompts)]
+        flags = ["--model", model, "-e", "1", "-d", "1", "-k", "1", "--dtype", dtype]
+        if gpu:
+            flags += ["--gpus", "0", "--transfer", "cuda-ipc"]
+        with Deployment(flags, Path(args.out) / f"parity-{model == 'tiny' and 'tiny' or 'ckpt'}.log") as dep:
+            outcomes = dep.run(params)
+        if model == "tiny":
+            from roles.pipelines.tiny import build_tiny_flux_pipeline
+
+            pipe = build_tiny_flux_pipeline(args.device)
+        else:
+            from diffusers import FluxPipeline
+
+            pipe = FluxPipeline.from_pretrained(folder, torch_dtype=getattr(torch, dtype)).to(args.device)
+            pipe.set_progress_bar_config(disable=True)
+        worst = []
+        for p, o in zip(params, outcomes):
+            ref = pipe(prompt=p.prompt, width=p.width, height=p.height, num_inference_steps=p.num_inference_steps,
+                       generator=torch.Generator("cpu").manual_seed(p.seed)).images[0]
+            buf = io.BytesIO()
+            ref.save(buf, format="PNG")
+            worst.append(int(np.abs(pixels(o.images[0]) - pixels(buf.getvalue())).max()))
+        doc["cases"][name] = {"worst_pixel_diff": max(worst), "per_image": worst, "boot_s": round(dep.boot_s, 1)}
+        print(name, doc["cases"][name], flush=True)
+    return doc
+
+
+def flux(args) -> dict:
+    from benchmarks.gpu_models import write_flux
+
+    folder = write_flux(Path(tempfile.mkdtemp(prefix="disagg-flux-")), "real" if args.device.startswith("cuda") else "toy")
+    size = args.size
+    gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
+    layouts = {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"], "colocated": ["--colocated", "1"]}
+    doc = {"model": "FLUX.1-dev shapes, random weights", "size": size, "runs": args.runs, "layouts": {}}
+    for name, flags in layouts.items():
+        with Deployment(["--model", str(folder), *flags, *gpu], Path(args.out) / f"flux-{name.replace(':', '')}.log",
+                        boot_s=args.boot_s) as dep:
+            res = {"boot_s": round(dep.boot_s, 1)}
+            for steps in args.steps:
+                params = [GenerationParams(prompt="a photo of a city at night", seed=i, width=size, height=size,
+                                           num_inference_steps=steps) for i in range(args.runs + 1)]
+                outcomes = dep.run(params)[1:]  # the first warms up
+                res[f"{steps} steps"] = {
+                    "latency_s": round(statistics.median(o.latency_s for o in outcomes), 4),
+                    "timings": {k: round(statistics.median(o.timings.get(k, 0.0) for o in outcomes), 4)
+                                for k in outcomes[0].timings},
+                }
+        doc["layouts"][name] = res
+        print(name, res, flush=True)
+    for steps in args.steps:
+        d = doc["layouts"]["1:1:1"][f"{steps} steps"]["latency_s"]
+        c = doc["layouts"]["colocated"][f"{steps} steps"]["latency_s"]
+        doc[f"overhead {steps} steps"] = {"disaggregated_s": d, "colocated_s": c, "overhead_s": round(d - c, 4),
+                                          "share": round((d - c) / d, 5)}
+    return doc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=["parity", "flux"])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, nargs="+", default=[4, 28])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--boot-s", type=float, default=240)
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    doc = {"parity": parity, "flux": flux}[args.step](args)
+    (Path(args.out) / f"{args.step}.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
