@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from client import Unreachable
 from client.aio import AsyncClient
 from gateway.errors import ApiError, from_outcome_error
-from gateway.images import parse_image_request, to_params
+from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_request, to_params
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
 from gateway.videos import add_video_routes
@@ -187,7 +187,20 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"a body of {len(body)} bytes is over the {MAX_BODY_BYTES}-byte limit", code="too_large")
         req = parse_image_request(body)
-        params = to_params(req)
+        return await answer_images(request, req, to_params(req))
+
+    @app.post("/v1/images/edits")
+    async def images_edits(request: Request):
+        """OpenAI's images.edit: multipart with `image` (or `image[]`), an optional `mask`, the fields of
+        generations and `strength`; the model's task follows from the inputs (edit, img2img, inpaint)."""
+        size = int(request.headers.get("content-length") or 0)
+        if size > MAX_EDIT_BODY_BYTES:
+            raise ApiError(413, f"a body of {size} bytes is over the {MAX_EDIT_BODY_BYTES}-byte limit", code="too_large")
+        req, params = await parse_edit_request(request)
+        return await answer_images(request, req, params)
+
+    async def answer_images(request: Request, req, params):
+        """Run one image request (generations or edits) and answer as OpenAI's images API does."""
         if req.model:
             model = await served_model()
             if req.model not in (model, model.rstrip("/").rsplit("/", 1)[-1]):

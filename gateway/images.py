@@ -1,4 +1,4 @@
-"""POST /v1/images/generations: OpenAI's request fields (and our extensions) to GenerationParams."""
+"""POST /v1/images/generations and /v1/images/edits: OpenAI's request fields (and our extensions) to GenerationParams."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from client.inputs import InputError, from_data_url
 from gateway.errors import ApiError
-from transport.messages import GenerationParams, MessageError, params_from_obj
+from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: our fields, accepted at the top level of the body or inside `extra_body`
 EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height")
@@ -38,6 +39,61 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     width: int | None = None
     height: int | None = None
     extra_body: dict | None = None
+
+
+class ImageEditRequest(ImageRequest, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's images.edit form (its files apart); input_fidelity, partial_images and stream are accepted and
+    ignored, except that a stream is refused."""
+
+    strength: float | None = None
+    input_fidelity: str | None = None
+    partial_images: int | None = None
+    stream: bool | None = None
+
+
+#: the largest images.edit body: an image and a mask at their limits, and the form's other fields
+MAX_EDIT_BODY_BYTES = 2 * MAX_INPUT_BYTES + 1024 * 1024
+EDIT_EXTENSIONS = EXTENSIONS + ("strength",)
+
+
+async def upload(form, names: tuple[str, ...], field: str) -> bytes | None:
+    """The bytes of the one file sent under any of `names` (None if none was)."""
+    files = [f for name in names for f in form.getlist(name)]
+    if not files:
+        return None
+    if len(files) > 1:
+        raise ApiError(400, f"{field}: one image is taken, {len(files)} were sent", param=field, code="invalid_value")
+    item = files[0]
+    data = item.encode() if isinstance(item, str) else await item.read(MAX_INPUT_BYTES + 1)
+    if isinstance(item, str) and item.startswith("data:"):
+        try:
+            return from_data_url(item, field)
+        except InputError as exc:
+            raise ApiError(400, str(exc), param=field, code="invalid_value") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise ApiError(413, f"{field}: over the {MAX_INPUT_BYTES}-byte limit for an input image", param=field,
+                       code="too_large")
+    if not data:
+        raise ApiError(400, f"{field}: empty", param=field, code="invalid_value")
+    return data
+
+
+async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParams]:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise ApiError(400, "images/edits takes multipart/form-data (the image as a file)", code="invalid_request")
+    form = await request.form(max_files=4, max_fields=64, max_part_size=MAX_INPUT_BYTES + 1024)
+    image = await upload(form, ("image", "image[]"), "image")
+    mask = await upload(form, ("mask",), "mask")
+    if image is None:
+        raise ApiError(400, "image: required (a file, as `image` or `image[]`)", param="image", code="missing_required_parameter")
+    fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]", "mask") and isinstance(v, str)}
+    try:  # form fields are strings: convert them
+        req = msgspec.convert(fields, ImageEditRequest, strict=False)
+    except msgspec.ValidationError as exc:
+        raise field_error(exc) from None
+    if req.stream:
+        raise ApiError(400, "stream: streamed partial images are not served", param="stream", code="unsupported_parameter")
+    return req, to_params(req, EDIT_EXTENSIONS, image=image, mask=mask)
 
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -83,10 +139,11 @@ def extensions(req, names: tuple[str, ...]) -> dict:
     return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}
 
 
-def to_params(req: ImageRequest) -> GenerationParams:
-    """Validated generation parameters; a bad value is a 400 naming its field."""
+def to_params(req: ImageRequest, names: tuple[str, ...] = EXTENSIONS, **inputs) -> GenerationParams:
+    """Validated generation parameters; a bad value is a 400 naming its field. `inputs`: image and mask bytes."""
     fields: dict = {"prompt": req.prompt, "num_images_per_prompt": req.n, "response_format": req.output_format,
-                    **parse_size(req.size, "1024x1024"), **extensions(req, EXTENSIONS)}
+                    **parse_size(req.size, "1024x1024"), **extensions(req, names),
+                    **{k: v for k, v in inputs.items() if v is not None}}
     try:
         return params_from_obj(fields)
     except MessageError as exc:

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 
 from client import Unreachable
+from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError, from_outcome_error
 from gateway.images import extensions, field_error, parse_size
-from transport.messages import GenerationParams, MessageError, params_from_obj
+from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
 POLL_AFTER_MS = 1000
@@ -72,12 +73,35 @@ class VideoJob:
                 "seconds": self.seconds, "model": self.model, "prompt": self.prompt, "error": self.error}
 
 
+def reference_bytes(value) -> bytes | None:
+    """input_reference: a multipart file, or a data: URL string (JSON or form); the image's bytes."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
+    elif isinstance(value, str):
+        if not value.startswith("data:"):
+            raise ApiError(400, "input_reference: send the image as a file, or as a data: URL (data:image/png;base64,...)",
+                           param="input_reference", code="invalid_value")
+        data = value
+    elif isinstance(value, dict) and isinstance(value.get("image_url"), str):  # {"image_url": "data:..."}
+        data = value["image_url"]
+    else:
+        raise ApiError(400, "input_reference: expected a file or a data: URL", param="input_reference",
+                       code="invalid_value")
+    try:
+        return from_data_url(data, "input_reference") if isinstance(data, str) else check_size(data, "input_reference")
+    except InputError as exc:
+        raise ApiError(413 if "limit" in str(exc) else 400, str(exc), param="input_reference",
+                       code="too_large" if "limit" in str(exc) else "invalid_value") from None
+
+
 def to_params(req: VideoRequest) -> GenerationParams:
-    if req.input_reference is not None:
-        raise ApiError(400, "input_reference: image-to-video is not served yet", param="input_reference",
-                       code="unsupported_parameter")
     fields: dict = {"prompt": req.prompt, "response_format": "mp4", **parse_size(req.size, "832x480"),
                     **extensions(req, EXTENSIONS)}
+    image = reference_bytes(req.input_reference)
+    if image is not None:  # image-to-video: the encoder decodes it (an image model refuses it, naming itself)
+        fields["image"] = image
     if "num_frames" not in fields and req.seconds is not None:
         fields["num_frames"] = int(req.seconds * fields.get("fps", DEFAULT_FPS)) + 1
     try:
@@ -88,11 +112,11 @@ def to_params(req: VideoRequest) -> GenerationParams:
 
 async def parse_video_request(request: Request) -> VideoRequest:
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form()
-        if "input_reference" in form:
-            raise ApiError(400, "input_reference: image-to-video is not served yet", param="input_reference",
-                           code="unsupported_parameter")
+        form = await request.form(max_part_size=MAX_INPUT_BYTES + 1024)
         data, strict = {k: v for k, v in form.items()}, False  # form fields are strings: convert them
+        ref = data.get("input_reference")
+        if ref is not None and not isinstance(ref, str):  # an uploaded file
+            data["input_reference"] = await ref.read(MAX_INPUT_BYTES + 1)
     else:
         try:
             data, strict = msgspec.json.decode(await request.body()), True

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 
+from client.inputs import InputError, resolve_inputs
 from transport.messages import GenerationParams, MessageError, params_from_obj
 
 MAX_PROMPTS_FILE_BYTES = 64 * 1024 * 1024
@@ -15,7 +16,8 @@ class PromptError(ValueError):
     """A prompts file that cannot be turned into requests; the message names the cause."""
 
 
-def parse_prompts(text: str | bytes, source: str = "prompts") -> list[GenerationParams]:
+def parse_prompts(text: str | bytes, source: str = "prompts", base: Path | None = None) -> list[GenerationParams]:
+    """`base`: the folder relative image paths are read from (the prompts file's)."""
     data = text.encode() if isinstance(text, str) else text
     if not data.strip():
         raise PromptError(f"{source}: empty file, expected a JSON object, a list, or JSON Lines")
@@ -44,8 +46,8 @@ def parse_prompts(text: str | bytes, source: str = "prompts") -> list[Generation
         if not isinstance(item, dict):
             raise PromptError(f"{where(i)}: expected a JSON object with a \"prompt\" field, got {type(item).__name__}")
         try:
-            out.append(params_from_obj(item))
-        except MessageError as exc:
+            out.append(params_from_obj(resolve_inputs(item, base)))
+        except (MessageError, InputError) as exc:
             raise PromptError(f"{where(i)}: {exc}") from None
     return out
 
@@ -59,4 +61,4 @@ def load_prompts(path: str | Path) -> list[GenerationParams]:
         data = p.read_bytes()
     except OSError as exc:
         raise PromptError(f"cannot read {p}: {exc.strerror}") from None
-    return parse_prompts(data, str(p))
+    return parse_prompts(data, str(p), p.parent)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from transport.messages import GenerationParams, Source
 
 STAGES = ("encoder", "denoiser", "decoder")
@@ -46,6 +48,13 @@ class Request:
     source_frames: list[bytes] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     marks: dict[str, float] = field(default_factory=dict)
+
+    def params_for(self, role: str) -> GenerationParams:
+        """What a stage's Run carries: the input image and mask go to the first stage only."""
+        p = self.params
+        if role in ("encoder", "monolith") or (p.image is None and p.mask is None):
+            return p
+        return msgspec.structs.replace(p, image=None, mask=None)
 
     @property
     def ended(self) -> bool:

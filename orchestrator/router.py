@@ -454,7 +454,7 @@ class Router(InstanceLifecycle):
         req.state, req.assigned = "running", inst.id
         req.mark(f"run_{inst.role}", now)
         req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
-        run = Run(request_id=req.id, attempt=req.attempt, params=req.params, source=source,
+        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
                   inline_output=self.needs_inline(inst))
         out.append(to_instance(inst.id, run, frames))
 

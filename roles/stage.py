@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from roles.media import check_format, encode_image, encode_mp4
+from roles.pipelines.conditioned import LAYOUT
 from transport.messages import GenerationParams
 
 
@@ -33,7 +34,7 @@ def params_dict(params: GenerationParams) -> dict:
 
 #: parameters a decoder reports back (and writes into a PNG's text chunks)
 RESOLVED = ("prompt", "negative_prompt", "seed", "width", "height", "num_inference_steps", "guidance_scale",
-            "num_images_per_prompt", "num_frames")
+            "num_images_per_prompt", "num_frames", "strength")
 
 
 def resolved(p: dict, model: str) -> dict:
@@ -66,26 +67,51 @@ class Stage:
 
     def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         """`progress()` is called at each denoising step, so a live role is told from a hung one."""
-        p = {**self.adapter.defaults(), **params_dict(params)}
+        given = params_dict(params)
+        p = {**self.adapter.defaults(), **given}
         # every role checks, so a format the model cannot make fails before any compute
         fmt = check_format(params.response_format, getattr(self.adapter, "video", False))
         if self.fit is not None:
             self.fit.check(p)
+        if given.get("image") is not None or "image_pixels" in inputs:
+            # an image task's size is its image's (or its pipeline's choice) unless the request names one
+            for name in ("width", "height"):
+                if name not in given:
+                    p.pop(name, None)
+        tasks = getattr(self.adapter, "tasks", None)
+        if tasks is None and (p.get("image") is not None or p.get("mask") is not None):
+            from roles.pipelines.conditioned import InputError
+
+            raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask")
         if self.role == "encoder":
+            if tasks is not None:
+                task = tasks.check(p)
+                if tasks.generic(task):  # the task pipeline up to its denoising loop (conditioned.py)
+                    return StageOutput(tensors=tasks.encode(p, task))
             return StageOutput(tensors=self.adapter.encode(p))
         if self.role == "denoiser":
+            if tasks is not None and LAYOUT in inputs:  # what the encoder recorded, replayed
+                return StageOutput(tensors=tasks.denoise(inputs, p, progress))
             if self.batcher is not None:
                 tensors, device_s = self.batcher.denoise(inputs, p, progress)
                 return StageOutput(tensors=tensors, device_s=device_s)
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
-            inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
+            if tasks is not None and tasks.generic(tasks.check(p)):
+                inputs = tasks.whole(p, tasks.check(p), progress)
+            else:
+                inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
         params_used = resolved(p, self.model)
         # the client knows its prompts: the wire carries the rest
         done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}
         if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
             return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt), image_format=fmt, resolved=done)
         outputs = self.adapter.decode(inputs, p)
+        first = outputs[0] if outputs else None
+        first = first[0] if isinstance(first, list) and first else first
+        if hasattr(first, "size"):  # an image task may keep its input's size: report the size it made
+            params_used["width"], params_used["height"] = first.size
+            done.update(width=first.size[0], height=first.size[1])
         if fmt == "mp4":  # one list of frames per video
             return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt,
                                resolved=done)

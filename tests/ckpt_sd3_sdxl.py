@@ -53,9 +53,9 @@ def _t5(d_model: int) -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
-def _vae(**kw) -> AutoencoderKL:
+def _vae(latent_channels: int = 4, **kw) -> AutoencoderKL:
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 16), layers_per_block=1,
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
         sample_size=64, **kw,
     )
@@ -70,7 +70,8 @@ SD3_JOINT_DIM = 32
 
 def _sd3_transformer() -> SD3Transformer2DModel:
     return SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
+        # 16 latent channels, as SD3's: its inpainting pipeline takes no other count
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=SD3_JOINT_DIM, caption_projection_dim=32,
         pooled_projection_dim=2 * SD3_CLIP_HIDDEN, pos_embed_max_size=64, qk_norm="rms_norm",
     )
@@ -82,7 +83,7 @@ def build_tiny_sd3() -> StableDiffusion3Pipeline:
         # SD3's own scheduler config (shift 3.0, no dynamic shifting)
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         # SD3's VAE: no quant convs, a shift factor
-        vae=_seeded(12, lambda: _vae(scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+        vae=_seeded(12, lambda: _vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
                                      use_post_quant_conv=False)),
         text_encoder=_seeded(13, lambda: _clip(SD3_CLIP_HIDDEN, projection=True)),
         tokenizer=_clip_tokenizer(),

@@ -103,3 +103,43 @@ def save_tiny_wan(folder: str | Path, v22: bool = False, *, ti2v: bool = False) 
     """Wan 2.1 T2V's layout at a tiny size; v22: Wan 2.2 T2V-A14B's (two transformers, boundary_ratio);
     ti2v: Wan 2.2 TI2V-5B's (one transformer, expand_timesteps, 48-channel VAE at 16x)."""
     build_tiny_wan(v22, ti2v=ti2v).save_pretrained(folder)
+
+
+# --- Wan 2.1 image-to-video (WanImageToVideoPipeline) ----------------------------------------------------
+# A CLIP vision tower (its penultimate hidden states condition the transformer through image_dim), and a
+# transformer that takes the noisy latents (16), the first frame's mask (4: one per frame of a temporal
+# group) and the conditioning video's latents (16): in_channels 36, as Wan2.1-I2V's.
+CLIP_VISION_HIDDEN = 16
+
+
+def _image_encoder():
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    return CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_VISION_HIDDEN, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, image_size=32, patch_size=8, projection_dim=16))
+
+
+def build_tiny_wan_i2v():
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor
+
+    tok = tiny_tokenizer()
+    inner = TRANSFORMER_CONFIG["num_attention_heads"] * TRANSFORMER_CONFIG["attention_head_dim"]
+    transformer_config = {**TRANSFORMER_CONFIG, "in_channels": 36, "image_dim": CLIP_VISION_HIDDEN,
+                          "added_kv_proj_dim": inner}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(15)
+        image_encoder = _image_encoder().eval()
+    return WanImageToVideoPipeline(
+        tokenizer=tok,
+        text_encoder=_seeded("text_encoder", lambda: _text_encoder(tok)),
+        vae=_seeded("vae", lambda: AutoencoderKLWan(**VAE_CONFIG)),
+        scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG),
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        image_encoder=image_encoder,
+        transformer=_seeded("transformer", lambda: WanTransformer3DModel(**transformer_config)),
+    )
+
+
+def save_tiny_wan_i2v(folder: str | Path) -> None:
+    build_tiny_wan_i2v().save_pretrained(folder)

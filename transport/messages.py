@@ -16,8 +16,11 @@ from transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
 )
 
-#: Largest control message we decode; anything bigger is refused before parsing.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Largest input image or mask a request carries (its file's bytes: PNG, JPEG, WebP ...)
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+#: Largest control message we decode; anything bigger is refused before parsing (a Submit with an image
+#: and a mask at their limits fits)
+MAX_MESSAGE_BYTES = 2 * MAX_INPUT_BYTES + 4 * 1024 * 1024
 #: Largest total of the raw frames that may follow a message (images, inline tensors).
 MAX_FRAMES_BYTES = 512 * 1024 * 1024
 
@@ -66,6 +69,12 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     #: png, jpeg or webp for images; mp4 for video, or png for its frames one by one (lossless);
     #: None = png, or mp4 for a video model
     response_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
+    #: image tasks: the input image's file (img2img, editing, image-to-video), and a mask (white: repaint)
+    #: of the same size for inpainting. They travel to the encoder only; the orchestrator never decodes them
+    image: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
+    mask: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
+    #: img2img and inpainting: how far from the input image (0: keep it, 1: ignore it); None = the model's
+    strength: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
 
 
 # --- data plane descriptors ---------------------------------------------------------------

@@ -61,6 +61,7 @@ FAMILY_ADAPTERS = {
     "sd3": ("roles.pipelines.sd3", "SD3Adapter"),
     "sdxl": ("roles.pipelines.sdxl", "SDXLAdapter"),
     "wan": ("roles.pipelines.wan", "WanAdapter"),
+    "qwen": ("roles.pipelines.qwen", "QwenAdapter"),
 }
 
 #: families whose adapter batches denoising steps (denoise_start / denoise_steps / denoise_result)

@@ -13,17 +13,42 @@ from pathlib import Path
 #: diffusers pipeline class -> our family name
 FAMILIES = {
     "FluxPipeline": "flux",
+    "FluxKontextPipeline": "flux",
+    "FluxFillPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
     "StableDiffusionXLPipeline": "sdxl",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+    "QwenImagePipeline": "qwen",
+    "QwenImageEditPipeline": "qwen",
 }
 VIDEO_FAMILIES = {"wan"}
+#: checkpoint's pipeline class -> the tasks it serves (text: a prompt; image: an image too; inpaint: an image
+#: and a mask) -> the diffusers pipeline class that runs it, split by roles/pipelines/conditioned.py (None:
+#: the family adapter's own text-to-image split)
+TASKS: dict[str, dict[str, str | None]] = {
+    "FluxPipeline": {"text": None, "image": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
+    "FluxKontextPipeline": {"text": "FluxKontextPipeline", "image": "FluxKontextPipeline"},
+    "FluxFillPipeline": {"inpaint": "FluxFillPipeline"},
+    "StableDiffusion3Pipeline": {"text": None, "image": "StableDiffusion3Img2ImgPipeline",
+                                 "inpaint": "StableDiffusion3InpaintPipeline"},
+    "StableDiffusionXLPipeline": {"text": None, "image": "StableDiffusionXLImg2ImgPipeline",
+                                  "inpaint": "StableDiffusionXLInpaintPipeline"},
+    "WanPipeline": {"text": None},
+    "WanImageToVideoPipeline": {"image": "WanImageToVideoPipeline"},
+    "QwenImagePipeline": {"text": "QwenImagePipeline", "image": "QwenImageImg2ImgPipeline",
+                          "inpaint": "QwenImageInpaintPipeline"},
+    "QwenImageEditPipeline": {"image": "QwenImageEditPipeline"},
+}
 #: components each role loads, by name prefix in model_index.json (the rest are left out)
 ROLE_PREFIXES = {
     "encoder": ("text_encoder", "tokenizer"),
     "denoiser": ("transformer", "unet", "scheduler"),
     "decoder": ("vae",),
 }
+#: what the encoder also loads for a checkpoint that takes images: the VAE (its encoder half), the image
+#: encoders and their processors, and the scheduler (the task pipeline runs up to its denoising loop there)
+IMAGE_PREFIXES = ("vae", "image_encoder", "image_processor", "feature_extractor", "processor", "scheduler")
 
 
 class CheckpointError(ValueError):
@@ -54,7 +79,19 @@ class Checkpoint:
     def role_components(self, role: str) -> list[str]:
         if role in ("all", "monolith"):
             return self.components
-        return [c for c in self.components if c.startswith(ROLE_PREFIXES[role])]
+        prefixes = ROLE_PREFIXES[role]
+        if role == "encoder" and self.generic_tasks:
+            prefixes += IMAGE_PREFIXES
+        return [c for c in self.components if c.startswith(prefixes)]
+
+    @property
+    def tasks(self) -> dict[str, str | None]:
+        return TASKS[self.pipeline_class]
+
+    @property
+    def generic_tasks(self) -> bool:
+        """Some task runs through the two-halves split (conditioned.py): the encoder then holds the VAE too."""
+        return any(c is not None for c in self.tasks.values())
 
     @property
     def hub(self) -> bool:
@@ -122,7 +159,9 @@ def vae_scale_factors(ck: Checkpoint) -> tuple[int, int]:
 
 
 #: defaults per family: the size and the most frames a deployment is sized for
-MAX_SIZE = {"flux": (2048, 2048), "sd3": (2048, 2048), "sdxl": (2048, 2048), "wan": (1280, 1280)}
+MAX_SIZE = {"flux": (2048, 2048), "sd3": (2048, 2048), "sdxl": (2048, 2048), "wan": (1280, 1280), "qwen": (2048, 2048)}
+#: the largest input image (pixels) an image task takes; README "Image inputs"
+MAX_INPUT_PIXELS = 2048 * 2048
 MAX_FRAMES = 81
 
 
@@ -130,17 +169,28 @@ def output_bytes(ck: Checkpoint, role: str, width: int, height: int, images: int
     """An upper bound on what `role` stages for one request (float32, CFG doubled where used)."""
     c = ck.configs
     if role == "encoder":
-        if ck.family == "flux":
+        text = 0
+        if ck.family == "flux":  # twice: Kontext's true CFG encodes a negative prompt too
             t = c.get("transformer", {})
-            return (512 * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 768)) * 4
-        if ck.family == "sd3":
+            text = 2 * (512 * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 768)) * 4
+        elif ck.family == "sd3":
             t = c.get("transformer", {})
-            return 2 * ((77 + 256) * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 2048)) * 4
-        if ck.family == "sdxl":
+            text = 2 * ((77 + 256) * t.get("joint_attention_dim", 4096) + t.get("pooled_projection_dim", 2048)) * 4
+        elif ck.family == "sdxl":
             u = c.get("unet", {})
-            return 2 * (77 * u.get("cross_attention_dim", 2048) + u.get("projection_class_embeddings_input_dim", 2816)) * 4
-        if ck.family == "wan":
-            return 2 * 512 * c.get("text_encoder", {}).get("d_model", 4096) * 4
+            text = 2 * (77 * u.get("cross_attention_dim", 2048) + u.get("projection_class_embeddings_input_dim", 2816)) * 4
+        elif ck.family == "wan":
+            text = 2 * 512 * c.get("text_encoder", {}).get("d_model", 4096) * 4
+        elif ck.family == "qwen":
+            text = 2 * 1024 * c.get("text_encoder", {}).get("hidden_size", 3584) * 4
+        if ck.generic_tasks:  # the input image and mask, and the VAE's moments of two of them
+            vae = c.get("vae", {})
+            channels = vae.get("z_dim") or vae.get("latent_channels", 16)
+            spatial, temporal = vae_scale_factors(ck)
+            # image-to-video encodes a whole video of conditioning frames; CLIP image embeddings: ~2 MiB
+            frames = (MAX_FRAMES - 1) // temporal + 1 if ck.video else 1
+            text += 4 * MAX_INPUT_PIXELS + 2 * 2 * channels * frames * (MAX_INPUT_PIXELS // spatial ** 2) * 4 + 2 * 2**20
+        return text
     if role == "denoiser":
         spatial, temporal = vae_scale_factors(ck)
         vae = c.get("vae", {})

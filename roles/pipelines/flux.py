@@ -15,6 +15,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from roles.pipelines.conditioned import out_size
 from roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
 
 T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length
@@ -58,8 +59,8 @@ class FluxSplit:
         pipe = self.pipe
         # the output_type="pil" tail of FluxPipeline.__call__
         with torch.inference_mode():
-            latents = pipe._unpack_latents(inputs["latents"].to(self.device), p["height"], p["width"],
-                                           pipe.vae_scale_factor)
+            height, width = out_size(inputs, p)
+            latents = pipe._unpack_latents(inputs["latents"].to(self.device), height, width, pipe.vae_scale_factor)
             latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
             image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
             return pipe.image_processor.postprocess(image, output_type="pil")

@@ -11,6 +11,7 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from roles.pipelines.conditioned import task_class
 from roles.pipelines.split import CFG_EMBEDS, SplitPipeline
 
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default max_sequence_length
@@ -50,7 +51,9 @@ class SD3Adapter(SplitPipeline):
         # the output_type="pil" tail of StableDiffusion3Pipeline.__call__ (whose latents already have the VAE's dtype)
         with torch.inference_mode():
             latents = inputs["latents"].to(self.device, vae.dtype)
-            latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+            # StableDiffusion3InpaintPipeline decodes without the shift factor (diffusers 0.42): as it does
+            shift = 0.0 if task_class(inputs) == "StableDiffusion3InpaintPipeline" else vae.config.shift_factor
+            latents = (latents / vae.config.scaling_factor) + shift
             image = vae.decode(latents, return_dict=False)[0]
             return self.pipe.image_processor.postprocess(image, output_type="pil")
 

@@ -71,8 +71,21 @@ class SplitPipeline:
         self.pipe.set_progress_bar_config(disable=True)
         self.pipe.to(device)
         self.loaded = mine
+        vae = getattr(self.pipe, "vae", None)
+        if type(vae).__name__ == "AutoencoderKL" and self.role in ("encoder", "decoder"):
+            # the encoder only encodes images, the decoder only decodes latents: each drops the other half
+            # (the 3D VAEs of Wan and Qwen-Image count both halves' convolutions on every call: kept whole)
+            setattr(vae, "decoder" if self.role == "encoder" else "encoder", None)
         if "vae" not in mine:
             self.fix_without_vae(*vae_scale_factors(self.ck))
+        from roles.pipelines.conditioned import ConditionedTasks
+
+        #: the checkpoint's tasks (text, image, inpaint) and the task pipelines that run them
+        self.tasks = ConditionedTasks(self, self.ck.tasks)
+
+    @property
+    def video(self) -> bool:
+        return self.ck.video
 
     def fix_without_vae(self, spatial: int, temporal: int) -> None:
         """Set what the pipeline derives from its VAE, for a role that holds none."""

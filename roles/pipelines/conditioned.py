@@ -1,0 +1,403 @@
+"""Image-conditioned tasks (img2img, inpainting, editing, image-to-video) and whole-pipeline families, split
+across roles by running diffusers' own task pipeline in two halves: record in the encoder, replay in the denoiser.
+
+The encoder runs the task pipeline (FluxImg2ImgPipeline, FluxKontextPipeline, WanImageToVideoPipeline, ...)
+with its text encoders, image encoders and VAE, and a weightless stand-in for the transformer that stops
+the call at its first forward: the start of the denoising loop. On the way it records what the pipeline's
+encoders returned (`encode_prompt`, `encode_image`, and each `vae.encode`: the latent distribution's
+moments, not a sample), in call order. Those tensors, and the decoded input image and mask, are its
+staged output.
+
+The denoiser runs the same task pipeline with the same arguments, holding only the transformer: its
+`encode_prompt` and `encode_image` return the recorded outputs, and a ReplayVAE returns the recorded
+distributions. Everything else happens as in one process, in the same order: the pipeline samples the
+image latents and the noise from the request's generator itself, so the output equals the pipeline's
+own call on the same inputs. It stages the latents (output_type="latent") and the size they are of.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import io
+import json
+
+import numpy as np
+import torch
+from PIL import Image
+
+from roles.pipelines.split import step_callback
+
+#: recorded and replayed methods of the pipeline (vae.encode is handled by Recorder / ReplayVAE)
+METHODS = ("encode_prompt", "encode_image")
+#: what a request's inputs ask for: none, an image, an image and a mask
+TEXT, IMAGE, INPAINT = "text", "image", "inpaint"
+#: the tensor naming the layout of the recorded outputs (JSON in uint8)
+LAYOUT = "_replay"
+#: the denoiser's tensor naming the task pipeline its latents came from (the decoder follows its tail)
+TASK = "_task"
+#: the largest input image, in pixels (decoded): bigger uploads are refused before any compute
+MAX_PIXELS = 4096 * 4096
+
+
+class InputError(ValueError):
+    """A request's image inputs that this model cannot take (not an image, wrong size, wrong task)."""
+
+
+class StopBeforeDenoise(Exception):
+    """Raised by the encoder's transformer stand-in at the first denoising step."""
+
+
+def describe(tasks: dict[str, str | None]) -> str:
+    names = {TEXT: "text-to-image (a prompt)", IMAGE: "image-conditioned (an image)", INPAINT: "inpainting (an image and a mask)"}
+    return ", ".join(names[t] for t in tasks)
+
+
+def request_task(p: dict) -> str:
+    if p.get("mask") is not None:
+        if p.get("image") is None:
+            raise InputError("a mask needs an image: send the image to inpaint with it")
+        return INPAINT
+    return IMAGE if p.get("image") is not None else TEXT
+
+
+def open_image(data: bytes, field: str, mode: str) -> Image.Image:
+    """The upload as a PIL image in `mode` (RGB for images, L for masks); an InputError naming the field."""
+    try:
+        im = Image.open(io.BytesIO(data))
+        if im.width * im.height > MAX_PIXELS:
+            raise InputError(f"{field}: {im.width}x{im.height} is over the {MAX_PIXELS}-pixel limit")
+        im.load()
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
+        raise InputError(f"{field}: not an image Pillow can read ({type(exc).__name__}: {exc})") from None
+    return im.convert(mode)
+
+
+def input_images(p: dict) -> tuple[Image.Image | None, Image.Image | None]:
+    image = open_image(p["image"], "image", "RGB") if p.get("image") is not None else None
+    mask = open_image(p["mask"], "mask", "L") if p.get("mask") is not None else None
+    if image is not None and mask is not None and image.size != mask.size:
+        raise InputError(f"mask: {mask.width}x{mask.height} differs from the image's {image.width}x{image.height}")
+    return image, mask
+
+
+def call_kwargs(cls, p: dict, image, mask, video: bool, guidance: str = "guidance_scale") -> dict:
+    """The task pipeline's arguments for request `p`: the same in both halves."""
+    accepted = inspect.signature(cls.__call__).parameters
+    per_prompt = "num_images_per_prompt" if "num_images_per_prompt" in accepted else "num_videos_per_prompt"
+    kw = {"prompt": p["prompt"], "num_inference_steps": p["num_inference_steps"], per_prompt: p["num_images_per_prompt"]}
+    for name in ("height", "width", "negative_prompt", "strength"):
+        if p.get(name) is not None:
+            if name not in accepted:
+                if name == "strength":
+                    raise InputError(f"strength: {cls.__name__} does not take one")
+                continue
+            kw[name] = p[name]
+    if p.get("guidance_scale") is not None and guidance in accepted:
+        # `guidance`: the family's name for it (Qwen-Image's real classifier-free guidance is true_cfg_scale)
+        kw[guidance] = p["guidance_scale"]
+    if video and p.get("num_frames") is not None:
+        kw["num_frames"] = p["num_frames"]
+    if image is not None:
+        kw["image"] = image
+    if mask is not None:
+        kw["mask_image"] = mask
+    return kw
+
+
+# --- the encoder's half ---------------------------------------------------------------------------------
+
+def meta_model(cls, config, dtype: torch.dtype) -> torch.nn.Module:
+    """The denoising model, built from its config on the meta device: no memory, every attribute."""
+    with torch.device("meta"):
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(config)
+        else:
+            model = cls._from_config(config)
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+
+    def stop(*_args, **_kw):
+        raise StopBeforeDenoise
+
+    model.register_forward_pre_hook(stop)
+    return model
+
+
+class Recorder:
+    """Wraps a pipeline's encoders so each call's output is kept, in call order."""
+
+    def __init__(self, pipe):
+        self.calls: dict[str, list] = {}
+        for name in METHODS:
+            fn = getattr(pipe, name, None)
+            if fn is not None:
+                setattr(pipe, name, self._wrap(name, fn))
+        vae = getattr(pipe, "vae", None)
+        if vae is not None:
+            self.vae_dtype = str(vae.dtype).removeprefix("torch.")
+            vae.encode = self._wrap_vae(vae.encode)
+
+    def _wrap(self, name, fn):
+        def recorded(*args, **kw):
+            out = fn(*args, **kw)
+            self.calls.setdefault(name, []).append(out)
+            return out
+        return recorded
+
+    def _wrap_vae(self, fn):
+        def recorded(x, return_dict=True):
+            out = fn(x, return_dict=return_dict)
+            dist = out.latent_dist if return_dict else out[0]
+            self.calls.setdefault("vae.encode", []).append((dist.parameters, return_dict))
+            return out
+        return recorded
+
+    def tensors(self, task_class: str) -> dict[str, torch.Tensor]:
+        """The recorded outputs as named tensors, with their layout (LAYOUT) to rebuild them."""
+        out, layout = {}, {"class": task_class, "calls": {}, "vae_dtype": getattr(self, "vae_dtype", "")}
+        for name, calls in self.calls.items():
+            shapes = []
+            for i, result in enumerate(calls):
+                if name == "vae.encode":
+                    params, return_dict = result
+                    out[f"{name}/{i}/0"] = params.detach().contiguous()
+                    shapes.append({"return_dict": return_dict})
+                    continue
+                items = result if isinstance(result, (tuple, list)) else [result]
+                kinds = []
+                for j, t in enumerate(items):
+                    if t is None:
+                        kinds.append(None)
+                    elif isinstance(t, torch.Tensor):
+                        out[f"{name}/{i}/{j}"] = t.detach().contiguous()
+                        kinds.append("t")
+                    else:
+                        raise TypeError(f"{name} returned a {type(t).__name__}; only tensors can be replayed")
+                shapes.append({"items": kinds, "tuple": isinstance(result, (tuple, list))})
+            layout["calls"][name] = shapes
+        out[LAYOUT] = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
+        return out
+
+
+def pixels(image: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(image).copy())
+
+
+# --- the denoiser's half --------------------------------------------------------------------------------
+
+class ReplayVAE(torch.nn.Module):
+    """The denoiser's VAE: no weights, its real config, and `encode` returning the encoder's recorded
+    distributions in call order (the pipeline samples them with its own generator)."""
+
+    def __init__(self, config, device: str, dtype: torch.dtype):
+        super().__init__()
+        from diffusers.configuration_utils import FrozenDict
+
+        self.config = config if isinstance(config, FrozenDict) else FrozenDict(config)
+        self._device, self._dtype = torch.device(device), dtype
+        self.recorded: list[tuple[torch.Tensor, bool]] = []
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # what a pipeline reads off the VAE itself (Qwen-Image: temperal_downsample)
+            config = self.__dict__.get("config")
+            if config is not None and name in config:
+                return config[name]
+            raise
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def to(self, *args, **kw):  # the pipelines upcast their VAE (SDXL): only the dtype it reports changes
+        dtype = kw.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+        if dtype is not None:
+            self._dtype = dtype
+        return self
+
+    def encode(self, x, return_dict: bool = True):
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if not self.recorded:
+            raise RuntimeError("the pipeline encoded more images than the encoder role did")
+        params, _ = self.recorded.pop(0)
+        dist = DiagonalGaussianDistribution(params.to(self._device))
+        return AutoencoderKLOutput(latent_dist=dist) if return_dict else (dist,)
+
+
+def replay(inputs: dict[str, torch.Tensor], device: str) -> tuple[dict, dict[str, list]]:
+    """The layout, and per method the recorded results rebuilt, on `device`."""
+    layout = json.loads(bytes(inputs[LAYOUT].cpu().numpy()).decode())
+    calls: dict[str, list] = {}
+    for name, shapes in layout["calls"].items():
+        results = []
+        for i, shape in enumerate(shapes):
+            if name == "vae.encode":
+                results.append((inputs[f"{name}/{i}/0"], shape["return_dict"]))
+                continue
+            items = [None if k is None else inputs[f"{name}/{i}/{j}"].to(device) for j, k in enumerate(shape["items"])]
+            results.append(tuple(items) if shape["tuple"] else items[0])
+        calls[name] = results
+    return layout, calls
+
+
+def replaying(name: str, results: list):
+    def replayed(*_args, **_kw):
+        if not results:
+            raise RuntimeError(f"the pipeline called {name} more often than in the encoder role")
+        return results.pop(0)
+    return replayed
+
+
+def unpixel(t: torch.Tensor | None, mode: str) -> Image.Image | None:
+    return None if t is None else Image.fromarray(t.cpu().numpy(), mode=mode)
+
+
+class ConditionedTasks:
+    """The task pipelines of one checkpoint, for one role, built once from the role's components.
+
+    `classes`: task -> diffusers pipeline class name (None: the family adapter's own text path)."""
+
+    def __init__(self, adapter, classes: dict[str, str | None]):
+        self.adapter = adapter
+        self.classes = classes
+        self._pipes: dict[str, object] = {}
+
+    def supports(self, task: str) -> bool:
+        return task in self.classes
+
+    def generic(self, task: str) -> bool:
+        return self.classes.get(task) is not None
+
+    def check(self, p: dict) -> str:
+        task = request_task(p)
+        if task not in self.classes:
+            ck = self.adapter.ck
+            raise InputError(f"model {ck.source!r} ({ck.pipeline_class}) takes {describe(self.classes)}; this request "
+                             f"is {describe({task: None})}")
+        return task
+
+    def _pipe(self, task: str):
+        pipe = self._pipes.get(task)
+        if pipe is None:
+            pipe = self._pipes[task] = self._build(task)
+        return pipe
+
+    def _build(self, task: str):
+        import diffusers
+
+        a = self.adapter
+        cls = getattr(diffusers, self.classes[task])
+        accepted = inspect.signature(cls.__init__).parameters
+        parts = {k: v for k, v in a.pipe.components.items() if k in accepted}
+        model_name = "unet" if "unet" in accepted else "transformer"
+        if a.role == "encoder":
+            library, class_name = a.ck.index[model_name][:2]
+            model_cls = getattr(importlib.import_module(library), class_name)
+            parts[model_name] = meta_model(model_cls, model_cls.load_config(a.ck.path / model_name), a.dtype)
+        elif a.role == "denoiser":
+            parts["vae"] = ReplayVAE(a.ck.configs["vae"], a.device, a.dtype)
+        pipe = cls(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def encode(self, p: dict, task: str) -> dict[str, torch.Tensor]:
+        image, mask = input_images(p)
+        pipe = self._pipe(task)
+        pipe.scheduler = copy.deepcopy(self.adapter.pipe.scheduler)  # its timesteps are this call's own
+        rec = Recorder(pipe)
+        try:
+            with torch.inference_mode():
+                pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video,
+                                          getattr(self.adapter, "guidance_kwarg", "guidance_scale")),
+                     generator=self.adapter.generator(p), output_type="latent")
+        except StopBeforeDenoise:
+            pass
+        else:
+            raise RuntimeError(f"{type(pipe).__name__} finished without reaching its denoising loop")
+        finally:
+            for name in METHODS:  # the wrappers go with this call
+                pipe.__dict__.pop(name, None)
+            if getattr(pipe, "vae", None) is not None:
+                pipe.vae.__dict__.pop("encode", None)
+        out = rec.tensors(type(pipe).__name__)
+        if image is not None:
+            out["image_pixels"] = pixels(image)
+        if mask is not None:
+            out["mask_pixels"] = pixels(mask)
+        return out
+
+    def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
+        layout, calls = replay(inputs, self.adapter.device)
+        task = next(t for t, c in self.classes.items() if c == layout["class"])
+        pipe = self._pipe(task)
+        pipe.scheduler = copy.deepcopy(self.adapter.pipe.scheduler)
+        for name in METHODS:
+            if name in calls:
+                setattr(pipe, name, replaying(name, calls[name]))
+        pipe.vae.recorded = calls.get("vae.encode", [])
+        if layout.get("vae_dtype"):
+            pipe.vae.to(dtype=getattr(torch, layout["vae_dtype"]))
+        image, mask = unpixel(inputs.get("image_pixels"), "RGB"), unpixel(inputs.get("mask_pixels"), "L")
+        return self._run(pipe, p, image, mask, progress)
+
+    def whole(self, p: dict, task: str, progress=None) -> dict[str, torch.Tensor]:
+        """A colocated instance: the task pipeline with every real component, up to its latents."""
+        image, mask = input_images(p)
+        pipe = self._pipe(task)
+        pipe.scheduler = copy.deepcopy(self.adapter.pipe.scheduler)
+        return self._run(pipe, p, image, mask, progress)
+
+    def _run(self, pipe, p: dict, image, mask, progress) -> dict[str, torch.Tensor]:
+        size = {}
+        prepare = pipe.prepare_latents
+
+        def prepare_latents(*args, **kw):  # what size the latents are of (the decoder unpacks them so)
+            bound = inspect.signature(prepare).bind(*args, **kw).arguments
+            size.update({k: int(bound[k]) for k in ("height", "width") if bound.get(k) is not None})
+            return prepare(*args, **kw)
+
+        pipe.prepare_latents = prepare_latents
+        try:
+            with torch.inference_mode():
+                result = pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video,
+                                          getattr(self.adapter, "guidance_kwarg", "guidance_scale")),
+                              generator=self.adapter.generator(p), output_type="latent",
+                              callback_on_step_end=step_callback(progress))
+            latents = result.frames if self.adapter.video else result.images
+        finally:
+            for name in (*METHODS, "prepare_latents"):
+                pipe.__dict__.pop(name, None)
+        out = {"latents": latents, TASK: name_tensor(type(pipe).__name__)}
+        if len(size) == 2:
+            out["out_size"] = torch.tensor([size["height"], size["width"]], dtype=torch.int64)
+        return out
+
+
+def name_tensor(name: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
+
+
+def task_class(inputs: dict[str, torch.Tensor]) -> str:
+    """The task pipeline class that made the decoder's latents ('' for the family's own text path)."""
+    t = inputs.get(TASK)
+    return bytes(t.cpu().numpy()).decode() if t is not None else ""
+
+
+def out_size(inputs: dict[str, torch.Tensor], p: dict) -> tuple[int, int]:
+    """(height, width) the denoiser's latents are of: its own report, else the request's."""
+    t = inputs.get("out_size")
+    if t is not None:
+        h, w = t.tolist()
+        return int(h), int(w)
+    return p["height"], p["width"]
