@@ -39,8 +39,8 @@ def from_outcome_error(error: str) -> ApiError:
         return ApiError(400, reason, code="invalid_request")
     if "RequestTooLarge" in error or "FormatError" in error:  # the request, not the deployment, is at fault
         return ApiError(400, error, code="invalid_value")
-    if error.startswith("InputError: "):  # an input image the model cannot take: "InputError: mask: ..."
-        reason = error[len("InputError: "):]
+    if "InputError: " in error:  # an input the model cannot take: "encoder encoder-0 failed: InputError: mask: ..."
+        reason = error[error.index("InputError: ") + len("InputError: "):]
         field = reason.split(":", 1)[0]
         return ApiError(400, reason, param=field if field in ("image", "mask", "strength") else None, code="invalid_value")
     if "the deployment is stopping" in error:

@@ -79,7 +79,7 @@ async def upload(form, names: tuple[str, ...], field: str) -> bytes | None:
 
 
 async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParams]:
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    if not request.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise ApiError(400, "images/edits takes multipart/form-data (the image as a file)", code="invalid_request")
     form = await request.form(max_files=4, max_fields=64, max_part_size=MAX_INPUT_BYTES + 1024)
     image = await upload(form, ("image", "image[]"), "image")

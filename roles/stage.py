@@ -79,7 +79,8 @@ class Stage:
                 if name not in given:
                     p.pop(name, None)
         tasks = getattr(self.adapter, "tasks", None)
-        if tasks is None and (p.get("image") is not None or p.get("mask") is not None):
+        if tasks is None and not getattr(self.adapter, "takes_images", False) and \
+                (p.get("image") is not None or p.get("mask") is not None):
             from roles.pipelines.conditioned import InputError
 
             raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask")

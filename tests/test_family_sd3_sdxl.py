@@ -68,13 +68,15 @@ def crossed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_each_role_loads_only_its_components(family):
     enc, den, dec = (set(family.roles[r].components_loaded()) for r in ("encoder", "denoiser", "decoder"))
     present = {name for name, c in family.reference.components.items() if c is not None}
-    assert enc == present & ENCODERS and len(enc) in (4, 6)  # SDXL: 2 text encoders, SD3: 3
+    # SDXL: 2 text encoders, SD3: 3; and for image inputs the VAE (its encoder half) and the scheduler
+    assert enc == present & (ENCODERS | {"vae", "scheduler"}) and len(enc) in (6, 8)
+    assert family.roles["encoder"].pipe.vae.decoder is None and family.roles["decoder"].pipe.vae.encoder is None
     assert den == present & DENOISERS and len(den) == 2
     assert dec == {"vae"}
     pipe = family.roles["denoiser"].pipe
     assert pipe.vae is None and pipe.text_encoder is None and pipe.text_encoder_2 is None
     assert getattr(pipe, "text_encoder_3", None) is None
-    assert family.roles["encoder"].pipe.vae is None
+    assert family.roles["encoder"].pipe.vae.decoder is None  # it encodes input images only
     assert sum(family.roles["denoiser"].components_loaded().values()) > 0
     assert family.roles["decoder"].components_loaded()["vae"] > 0
 

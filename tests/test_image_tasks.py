@@ -171,3 +171,17 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
         assert outcome.ok, outcome.error
         want = reference(folder, "QwenImageEditPipeline", dict(image=IMAGE, num_inference_steps=2), 5)
         assert np.abs(frames_of(outcome)[0] - want[0]).max() <= 1
+
+
+def test_a_colocated_instance_runs_image_tasks_whole(tmp_path):
+    """--colocated: the task pipeline with every component in one process, the same output."""
+    folder = tmp_path / "ckpt"
+    save_tiny("flux", folder)
+    cls_name, fields, ref_kwargs = CASES["flux"][1]  # inpainting: image, mask and strength
+    dep = Launched(["--model", str(folder), "--colocated", "1", "--no-dashboard"], tmp_path)
+    for d in dep.serve(1):
+        with Client(d.endpoint) as client:
+            [outcome] = client.run_all([GenerationParams(prompt=PROMPT, seed=21, **fields)])
+        assert outcome.ok, outcome.error
+        want = reference(folder, cls_name, ref_kwargs, 21)
+        assert np.abs(frames_of(outcome)[0] - want[0]).max() <= 1

@@ -81,7 +81,9 @@ def model_spec(model: str) -> ModelSpec:
             profile = load_profile(model[4:])
         except ValueError as exc:
             raise ModelError(str(exc)) from None
-        return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n), step_batching=True)
+        # the encoder staged an input image too, at most: pools are sized for image requests
+        return ModelSpec(model, 2048, 2048, lambda role, w, h, n: profile.payload(role, w * h, n, with_image=True),
+                         step_batching=True)
     if model in SPECS:
         return SPECS[model]
     from roles.pipelines.checkpoint import MAX_FRAMES, MAX_SIZE, CheckpointError, load_checkpoint, output_bytes

@@ -49,8 +49,10 @@ class StopBeforeDenoise(Exception):
     """Raised by the encoder's transformer stand-in at the first denoising step."""
 
 
-def describe(tasks: dict[str, str | None]) -> str:
-    names = {TEXT: "text-to-image (a prompt)", IMAGE: "image-conditioned (an image)", INPAINT: "inpainting (an image and a mask)"}
+def describe(tasks, video: bool = False) -> str:
+    names = {TEXT: "text-to-video (a prompt)" if video else "text-to-image (a prompt)",
+             IMAGE: "image-to-video (an image)" if video else "image editing or img2img (an image)",
+             INPAINT: "inpainting (an image and a mask)"}
     return ", ".join(names[t] for t in tasks)
 
 
@@ -283,8 +285,8 @@ class ConditionedTasks:
         task = request_task(p)
         if task not in self.classes:
             ck = self.adapter.ck
-            raise InputError(f"model {ck.source!r} ({ck.pipeline_class}) takes {describe(self.classes)}; this request "
-                             f"is {describe({task: None})}")
+            raise InputError(f"model {ck.source!r} ({ck.pipeline_class}) takes {describe(self.classes, ck.video)}; "
+                             f"this request is {describe([task], ck.video)}")
         return task
 
     def _pipe(self, task: str):

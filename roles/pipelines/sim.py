@@ -73,15 +73,21 @@ class SimAdapter:
             with self.device_turn():
                 time.sleep(ms * self.slowdown / 1000)
 
+    #: a request may carry an input image: the profile's `image` cost is added to the encoder's
+    takes_images = True
+
     def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
-        n = max(self.profile.payload(role, p["width"] * p["height"], p["num_images_per_prompt"]), 64) // 4
+        with_image = role == "encoder" and p.get("image") is not None
+        n = max(self.profile.payload(role, p["width"] * p["height"], p["num_images_per_prompt"], with_image), 64) // 4
         if self._zeros.numel() < n:
             self._zeros = torch.zeros(n)
         # a view of one zero buffer: staging copies it into the pool anyway
         return {"x": self._zeros[:n]}
 
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
-        self._busy(self.profile.encoder.fixed_ms(p["width"] * p["height"]))
+        pixels = p["width"] * p["height"]
+        extra = self.profile.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
+        self._busy(self.profile.encoder.fixed_ms(pixels) + extra)
         return self._tensor("encoder", p)
 
     def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:

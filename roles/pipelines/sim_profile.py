@@ -46,9 +46,15 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     encoder: StageCost = msgspec.field(default_factory=StageCost)
     denoiser: StageCost = msgspec.field(default_factory=StageCost)
     decoder: StageCost = msgspec.field(default_factory=StageCost)
+    #: what a request with an input image adds to the encoder: the VAE encoding of the image (time, and its
+    #: latents and pixels moved on to the denoiser)
+    image: StageCost = msgspec.field(default_factory=StageCost)
     reference_pixels: int = 1024 * 1024
 
-    def payload(self, role: str, pixels: int, images: int = 1) -> int:
+    def payload(self, role: str, pixels: int, images: int = 1, with_image: bool = False) -> int:
+        """Bytes `role` stages; the encoder's include the image's when the launcher sizes pools for it."""
+        if role == "encoder" and with_image:
+            return self.payload(role, pixels, images) + self.payload("image", pixels)
         cost = getattr(self, role)
         if not cost.payload_bytes:
             return 0
