@@ -102,6 +102,9 @@ def cli(verbose: bool) -> None:
 @click.option("--max-batch", type=click.IntRange(1, 256), help="Denoisers: requests of one shape sharing each forward, joining at step boundaries (continuous batching; default 1).")
 @click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
 @click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
+@click.option("--gpus-per-denoiser", type=click.IntRange(1, 64), help="GPUs (ranks) per denoiser instance, contiguous groups of --gpus; the model's parallelism unless config parallel.denoiser names the layout (Ulysses for Flux, Wan, Qwen-Image; cfg 2 for SD3, SDXL).")
+@click.option("--gpus-per-encoder", type=click.IntRange(1, 64), help="GPUs per encoder instance (only 1: encoders run as one process; run more of them).")
+@click.option("--gpus-per-decoder", type=click.IntRange(1, 64), help="GPUs per decoder instance (only 1: decoders run as one process; run more of them).")
 @click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
 @click.option("--join", metavar="tcp://HEAD:PORT", help="Start only role processes here, registered with the orchestrator of another host (config join).")
 @click.option("--advertise-host", help="The address other hosts reach this host's roles at (default: the interface that routes to the head).")
@@ -127,7 +130,8 @@ def cli(verbose: bool) -> None:
 @click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
 @click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
 @click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
-def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
+def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus,
+           gpus_per_denoiser, gpus_per_encoder, gpus_per_decoder, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
@@ -168,6 +172,9 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
     gpu_list = _int_list(gpus, "--gpus")
     if gpu_list is not None:
         config.gpus = gpu_list
+    for role, n in (("denoiser", gpus_per_denoiser), ("encoder", gpus_per_encoder), ("decoder", gpus_per_decoder)):
+        if n is not None:
+            config.gpus_per[role] = n
     try:
         validate(config)
     except ConfigError as exc:

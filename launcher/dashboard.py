@@ -28,7 +28,9 @@ COLUMN_EXTRA = 3
 
 def _cells(i) -> dict[str, str]:
     return {
-        "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host, "device": i.device, "state": i.state,
+        "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host, "state": i.state,
+        # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"
+        "device": f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device,
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),

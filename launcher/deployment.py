@@ -147,6 +147,8 @@ class Deployment:
             "deployment_id": self.deployment_id,
             "pool_limits": self.pool_limits(),
         }
+        if p.world > 1:
+            return self._spawn_group(p, spec)
         env = self._env()
         env.update(cuda_env(spec["visible_gpus"], dict(os.environ)))
         env["OMP_NUM_THREADS"] = str(p.threads)
@@ -154,6 +156,25 @@ class Deployment:
             p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus,
             spare_ok=True,
         )
+
+    def _spawn_group(self, p: Placement, spec: dict) -> Child:
+        """An instance over several ranks: rank 0 (the instance the orchestrator knows) and its followers
+        (INSTANCE.rN), one process and device each, restarted together when any of them dies."""
+        gpus = p.rank_gpus or [None] * p.world
+        devices = [f"gpu{g}" if g is not None else "cpu" for g in gpus]
+        first = None
+        for rank, gpu in enumerate(gpus):
+            visible = [gpu] + [g for g in self.config.all_gpus() if g != gpu] if gpu is not None else []
+            rank_spec = {**spec, "rank": rank, "parallel": p.layout, "group_devices": devices, "visible_gpus": visible,
+                         "device": "cuda:0" if gpu is not None else "cpu"}
+            env = self._env()
+            env.update(cuda_env(visible, dict(os.environ)))
+            env["OMP_NUM_THREADS"] = str(p.threads)
+            name = p.instance_id if rank == 0 else f"{p.instance_id}.r{rank}"
+            child = self.supervisor.spawn(name, self.supervisor.python("roles", msgspec.json.encode(rank_spec).decode()),
+                                          env=env, cpus=p.cpus, spare_ok=True, group=p.instance_id)
+            first = first or child
+        return first
 
     def pool_limits(self) -> dict[str, int]:
         """Each role's smallest pool: the first stage refuses a request that would not fit one."""

@@ -69,7 +69,7 @@ def run_deployment(
     else:
         dep = Deployment(config, run_dir)
     dep.install_signal_handlers()
-    n = len(dep.placements)
+    n = sum(p.world for p in dep.placements)  # an instance over several ranks is that many processes
     shape = f"{config.colocated} colocated" if config.colocated else (
         f"{config.encoders.count}:{config.denoisers.count}:{config.decoders.count}")
     what = (f"joining {dep.endpoint} as host {dep.host_id} ({dep.data_host}) with {n} role processes" if config.join

@@ -54,6 +54,9 @@ class Child:
     started_at: float = 0.0
     #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
     spare_ok: bool = False
+    #: the ranks of one parallel instance share a group: when one dies, the others are stopped, and all
+    #: start again together, meeting at a fresh rendezvous (DISAGG_DIST_INIT)
+    group: str = ""
 
     @property
     def pid(self) -> int | None:
@@ -90,10 +93,13 @@ class Supervisor:
         self.spares_wanted = 0
         self.spare_argv: list[str] = []
         self.spare_env: dict[str, str] = {}
+        #: parallel instances: group -> (generation, members started in it)
+        self._groups: dict[str, tuple[int, set[str]]] = {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None,
-              spare_ok: bool = False) -> Child:
-        child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [], spare_ok=spare_ok)
+              spare_ok: bool = False, group: str = "") -> Child:
+        child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [], spare_ok=spare_ok,
+                      group=group)
         self._start(child)
         self.children[name] = child
         return child
@@ -127,9 +133,26 @@ class Supervisor:
             return True
         return False
 
+    def _rendezvous(self, child: Child) -> str:
+        """The torch.distributed init_method of `child`'s group now: a fresh file each time the group starts
+        again (a member that starts a second time opens the group's next generation)."""
+        gen, started = self._groups.get(child.group, (0, set()))
+        if child.name in started:
+            gen, started = gen + 1, set()
+        started.add(child.name)
+        self._groups[child.group] = (gen, started)
+        folder = self.run_dir / "dist"
+        folder.mkdir(exist_ok=True)
+        for old in folder.glob(f"{child.group}.*"):  # an older generation's rendezvous
+            if old.name != f"{child.group}.{gen}":
+                old.unlink(missing_ok=True)
+        return f"file://{folder / f'{child.group}.{gen}'}"
+
     def _start(self, child: Child) -> bool:
         """Start (again) `child`; True if a spare interpreter became it."""
         child.env["DISAGG_RESTARTS"] = str(child.restarts)
+        if child.group:
+            child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
         child.returncode = None
         child.started_at = time.monotonic()
         if child.spare_ok and child.restarts and self._take_spare(child):
@@ -167,6 +190,8 @@ class Supervisor:
                 return
             for child in self.reap_children():
                 self._schedule(child, now)
+                if child.group:  # one rank down: the whole instance is (its ranks run in lockstep)
+                    self._stop_group(child)
             for child in self.children.values():
                 if child.restart_at is not None and now >= child.restart_at:
                     child.restart_at = None
@@ -177,7 +202,17 @@ class Supervisor:
                                     f"{', from a spare interpreter' if spare else ''})")
             self._top_up_spares()  # after the restarts: a spare taken now is replaced in the background
 
+    def _stop_group(self, dead: Child) -> None:
+        for other in self.children.values():
+            if other.group == dead.group and other is not dead and other.proc is not None and other.proc.poll() is None:
+                self.events.put(f"{other.name} stops with {dead.name}: the ranks of {dead.group} run together")
+                self._kill_group(other)
+
     def _schedule(self, child: Child, now: float) -> None:
+        if child.group and any(o.gave_up for o in self.children.values() if o.group == child.group and o is not child):
+            child.gave_up = True  # the group cannot meet without the member given up on
+            self.events.put(f"{child.name} is not restarted: another rank of {child.group} was given up on")
+            return
         if child.returncode == 0:  # asked to stop (disagg stop, Shutdown): not a failure
             self.events.put(f"{child.name} exited")
             return

@@ -11,6 +11,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from launcher.parallel import ParallelLayout, group_gpus, resolve_layouts
 from roles.pipelines import ModelError, ModelSpec, model_spec
 from transport.messages import HEARTBEAT_INTERVAL_S
 from transport.selection import CHOICES as TRANSFER_CHOICES
@@ -96,6 +97,11 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: sim models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for
     #: one denoiser three times slower than the others (dispatch policy experiments)
     sim_slowdown: dict[str, Annotated[float, Meta(gt=0)]] = {}
+    #: instances over several devices: role -> {cfg, ulysses, ring} degrees (launcher/parallel.py); e.g.
+    #: {denoiser: {ulysses: 2}}. With --gpus each instance takes that many contiguous GPUs
+    parallel: dict[Literal["encoder", "denoiser", "decoder"], ParallelLayout] = {}
+    #: --gpus-per-<role>: GPUs per instance (the layout's degrees multiply to it)
+    gpus_per: dict[Literal["encoder", "denoiser", "decoder"], Annotated[int, Meta(ge=1, le=64)]] = {}
 
     def role(self, role: str) -> RoleConfig:
         return getattr(self, ROLE_KEYS[role])
@@ -168,6 +174,7 @@ def validate(config: DeploymentConfig) -> None:
     if config.denoisers.max_batch > 1 and not model_spec(config.model).step_batching:
         raise ConfigError(f"denoisers.max_batch {config.denoisers.max_batch}: model {config.model!r} cannot batch "
                           "denoising steps; use max_batch 1")
+    resolve_layouts(config, config.gpus_per)
 
 
 def check_gpus(config: DeploymentConfig) -> None:
@@ -226,6 +233,13 @@ class Placement:
     max_batch: int = 1
 
     simulated: bool = False  # a sim: model: the "GPU" is a simulated device on the CPU
+    #: an instance over several ranks: its layout ({cfg, ring, ulysses} degrees) and each rank's GPU
+    layout: dict | None = None
+    rank_gpus: list[int] | None = None
+
+    @property
+    def world(self) -> int:
+        return ParallelLayout(**self.layout).world if self.layout else 1
 
     @property
     def device(self) -> str:
@@ -258,15 +272,22 @@ def place(config: DeploymentConfig, cpu_ids: list[int] | None = None) -> list[Pl
             pool_bytes = default_pool_bytes(spec, "monolith", config.denoisers.capacity)
             placements.append(Placement("monolith", f"monolith-{i}", config.denoisers.capacity, pool_bytes, gpu, [],
                                         simulated=simulated))
+    layouts = resolve_layouts(config, config.gpus_per)
     for role in ROLE_KEYS if not config.colocated else ():
         rc = config.role(role)
         capacity = max(rc.capacity, rc.max_batch)
         pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(spec, role, capacity)
         gpus = rc.gpus if rc.gpus is not None else config.gpus
+        layout = layouts.get(role)
         for i in range(rc.count + rc.standby):
             gpu = gpus[(len(placements) if rc.gpus is None else i) % len(gpus)] if gpus else None
-            placements.append(Placement(role, f"{role}-{i}", capacity, pool_bytes, gpu, [],
-                                        simulated=simulated, max_batch=rc.max_batch))
+            p = Placement(role, f"{role}-{i}", capacity, pool_bytes, gpu, [], simulated=simulated,
+                          max_batch=rc.max_batch)
+            if layout is not None:  # its ranks: a contiguous group of GPUs, or the host's CPUs
+                p.layout = layout.as_dict()
+                p.rank_gpus = group_gpus(gpus, i, layout.world) if gpus else None
+                p.gpu = p.rank_gpus[0] if p.rank_gpus else None
+            placements.append(p)
     # spread instances over the CPUs: each gets an equal share, or one CPU when there are fewer
     # Spread: with more CPUs than instances each gets its own equal share; with fewer, pinning
     # one instance per CPU would stack several on one CPU while another idles, so each may run

@@ -40,6 +40,8 @@ class Instance:
     restarts: int = 0
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
+    parallel: str = ""
     lane: bool = False
     model: str = ""
     #: request id -> [done, total] denoising steps, as its last heartbeat said
@@ -74,6 +76,8 @@ class Instance:
             restarts=msg.restarts,
             max_batch=msg.max_batch,
             model=msg.model,
+            devices=list(msg.devices),
+            parallel=msg.parallel,
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None) -> None:
@@ -127,6 +131,8 @@ class Instance:
             components=self.components,
             model=self.model,
             batch_steps=self.batch_steps,
+            devices=self.devices,
+            parallel=self.parallel,
             lane=self.lane,
             computed=self.computed,
         )

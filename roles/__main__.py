@@ -49,21 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bad role spec: {exc}", file=sys.stderr)
         return BOOT_ERROR_EXIT
     spec.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
+    spec.dist_init = os.environ.get("DISAGG_DIST_INIT", spec.dist_init)  # a parallel instance's rendezvous
     logging.basicConfig(
         level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
         stream=sys.stderr,
         format=f"%(asctime)s [{spec.instance_id}] %(levelname)s %(message)s",
     )
     log = logging.getLogger("disagg.role")
-    try:
-        from transport.pool import make_pool
+    group_box: list = []  # rank 0 of a parallel instance: its Group, once joined (made while the model loads)
 
-        # the pid in the name: a restarted instance never reuses a name a peer may still have mapped
-        spec.pool_name = f"{spec.pool_name}-{os.getpid()}"
-        pool = make_pool(spec.pool_name, spec.pool_bytes, spec.device)
-    except Exception as exc:
-        log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)
-        return BOOT_ERROR_EXIT
+    def join_group():
+        from roles.parallel import Group
+
+        group = Group(spec.parallel, spec.rank, spec.dist_init, spec.device)
+        group_box.append(group)
+        return group
 
     def load_stage():
         import torch
@@ -73,9 +73,39 @@ def main(argv: list[str] | None = None) -> int:
         from roles.stage import Stage
 
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
+        group = join_group() if spec.world > 1 else None
         adapter = load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown)
-        fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits else None
-        return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model, sync=pool.compute_done)
+        if group is not None:
+            from roles.parallel import denoising_model
+
+            group.apply(denoising_model(adapter))
+        fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits and spec.rank == 0 else None
+        return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
+                     sync=pool.compute_done if pool is not None else None, group=group)
+
+    if spec.rank > 0:  # a follower rank of a parallel instance: no pool, no orchestrator, rank 0's lead
+        from roles.parallel import GroupBroken, serve_follower
+
+        pool = None
+        try:
+            stage = load_stage()
+        except GroupBroken as exc:
+            log.error("cannot join the instance's ranks: %s", exc)
+            return 1
+        code = serve_follower(group_box[0], stage)
+        group_box[0].close()
+        logging.shutdown()
+        # at once: gloo's threads abort an interpreter that finalises around them ("terminate called ...")
+        os._exit(code)
+    try:
+        from transport.pool import make_pool
+
+        # the pid in the name: a restarted instance never reuses a name a peer may still have mapped
+        spec.pool_name = f"{spec.pool_name}-{os.getpid()}"
+        pool = make_pool(spec.pool_name, spec.pool_bytes, spec.device)
+    except Exception as exc:
+        log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)
+        return BOOT_ERROR_EXIT
 
     from transport.engines import EngineUnavailable
 
@@ -87,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         return BOOT_ERROR_EXIT
     install_signal_handlers(worker)
     worker.connect()
-    worker.serve_forever()
+    try:
+        worker.serve_forever()
+    finally:
+        for group in group_box:  # the other ranks stop with us
+            group.stop()
+            group.close()
     run_id = os.environ.get("DISAGG_RUN_ID")
     if worker.orphaned and run_id:  # as the orphaned orchestrator does: the last one out removes what
         from transport.shm import SHM_PREFIX, remove_segments  # killed peers of this run left behind

@@ -16,7 +16,7 @@ from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
 from transport.manifest import unpack
-from transport.messages import Done, Failed, Fetched, Held, Run, Staged
+from transport.messages import Dead, Done, Failed, Fetched, Held, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
@@ -94,6 +94,8 @@ class StageRunner:
         #: stages finished since the process started (heartbeats carry it)
         self.computed = 0
         self.meter = BusyMeter()
+        #: a parallel instance whose ranks lost each other: the worker exits (roles/parallel.py)
+        self.broken = False
         #: the last computes' times (short_computes and fold_fetched read them)
         self.recent: collections.deque[float] = collections.deque(maxlen=32)
 
@@ -224,6 +226,13 @@ class StageRunner:
         except Cancelled as exc:  # nobody waits for it: free the slot, no retry
             self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False))
         except Exception as exc:  # a request error: report it and keep serving
+            if type(exc).__name__ == "GroupBroken":  # a parallel instance whose ranks lost each other (parallel.py)
+                # it cannot serve: say so before anything else, so its work (this request too) moves at once
+                # instead of failing here again; the worker then exits and the launcher restarts all its ranks
+                log.error("%s; this instance stops", exc)
+                self.report(Dead(instance_id=self.instance_id, reason=str(exc)))
+                self.broken = True
+                return
             # a dead peer or a momentarily full pool may go better on another try; a model error not
             retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
             log.warning("request %s attempt %d failed: %s: %s", run.request_id, run.attempt, type(exc).__name__, exc,

@@ -46,6 +46,20 @@ class WorkerSpec:
     #: role -> bytes of its smallest pool: the first stage refuses a request whose tensors would not fit
     pool_limits: dict[str, int] = field(default_factory=dict)
 
+    #: an instance over several ranks (roles/parallel.py): {"cfg": c, "ulysses": u, "ring": r}, this process's
+    #: rank (0 talks to the orchestrator), the group's rendezvous (a torch.distributed init_method) and devices
+    parallel: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    dist_init: str = ""
+    group_devices: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        n = 1
+        for degree in self.parallel.values():
+            n *= degree
+        return n
+
     @property
     def identity(self) -> str:
         """The ZeroMQ identity of its socket: DEPLOYMENT/INSTANCE (the orchestrator routes by it)."""

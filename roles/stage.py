@@ -14,6 +14,10 @@ from roles.pipelines.conditioned import LAYOUT
 from transport.messages import GenerationParams
 
 
+class Stopped(Exception):
+    """A follower rank's request that rank 0 stopped (its client cancelled it)."""
+
+
 @dataclass
 class StageOutput:
     """What a stage produced: tensors to stage for the next role, or the final encoded images."""
@@ -49,7 +53,7 @@ class Stage:
     the adapter says it is safe to share (`thread_safe`). Their transfers still overlap; a denoiser that
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
-    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None):
+    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None):
         self.role = role
         self.adapter = adapter
         self.model = model
@@ -63,10 +67,43 @@ class Stage:
 
             self.batcher = StepBatcher(adapter, max_batch, sync=sync)
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
-        self.turn = contextlib.nullcontext() if shared else threading.Lock()
+        #: an instance over several ranks (roles/parallel.py): they run one request at a time, in lockstep
+        self.group = group if role == "denoiser" else None
+        if self.group is not None and self.batcher is not None:
+            raise ValueError("a denoiser over several ranks does not batch requests; run it with max_batch 1")
+        self.turn = contextlib.nullcontext() if shared and self.group is None else threading.Lock()
 
     def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         """`progress()` is called at each denoising step, so a live role is told from a hung one."""
+        if self.group is None:
+            return self._run(params, inputs, progress)
+        from roles.parallel import GroupBroken, is_group_failure
+
+        if self.group.leader:
+            self.group.share(params, inputs)
+        try:
+            return self._run(params, inputs, self._in_lockstep(progress))
+        except Exception as exc:
+            if is_group_failure(exc) and not isinstance(exc, GroupBroken):  # a collective inside the forward
+                raise GroupBroken(f"the instance's ranks lost each other ({type(exc).__name__}: {exc})") from exc
+            raise
+
+    def _in_lockstep(self, progress):
+        """Each step, rank 0 tells every rank whether the request goes on (it may have been cancelled)."""
+        group = self.group
+
+        def step(*_args) -> None:
+            stopped = None
+            if progress is not None:
+                try:
+                    progress()
+                except Exception as exc:  # noqa: BLE001 - Cancelled, on rank 0: the others stop with it
+                    stopped = exc
+            if not group.go_on(stopped is not None):
+                raise stopped or Stopped("rank 0 stopped this request")
+        return step
+
+    def _run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         given = params_dict(params)
         p = {**self.adapter.defaults(), **given}
         # every role checks, so a format the model cannot make fails before any compute

@@ -25,6 +25,7 @@ from roles.compute import StageRunner
 from roles.limits import model_limits
 from roles.spec import WorkerSpec
 from transport.auth import apply_client_curve, client_curve
+from roles.layout import describe_layout
 from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.lane import LaneClosed, LaneError, LaneLink
 from transport.bundle import Outbox, decode_frames
@@ -202,6 +203,8 @@ class Worker:
                 restarts=self.spec.restarts,
                 deployment_id=self.spec.deployment_id,
                 model=self.spec.model,
+                devices=self.spec.group_devices if self.spec.world > 1 else [],
+                parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
                 **self.limits,
             )
         )
@@ -269,6 +272,8 @@ class Worker:
                     self.log.warning("launcher is gone; exiting")
                     self.stop = self.orphaned = True
             self.flush()
+            if self.runner.broken and not self.stop:  # its ranks lost each other: the launcher restarts them all
+                self.exit_code, self.stop = 1, True
         self.close()
 
     def watch_orchestrator(self, now: float) -> None:

@@ -304,6 +304,9 @@ class Register(_Msg, tag="register", kw_only=True):
     max_frames: Count = 0
     #: the model it serves (`--model`): what the HTTP gateway lists under /v1/models
     model: Annotated[str, Meta(max_length=1024)] = ""
+    #: an instance over several devices (ranks): their devices, and its layout ("ulysses 2", "cfg 2")
+    devices: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=64)] = []
+    parallel: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Registered(_Msg, tag="registered", kw_only=True):

@@ -43,6 +43,9 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = ""
     #: continuous batching: batch size -> denoising steps run at that size
     batch_steps: dict[int, int] = {}
+    #: an instance over several devices: each rank's device, and the layout ("ulysses 2", "cfg 2 x ulysses 2")
+    devices: list[str] = []
+    parallel: str = ""
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
 

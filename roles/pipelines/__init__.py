@@ -31,6 +31,10 @@ class ModelSpec:
     family: str = ""
     #: video models: the most frames per video its pools are sized for (0: not a video model)
     max_frames: int = 0
+    #: how one denoiser instance may span devices (roles/parallel.py): "ulysses" and "ring" where diffusers'
+    #: transformer has a context-parallel plan (Flux, Wan, Qwen-Image), "cfg" where the pipeline puts its
+    #: negative and positive rows through one forward (SD3, SDXL)
+    parallel: tuple[str, ...] = ()
 
     def largest_payload(self, role: str, max_images: int = 1) -> int:
         """The most bytes a request moves into or out of `role` at the maximum size."""
@@ -66,9 +70,12 @@ FAMILY_ADAPTERS = {
 
 #: families whose adapter batches denoising steps (denoise_start / denoise_steps / denoise_result)
 STEP_BATCHING = {"flux"}
+#: families -> how their denoiser may span devices (ModelSpec.parallel)
+PARALLEL = {"flux": ("ulysses", "ring"), "wan": ("ulysses", "ring"), "qwen": ("ulysses", "ring"), "sd3": ("cfg",),
+            "sdxl": ("cfg",)}
 
 SPECS = {
-    "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes, step_batching=True),
+    "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes, step_batching=True, parallel=("ulysses", "ring")),
     "payload": ModelSpec("payload", 4096, 2048, _payload_bytes),
 }
 
@@ -94,7 +101,8 @@ def model_spec(model: str) -> ModelSpec:
         raise ModelError(f"{exc}; built in: {', '.join(SPECS)}, sim:PROFILE") from None
     width, height = MAX_SIZE[ck.family]
     return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family,
-                     step_batching=ck.family in STEP_BATCHING, max_frames=MAX_FRAMES if ck.video else 0)
+                     step_batching=ck.family in STEP_BATCHING, max_frames=MAX_FRAMES if ck.video else 0,
+                     parallel=PARALLEL.get(ck.family, ()))
 
 
 def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):
