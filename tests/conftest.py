@@ -114,3 +114,31 @@ def launch_with_http(args: list[str], tmp: Path) -> Launched:
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread in this process for a module (`pytest.mark.usefixtures("one_thread")`): toy models run
+    fastest so, do not crawl when other processes hold the CPUs, and sum in the order a role (one thread) does."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def wait_http(url: str, timeout: float = 30.0, expect: int = 200):
+    """The response once `url` answers `expect`; fails after `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == expect:
+                return r
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer {expect} in {timeout} s"
+        time.sleep(0.2)

@@ -14,6 +14,8 @@ from roles.pipelines.sd3 import SD3Adapter
 from roles.pipelines.sdxl import SDXLAdapter
 from tests.ckpt_sd3_sdxl import save_tiny_sd3, save_tiny_sdxl
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 #: checkpoint variant -> (adapter class, saver)
 VARIANTS = {
     "sd3": (SD3Adapter, save_tiny_sd3),
@@ -32,14 +34,6 @@ CASES = {
     "non-square": (5.0, "a dog", 1, 96, 48),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Toy models run fastest on one thread, and do not crawl when other processes hold the CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Family:

@@ -17,20 +17,11 @@ from roles.media import encode_mp4
 from roles.pipelines.wan import WanAdapter
 from tests.ckpt_wan import BOUNDARY_RATIO, save_tiny_wan
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "a red car on the beach at night"
 SIZE = dict(width=32, height=32, num_frames=9)  # 4x4 latents (2x2 tokens), 3 latent frames
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models are far too small to gain from threads, and OpenMP's spinning threads make them 10x
-    slower on a busy machine; the split and the reference run in this process alike, so equality holds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 #: name -> (save_tiny_wan kwargs, latent channels, spatial downsampling, two transformers)

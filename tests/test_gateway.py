@@ -19,22 +19,9 @@ import pytest
 from PIL import Image
 
 from gateway.errors import from_outcome_error
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive
+from tests.conftest import wait_http, ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_http(url: str, timeout: float = 30.0, expect: int = 200) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            r = httpx.get(url, timeout=2)
-            if r.status_code == expect:
-                return r
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not answer {expect} in {timeout} s"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

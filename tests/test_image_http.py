@@ -17,7 +17,7 @@ from PIL import Image
 
 from client import Client
 from tests.checkpoints import save_tiny
-from tests.conftest import Launched, disagg, launch_with_http
+from tests.conftest import wait_http, Launched, disagg, launch_with_http
 from transport.messages import MAX_INPUT_BYTES, GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -34,18 +34,6 @@ def png(im: Image.Image) -> bytes:
 
 def pixels(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not answer 200 in {timeout} s")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from tests.checkpoints import save_tiny
 from tests.conftest import Launched
 from transport.messages import GenerationParams
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "a red cat on a blue car"
 W, H = 64, 48
@@ -94,14 +94,6 @@ CASES = _cases()
 #: the components a denoiser may hold: its DiT and the scheduler, nothing else
 DENOISER_ONLY = {"transformer", "transformer_2", "unet", "scheduler"}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Each role computes with one thread: so does the reference here, so sums run in the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -21,6 +21,8 @@ from tests.checkpoints import save_tiny
 from tests.conftest import Launched, disagg, wait_until
 from transport.messages import GenerationParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REQUESTS = [GenerationParams(prompt="a red cat on a car", seed=1, width=64, height=64, num_inference_steps=3),
             GenerationParams(prompt="a blue house at night", seed=2, width=128, height=64, num_inference_steps=3)]
 
@@ -87,13 +89,6 @@ def test_families_refuse_what_their_transformer_cannot_do(tmp_path):
 def pixels(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
