@@ -177,3 +177,22 @@ def test_a_colocated_instance_runs_image_tasks_whole(tmp_path):
         assert outcome.ok, outcome.error
         want = reference(folder, cls_name, ref_kwargs, 21)
         assert np.abs(frames_of(outcome)[0] - want[0]).max() <= 1
+
+
+#: per checkpoint, a request it cannot take, and what the error must say
+REFUSED = {
+    "flux-kontext": (dict(image=png(IMAGE), mask=png(MASK)), "(FluxKontextPipeline) takes text-to-image (a prompt), "
+                     "image editing or img2img (an image); this request is inpainting"),
+    "flux-fill": (dict(image=png(IMAGE)), "(FluxFillPipeline) takes inpainting (an image and a mask); this request is "
+                  "image editing or img2img"),
+    "wan21-i2v": ({}, "(WanImageToVideoPipeline) takes image-to-video (an image); this request is text-to-video"),
+}
+
+
+def test_a_task_the_checkpoint_does_not_serve_is_refused_naming_it(deployment):
+    fields, says = REFUSED.get(deployment.family, (dict(mask=png(MASK)), "a mask needs an image"))
+    with Client(deployment.endpoint) as client:
+        bad, good = client.run_all([GenerationParams(prompt=PROMPT, num_inference_steps=1, **fields),
+                                    GenerationParams(prompt=PROMPT, seed=1, **CASES[deployment.family][0][1])])
+    assert not bad.ok and says in bad.error and bad.attempts == 1, bad.error
+    assert good.ok, good.error  # and it keeps serving
