@@ -14,6 +14,20 @@ from roles.pipelines.conditioned import LAYOUT
 from transport.messages import GenerationParams
 
 
+def one_forward_at_a_time(model) -> None:
+    """A batching denoiser's transformer also serves image tasks, which run their own pipeline call beside the
+    batcher's loop (conditioned.py): their forwards take turns, step by step, instead of overlapping."""
+    if model is None:
+        return
+    forward, lock = model.forward, threading.Lock()
+
+    def locked(*args, **kw):
+        with lock:
+            return forward(*args, **kw)
+
+    model.forward = locked
+
+
 class Stopped(Exception):
     """A follower rank's request that rank 0 stopped (its client cancelled it)."""
 
@@ -66,6 +80,7 @@ class Stage:
             from roles.batcher import StepBatcher
 
             self.batcher = StepBatcher(adapter, max_batch, sync=sync)
+            one_forward_at_a_time(getattr(getattr(adapter, "pipe", None), "transformer", None))
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
         #: an instance over several ranks (roles/parallel.py): they run one request at a time, in lockstep
         self.group = group if role == "denoiser" else None
