@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_e2e.py parity --out DIR      # tiny (fp32) and a tiny Flux checkpoint (bf16), --gpus 0
     python benchmarks/gpu_e2e.py flux --out DIR        # FLUX.1-dev shapes, random weights, 1024x1024, 4 and 28 steps
+    python benchmarks/gpu_e2e.py wan --size 832 --height 480 --frames 33 --steps 4 --out DIR   # Wan 2.1 1.3B
     python benchmarks/gpu_e2e.py parity --device cpu   # the CPU dry run of the same code (no GPU flags)
 
 Each writes DIR/<step>.json. `parity`: a 1:1:1 deployment (cuda-ipc between the roles) against the
@@ -135,20 +136,32 @@ def parity(args) -> dict:
 
 
 def flux(args) -> dict:
-    from benchmarks.gpu_models import write_flux
+    return real_size(args, "flux")
 
-    folder = write_flux(Path(tempfile.mkdtemp(prefix="disagg-flux-")), "real" if args.device.startswith("cuda") else "toy")
-    size = args.size
+
+def wan(args) -> dict:
+    return real_size(args, "wan")
+
+
+def real_size(args, family: str) -> dict:
+    """1:1:1 against colocated on one device, random weights of the real shapes (toy shapes on the CPU)."""
+    from benchmarks.gpu_models import write_flux, write_wan
+
+    write = write_flux if family == "flux" else write_wan
+    folder = write(Path(tempfile.mkdtemp(prefix=f"disagg-{family}-")), "real" if args.device.startswith("cuda") else "toy")
+    width, height = args.size, args.height or args.size
     gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
     layouts = {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"], "colocated": ["--colocated", "1"]}
-    doc = {"model": "FLUX.1-dev shapes, random weights", "size": size, "runs": args.runs, "layouts": {}}
+    video = {"num_frames": args.frames, "response_format": "mp4"} if family == "wan" else {}
+    doc = {"model": {"flux": "FLUX.1-dev", "wan": "Wan 2.1 T2V 1.3B"}[family] + " shapes, random weights",
+           "size": f"{width}x{height}", **({"frames": args.frames} if video else {}), "runs": args.runs, "layouts": {}}
     for name, flags in layouts.items():
-        with Deployment(["--model", str(folder), *flags, *gpu], Path(args.out) / f"flux-{name.replace(':', '')}.log",
+        with Deployment(["--model", str(folder), *flags, *gpu], Path(args.out) / f"{family}-{name.replace(':', '')}.log",
                         boot_s=args.boot_s) as dep:
             res = {"boot_s": round(dep.boot_s, 1)}
             for steps in args.steps:
-                params = [GenerationParams(prompt="a photo of a city at night", seed=i, width=size, height=size,
-                                           num_inference_steps=steps) for i in range(args.runs + 1)]
+                params = [GenerationParams(prompt="a photo of a city at night", seed=i, width=width, height=height,
+                                           num_inference_steps=steps, **video) for i in range(args.runs + 1)]
                 outcomes = dep.run(params)[1:]  # the first warms up
                 res[f"{steps} steps"] = {
                     "latency_s": round(statistics.median(o.latency_s for o in outcomes), 4),
@@ -167,16 +180,18 @@ def flux(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["parity", "flux"])
+    ap.add_argument("step", choices=["parity", "flux", "wan"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--size", type=int, default=1024, help="width (and height, unless --height)")
+    ap.add_argument("--height", type=int, default=0)
+    ap.add_argument("--frames", type=int, default=33, help="wan: frames per video")
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 28])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--boot-s", type=float, default=240)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    doc = {"parity": parity, "flux": flux}[args.step](args)
+    doc = {"parity": parity, "flux": flux, "wan": wan}[args.step](args)
     (Path(args.out) / f"{args.step}.json").write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_models.py flux /tmp/flux-random            # FLUX.1-dev's shapes (12B DiT, T5-XXL)
     python benchmarks/gpu_models.py flux /tmp/flux-toy --scale toy   # the same layout at toy sizes (CPU)
+    python benchmarks/gpu_models.py wan /tmp/wan-random              # Wan 2.1 T2V 1.3B's shapes (UMT5-XXL)
 
 The folder holds model_index.json, each component's config.json, the scheduler's and the tokenizers'
 files, and `random_weights.json`: disagg's roles then build their own components from the configs
@@ -80,13 +81,50 @@ def write_flux(folder: Path, scale: str = "real") -> Path:
     return folder
 
 
+#: Wan 2.1 T2V 1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers): the DiT, UMT5-XXL and the Wan 2.1 VAE
+WAN = {
+    "transformer": dict(patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    "vae": dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]),
+    "text_encoder": dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                         relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+}
+
+
+def write_wan(folder: Path, scale: str = "real") -> Path:
+    """The tiny Wan 2.1 checkpoint's files (tokenizer, scheduler, model_index), its models' configs replaced by
+    Wan 2.1 1.3B's (real) or kept (toy), and no weights."""
+    from transformers import UMT5Config
+
+    from roles.pipelines.random_weights import MARKER
+    from tests.ckpt_wan import save_tiny_wan
+
+    save_tiny_wan(folder)
+    for name in ("transformer", "vae", "text_encoder"):
+        for weights in (folder / name).glob("*.safetensors"):
+            weights.unlink()
+        if scale != "real":
+            continue
+        if name == "text_encoder":
+            old = json.loads((folder / name / "config.json").read_text())
+            UMT5Config(**WAN[name], pad_token_id=old["pad_token_id"], eos_token_id=old["eos_token_id"],
+                       decoder_start_token_id=old["decoder_start_token_id"]).save_pretrained(folder / name)
+        else:
+            config = json.loads((folder / name / "config.json").read_text())
+            config.update(WAN[name])
+            (folder / name / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / MARKER).write_text(json.dumps({"scale": scale, "seeds": {"text_encoder": 11, "transformer": 12, "vae": 14}}))
+    return folder
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("family", choices=["flux"])
+    ap.add_argument("family", choices=["flux", "wan"])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--scale", choices=["real", "toy"], default="real")
     args = ap.parse_args()
-    print(write_flux(args.folder, args.scale))
+    print((write_flux if args.family == "flux" else write_wan)(args.folder, args.scale))
     return 0
 
 
