@@ -125,12 +125,12 @@ class Stage:
         fmt = check_format(params.response_format, getattr(self.adapter, "video", False))
         if self.fit is not None:
             self.fit.check(p)
-        if given.get("image") is not None or "image_pixels" in inputs:
+        tasks = getattr(self.adapter, "tasks", None)
+        if tasks is not None and (given.get("image") is not None or "image_pixels" in inputs):
             # an image task's size is its image's (or its pipeline's choice) unless the request names one
             for name in ("width", "height"):
                 if name not in given:
                     p.pop(name, None)
-        tasks = getattr(self.adapter, "tasks", None)
         if tasks is None and not getattr(self.adapter, "takes_images", False) and \
                 (p.get("image") is not None or p.get("mask") is not None):
             from roles.pipelines.conditioned import InputError

@@ -114,3 +114,13 @@ def test_input_errors_reach_http_clients_as_400_naming_the_field(error, status, 
 
     err = from_outcome_error(error)
     assert err.status == status and err.param == param
+
+
+def test_a_sim_request_with_an_image_runs_through_its_stage():
+    """sim: models take an image (its cost is the profile's); their stage keeps the request's size."""
+    from roles.pipelines.sim import SimAdapter
+    from roles.stage import Stage
+
+    stage = Stage("encoder", SimAdapter("zero", "encoder"), model="sim:zero")
+    out = stage.run(GenerationParams(prompt="p", image=png(Image.new("RGB", (8, 8)))), {})
+    assert out.tensors["x"].numel() > 0
