@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from client.inputs import InputError, from_data_url
+from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
@@ -56,26 +56,26 @@ MAX_EDIT_BODY_BYTES = 2 * MAX_INPUT_BYTES + 1024 * 1024
 EDIT_EXTENSIONS = EXTENSIONS + ("strength",)
 
 
+def input_error(exc: InputError, field: str) -> ApiError:
+    """An unreadable input image as HTTP: 413 over the size limit, else 400, naming the field."""
+    too_big = "limit" in str(exc)
+    return ApiError(413 if too_big else 400, str(exc), param=field, code="too_large" if too_big else "invalid_value")
+
+
 async def upload(form, names: tuple[str, ...], field: str) -> bytes | None:
-    """The bytes of the one file sent under any of `names` (None if none was)."""
+    """The bytes of the one file (or data: URL field) sent under any of `names` (None if none was)."""
     files = [f for name in names for f in form.getlist(name)]
     if not files:
         return None
     if len(files) > 1:
         raise ApiError(400, f"{field}: one image is taken, {len(files)} were sent", param=field, code="invalid_value")
     item = files[0]
-    data = item.encode() if isinstance(item, str) else await item.read(MAX_INPUT_BYTES + 1)
-    if isinstance(item, str) and item.startswith("data:"):
-        try:
-            return from_data_url(item, field)
-        except InputError as exc:
-            raise ApiError(400, str(exc), param=field, code="invalid_value") from None
-    if len(data) > MAX_INPUT_BYTES:
-        raise ApiError(413, f"{field}: over the {MAX_INPUT_BYTES}-byte limit for an input image", param=field,
-                       code="too_large")
-    if not data:
-        raise ApiError(400, f"{field}: empty", param=field, code="invalid_value")
-    return data
+    try:
+        if isinstance(item, str):
+            return from_data_url(item, field) if item.startswith("data:") else check_size(item.encode(), field)
+        return check_size(await item.read(MAX_INPUT_BYTES + 1), field)
+    except InputError as exc:
+        raise input_error(exc, field) from None
 
 
 async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParams]:

@@ -18,7 +18,7 @@ from msgspec import Meta
 from client import Unreachable
 from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError, from_outcome_error
-from gateway.images import extensions, field_error, parse_size
+from gateway.images import extensions, field_error, input_error, parse_size
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
@@ -92,8 +92,7 @@ def reference_bytes(value) -> bytes | None:
     try:
         return from_data_url(data, "input_reference") if isinstance(data, str) else check_size(data, "input_reference")
     except InputError as exc:
-        raise ApiError(413 if "limit" in str(exc) else 400, str(exc), param="input_reference",
-                       code="too_large" if "limit" in str(exc) else "invalid_value") from None
+        raise input_error(exc, "input_reference") from None
 
 
 def to_params(req: VideoRequest) -> GenerationParams:

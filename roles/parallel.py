@@ -25,8 +25,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from roles.layout import KINDS, describe_layout
-from transport.manifest import dtype_name
+from roles.layout import KINDS, describe_layout, world_of
+from transport.manifest import dtype_name, dtype_of
 from transport.messages import GenerationParams
 
 log = logging.getLogger("disagg.role")
@@ -56,18 +56,12 @@ class Shared(msgspec.Struct, array_like=True):
     tensors: list[tuple[str, str, list[int]]] = []
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
 class Group:
     """This process's place in its instance's ranks, and the collectives they run together."""
 
     def __init__(self, layout: dict[str, int], rank: int, init_method: str, device: str):
         self.layout = {k: int(layout.get(k, 1)) for k in KINDS}
-        self.world = 1
-        for degree in self.layout.values():
-            self.world *= degree
+        self.world = world_of(self.layout)
         self.rank = rank
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -151,7 +145,7 @@ class Group:
         shared = msgspec.msgpack.decode(self._recv_bytes(), type=Shared)
         inputs = {}
         for name, dtype, shape in shared.tensors:
-            t = torch.empty(shape, dtype=_torch_dtype(dtype), device=self._comm_device)
+            t = torch.empty(shape, dtype=dtype_of(dtype), device=self._comm_device)
             self._collective(dist.broadcast, t.view(torch.uint8) if t.dtype == torch.bool else t, src=0)
             inputs[name] = t
         return shared.params, inputs

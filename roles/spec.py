@@ -55,10 +55,9 @@ class WorkerSpec:
 
     @property
     def world(self) -> int:
-        n = 1
-        for degree in self.parallel.values():
-            n *= degree
-        return n
+        from roles.layout import world_of
+
+        return world_of(self.parallel)
 
     @property
     def identity(self) -> str:

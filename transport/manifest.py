@@ -38,6 +38,14 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ManifestError(f"unsupported dtype {dtype}") from None
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a manifest (or a rank group's header) names."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ManifestError(f"unsupported dtype {name!r}") from None
+
+
 def plan(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSpec], int]:
     """Offsets for each tensor in one slot, and the slot's total size."""
     specs, offset = [], 0

@@ -31,6 +31,7 @@ from roles.pipelines.replay import (  # noqa: F401 - LAYOUT, TASK, task_class: w
     task_class, unpixel,
 )
 from roles.pipelines.split import step_callback
+from transport.manifest import dtype_of
 
 #: what a request's inputs ask for: none, an image, an image and a mask
 TEXT, IMAGE, INPAINT = "text", "image", "inpaint"
@@ -191,7 +192,7 @@ class ConditionedTasks:
                 setattr(pipe, name, replaying(name, calls[name]))
         pipe.vae.recorded = calls.get("vae.encode", [])
         if layout.get("vae_dtype"):
-            pipe.vae.to(dtype=getattr(torch, layout["vae_dtype"]))
+            pipe.vae.to(dtype=dtype_of(layout["vae_dtype"]))
         image, mask = unpixel(inputs.get("image_pixels"), "RGB"), unpixel(inputs.get("mask_pixels"), "L")
         return self._run(pipe, p, image, mask, progress)
 

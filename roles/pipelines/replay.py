@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from transport.manifest import dtype_name
+
 #: recorded and replayed methods of the pipeline (vae.encode is handled by Recorder / ReplayVAE)
 METHODS = ("encode_prompt", "encode_image")
 #: the tensor naming the layout of the recorded outputs (JSON in uint8)
@@ -54,7 +56,7 @@ class Recorder:
                 setattr(pipe, name, self._wrap(name, fn))
         vae = getattr(pipe, "vae", None)
         if vae is not None:
-            self.vae_dtype = str(vae.dtype).removeprefix("torch.")
+            self.vae_dtype = dtype_name(vae.dtype)
             vae.encode = self._wrap_vae(vae.encode)
 
     def _wrap(self, name, fn):
