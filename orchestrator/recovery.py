@@ -12,7 +12,8 @@ before the resubmissions are placed. Each request then resumes from the furthest
 it: a finished result is answered at once, a staged output goes to the next stage, running work is
 waited for. What no client claims within the grace period is released: slots, pool memory, results.
 Reports that reach it before their request is known again (or before their role registered) are kept
-for the grace period too, never dropped.
+for the grace period too, never dropped. So are those of a role declared dead that is still alive (it was
+stopped, or cut off): a compute that finished as it came back reports before its new Register may arrive.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class Recovery:
         self.router = router
         #: request id -> what roles hold for it
         self.orphans: dict[str, list[Orphan]] = {}
-        #: instance id -> reports it sent before it registered: (message, frames, when)
-        self.early: dict[str, list[tuple[object, list[bytes], float]]] = {}
+        #: instance id -> reports it sent before it registered (again): (message, frames, when, pid), where
+        #: pid is that of the process declared dead that sent it (None: not registered with us yet)
+        self.early: dict[str, list[tuple[object, list[bytes], float, int | None]]] = {}
         self._early_count = 0
         self.kept_bytes = 0
         #: requests this orchestrator ended: a late output of theirs is released at once
@@ -147,15 +149,17 @@ class Recovery:
         for rid, attempt in msg.busy.items():
             if self.unknown(rid):
                 self._add(rid, Orphan(rid, "running", inst.id, inst.role, attempt, now))
-        for msg_, frames, _ in self.early.pop(inst.id, []):  # what it said before it registered, in order
+        for msg_, frames, _, pid in self.early.pop(inst.id, []):  # what it said before it registered, in order
             self._early_count -= 1
-            out.extend(self.router.handle_instance(inst.id, msg_, frames, now))
+            if pid is None or pid == msg.pid:  # not a process that died since: its pool went with it
+                out.extend(self.router.handle_instance(inst.id, msg_, frames, now))
 
-    def keep_early(self, sender: str, msg, frames: list[bytes], now: float) -> bool:
-        """A report from an instance that has not registered (yet): kept until it does. False: not kept."""
+    def keep_early(self, sender: str, msg, frames: list[bytes], now: float, pid: int | None = None) -> bool:
+        """A report from an instance that has not registered (yet), or from process `pid` of one declared
+        dead: kept until it registers (again), then handled as if it came after. False: not kept."""
         if not isinstance(msg, (Staged, Done, Failed, Fetched)) or self._early_count >= MAX_EARLY:
             return False
-        self.early.setdefault(sender, []).append((msg, list(frames), now))
+        self.early.setdefault(sender, []).append((msg, list(frames), now, pid))
         self._early_count += 1
         return True
 

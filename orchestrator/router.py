@@ -118,7 +118,9 @@ class Router(InstanceLifecycle):
                 return [to_instance(sender, Rejected(reason="not registered: send Register first"))]
             inst.last_seen = now
             if inst.state == "dead":
-                # it was given up on; its work went elsewhere. It must register again.
+                # it was given up on; its work went elsewhere. It must register again. A report it sent
+                # meanwhile is handled once it has (an output it staged is released then, not lost)
+                self.recovery.keep_early(sender, msg, frames, now, pid=inst.pid)
                 return [to_instance(sender, Rejected(reason="declared dead: register again"))]
         self._handlers[type(msg)](sender, msg, frames, now, out)
         self.dispatch_queued(now, out)

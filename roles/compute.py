@@ -139,10 +139,15 @@ class StageRunner:
             self.check_cancelled(run)
         return step
 
-    def release(self, offset: int) -> bool:
+    def release(self, offset: int, request_id: str | None = None) -> bool:
+        """Free the output staged at `offset`; False if none is, or it is another request's than
+        `request_id`: a stale Release (sent twice, once before this role was declared dead and once
+        after) must never free a newer output that reuses the offset."""
         with self.lock:
-            if self.staged.pop(offset, None) is None:
+            held = self.staged.get(offset)
+            if held is None or (request_id is not None and held.request_id != request_id):
                 return False
+            del self.staged[offset]
             self.pool.free(offset)
             return True
 

@@ -388,8 +388,9 @@ class Worker:
             self.log.info("request %s cancelled; stopping it at its next step", msg.request_id)
 
     def handle_release(self, msg: Release, frames) -> None:
-        if not self.runner.release(msg.offset):
-            self.log.warning("release of unknown slot %d for %s ignored", msg.offset, msg.request_id)
+        if not self.runner.release(msg.offset, msg.request_id):
+            self.log.warning("release of slot %d for %s ignored: nothing of that request is staged there",
+                             msg.offset, msg.request_id)
 
     def handle_shutdown(self, msg: Shutdown, frames) -> None:
         self.log.info("shutdown requested")

@@ -726,3 +726,33 @@ def test_host_aware_dispatch_sends_fewer_bytes_across_hosts_than_a_host_blind_ru
 
     blind, aware = cross_host(False), cross_host(True)
     assert aware == 0 and blind >= 10, (aware, blind)
+
+
+def test_a_report_from_a_role_declared_dead_is_handled_once_it_registers_again():
+    """SIGSTOP, then SIGCONT: the role's compute thread reports its output before the loop's new Register
+    arrives (another socket). Refused, but kept: once registered, the stale output is released, not leaked."""
+    h = Harness(heartbeat_timeout_s=3.0)
+    [enc] = h.add("encoder")
+    [den] = h.add("denoiser")
+    h.add("decoder")
+    h.submit("r1")
+    h.role(enc, staged(enc, "r1"))
+    h.role(den, Fetched(request_id="r1", attempt=1))
+    for iid in (enc, "decoder-0"):
+        h.tick(2.0)
+        h.role(enc, Heartbeat(instance_id=enc)), h.role("decoder-0", Heartbeat(instance_id="decoder-0"))
+    assert h.router.registry.get(den).state == "dead"  # silent 4 s, mid-compute
+    out = h.role(den, staged(den, "r1", attempt=1, offset=768))
+    assert [type(o.msg) for o in out] == [Rejected]
+    pool = h.router.registry.get(den).pool
+    out = h.role(den, Register(role="denoiser", instance_id=den, pid=1000, host_id="h", device="cpu", capacity=1,
+                               pool=pool, ready=True, busy={"r1": 1}))
+    assert [(o.to_instance, o.msg.offset) for o in out if isinstance(o.msg, Release)] == [(den, 768)]
+    snap = {i.id: i for i in h.router.snapshot(h.now).instances}
+    assert snap[den].free_slots == 1 and snap[den].pool_used_bytes == 0
+    # a restarted process (another pid) never gets a Release meant for its predecessor's pool
+    h.router.lose_instance(h.router.registry.get(den), "killed", h.now, [])
+    h.role(den, staged(den, "r1", attempt=1, offset=1024))
+    out = h.role(den, Register(role="denoiser", instance_id=den, pid=2000, host_id="h", device="cpu", capacity=1,
+                               pool=pool, ready=True))
+    assert not [o for o in out if isinstance(o.msg, Release)]

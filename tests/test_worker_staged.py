@@ -45,7 +45,9 @@ def test_staged_outputs_are_kept_and_told_and_recent_results_sent_again_to_a_new
         # a new orchestrator: the recent result goes to it again
         worker.handle_registered(Registered(session=1, heartbeat_interval_s=1.0, orchestrator_id="o2"), [])
         assert [(m.request_id, type(m).__name__) for m in sent(worker)] == [("r0", "Done")]
-        assert worker.runner.release(slot.offset) and not worker.runner.staged
+        # a stale Release for another request at the same offset frees nothing
+        assert not worker.runner.release(slot.offset, "r0") and worker.runner.staged
+        assert worker.runner.release(slot.offset, "r1") and not worker.runner.staged
     finally:
         worker.close()
         remove_segments(name)  # what the launcher does for a role's pool
