@@ -1,4 +1,4 @@
-"""The `disagg` command: launch, status, submit, stop.
+"""The `disagg` command: launch, status, submit, stop, keys, serve-http (bench: launcher/cli_bench.py).
 
 Exit codes: 0 success, 1 a request failed, 2 usage error, 3 cannot reach the orchestrator.
 Heavy imports (torch, diffusers) never happen here: only role processes load them.
@@ -15,71 +15,28 @@ from pathlib import Path
 
 import click
 import msgspec
-from rich.console import Console
 
-from client import Client, Unreachable, default_endpoint
+from client import Unreachable
+from launcher.cli_bench import bench
+from launcher.cli_common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    endpoint_option,
+    exit_unreachable,
+    int_list,
+    keys_option,
+    make_client,
+    make_console,
+)
 from launcher.dashboard import status_view
 from launcher.prompts import PromptError, load_prompts
 from launcher.topology import ConfigError, load_config, validate
 from orchestrator.dispatch import POLICIES
 from transport.selection import CHOICES as TRANSFER_CHOICES
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 #: how long `disagg stop` waits for the orchestrator to let go of its port
 STOP_WAIT_S = 10.0
 
-keys_option = click.option(
-    "--keys", type=click.Path(file_okay=False), default=lambda: os.environ.get("DISAGG_KEYS"),
-    help="CurveZMQ keys directory (from `disagg keys generate`), when the deployment uses them. [default: $DISAGG_KEYS]",
-)
-
-def _check_endpoint(ctx, param, value: str) -> str:
-    """tcp://HOST:PORT, or a usage error (exit 2) that says so."""
-    host, sep, port = value.removeprefix("tcp://").rpartition(":")
-    if not value.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{value!r} is not a tcp://HOST:PORT address (e.g. tcp://127.0.0.1:5555)")
-    return value
-
-
-endpoint_option = click.option(
-    "--endpoint", default=default_endpoint, show_default="$DISAGG_ENDPOINT or tcp://127.0.0.1:5555",
-    callback=_check_endpoint, help="The orchestrator's client endpoint, tcp://HOST:PORT.",
-)
-
-
-def _console() -> Console:
-    # piped output (logs, tests, scripts) gets the whole table rather than 80 squeezed columns
-    return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _unreachable(exc: Exception) -> None:
-    click.echo(f"error: {exc}", err=True)
-    sys.exit(EXIT_UNREACHABLE)
-
-
-def _client(endpoint: str, keys_dir: str | None) -> Client:
-    if not keys_dir:
-        return Client(endpoint)
-    from transport.auth import KeyError_, client_curve
-
-    try:
-        return Client(endpoint, curve=client_curve(Path(keys_dir)))
-    except KeyError_ as exc:
-        raise click.BadParameter(str(exc), param_hint="--keys") from None
-
-
-def _int_list(text: str | None, name: str, length: int | None = None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        values = [int(x) for x in text.split(",") if x.strip() != ""]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
-    if length is not None and len(values) != length:
-        raise click.BadParameter(f"expected {length} comma-separated integers, got {text!r}", param_hint=name)
-    if any(v < 0 for v in values):
-        raise click.BadParameter("values must not be negative", param_hint=name)
-    return values
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -157,19 +114,19 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
     for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):
         if count is not None:
             getattr(config, role_key).count = count
-    caps = _int_list(capacity, "--capacity", 3)
+    caps = int_list(capacity, "--capacity", 3)
     if caps:
         if min(caps) < 1:
             raise click.BadParameter("every capacity must be at least 1", param_hint="--capacity")
         config.encoders.capacity, config.denoisers.capacity, config.decoders.capacity = caps
-    standbys = _int_list(standby, "--standby", 3)
+    standbys = int_list(standby, "--standby", 3)
     if standbys:
         if min(standbys) < 0:
             raise click.BadParameter("a standby count cannot be negative", param_hint="--standby")
         config.encoders.standby, config.denoisers.standby, config.decoders.standby = standbys
     if max_batch is not None:
         config.denoisers.max_batch = max_batch
-    gpu_list = _int_list(gpus, "--gpus")
+    gpu_list = int_list(gpus, "--gpus")
     if gpu_list is not None:
         config.gpus = gpu_list
     for role, n in (("denoiser", gpus_per_denoiser), ("encoder", gpus_per_encoder), ("decoder", gpus_per_decoder)):
@@ -216,7 +173,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
                    err=True)
     from launcher.run import run_deployment
 
-    sys.exit(run_deployment(config, _console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency, as_json))
+    sys.exit(run_deployment(config, make_console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency, as_json))
 
 
 def _loopback(host: str) -> bool:
@@ -239,12 +196,12 @@ def _check_out(out_dir: str) -> None:
 @click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
 def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
     """Show every instance's state, free slots and queues."""
-    console = _console()
-    with _client(endpoint, keys) as client:
+    console = make_console()
+    with make_client(endpoint, keys) as client:
         try:
             report = client.status()
         except Unreachable as exc:
-            _unreachable(exc)
+            exit_unreachable(exc)
         if as_json:
             click.echo(json.dumps(msgspec.to_builtins(report), indent=2))
             return
@@ -260,7 +217,7 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
                     try:
                         live.update(status_view(client.status(), title=f"disagg at {endpoint}", width=console.width))
                     except Unreachable as exc:
-                        _unreachable(exc)
+                        exit_unreachable(exc)
         except KeyboardInterrupt:
             pass
 
@@ -282,11 +239,11 @@ def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurre
     _check_out(out_dir)
     from launcher.batch import run_prompts
 
-    with _client(endpoint, keys) as client:
+    with make_client(endpoint, keys) as client:
         try:
-            code = run_prompts(client, params, Path(out_dir), concurrency, _console(), as_json, timeout_s)
+            code = run_prompts(client, params, Path(out_dir), concurrency, make_console(), as_json, timeout_s)
         except Unreachable as exc:
-            _unreachable(exc)
+            exit_unreachable(exc)
     sys.exit(code)
 
 
@@ -297,12 +254,12 @@ def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurre
 @click.option("--host", "host_id", help="Stop only the instances of this host (its id, as `status` shows it); with --drain once they finished their work, else now (their work moves elsewhere).")
 def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None) -> None:
     """Shut the deployment down: the orchestrator stops every role, then the launcher exits."""
-    with _client(endpoint, keys) as client:
+    with make_client(endpoint, keys) as client:
         if host_id:
             try:
                 client.stop_host(host_id, drain=drain)
             except Unreachable as exc:
-                _unreachable(exc)
+                exit_unreachable(exc)
             except RuntimeError as exc:  # refused: no such host
                 click.echo(f"error: {exc}", err=True)
                 sys.exit(EXIT_FAILED)
@@ -311,7 +268,7 @@ def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None) -> N
         try:
             client.stop(drain=drain)
         except Unreachable as exc:
-            _unreachable(exc)
+            exit_unreachable(exc)
         except RuntimeError as exc:  # refused
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_FAILED)
@@ -363,11 +320,11 @@ def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: s
     except PortBusy as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    with _client(endpoint, keys) as client:
+    with make_client(endpoint, keys) as client:
         try:
             client.status()
         except Unreachable as exc:
-            _unreachable(exc)
+            exit_unreachable(exc)
     from gateway.__main__ import main as gateway_main
 
     os.environ["DISAGG_API_KEY"] = api_key
@@ -375,102 +332,9 @@ def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: s
     sys.exit(gateway_main(["--endpoint", endpoint, "--host", host, "--port", str(port), "--keys", keys or ""]))
 
 
-@cli.group(invoke_without_command=True)
-@endpoint_option
-@keys_option
-@click.option("--concurrency", type=click.IntRange(1, 100_000), help="Closed loop: requests kept in flight (default 1).")
-@click.option("--request-rate", type=click.FloatRange(0.001), help="Open loop: Poisson arrivals per second.")
-@click.option("--num-requests", type=click.IntRange(1), default=100, show_default=True, help="Measured requests.")
-@click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, help="Requests run one at a time first; their median latency is the unloaded latency.")
-@click.option("--width", type=int, help="Request width (default: the model's).")
-@click.option("--height", type=int, help="Request height (default: the model's).")
-@click.option("--steps", type=int, help="num_inference_steps (default: the model's).")
-@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="A prompts file (mixed sizes): requests cycle through it.")
-@click.option("--slo-factor", type=click.FloatRange(0.0, min_open=True), default=2.0, show_default=True, help="slo_attainment: share of requests within this many times the unloaded latency.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-@click.option("--http", "http_url", metavar="URL", help="Drive the HTTP gateway at URL (e.g. http://127.0.0.1:8000) instead of the ZeroMQ endpoint.")
-@click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
-@click.pass_context
-def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, as_json, http_url, api_key) -> None:
-    """Load a running deployment and report throughput, latency, stage times, utilization.
-
-    `disagg bench transfer` instead measures the stage handoff per transfer engine.
-    """
-    if ctx.invoked_subcommand is not None:
-        return
-    from launcher.bench_load import run_load
-    from transport.messages import MessageError, params_from_obj
-
-    if concurrency and request_rate:
-        raise click.UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")
-    if prompts_path:
-        try:
-            workload = load_prompts(prompts_path)
-        except PromptError as exc:
-            raise click.BadParameter(str(exc), param_hint="--prompts") from None
-    else:
-        fields = {k: v for k, v in (("width", width), ("height", height), ("num_inference_steps", steps)) if v is not None}
-        try:
-            workload = [params_from_obj({"prompt": "a benchmark prompt", "seed": 0, **fields})]
-        except MessageError as exc:
-            raise click.UsageError(str(exc)) from None
-    if http_url:
-        from launcher.bench_http import HttpLoadClient
-
-        load_client = HttpLoadClient(http_url, api_key)
-    else:
-        load_client = _client(endpoint, keys)
-    with load_client as client:
-        try:
-            doc = run_load(client, workload, num_requests, concurrency, request_rate, warmup, slo_factor)
-        except Unreachable as exc:
-            _unreachable(exc)
-    doc["path"] = "http" if http_url else "zeromq"
-    if as_json:
-        click.echo(json.dumps(doc))
-    else:
-        from launcher.dashboard import bench_view
-
-        _console().print(bench_view(doc))
-    if doc["failed"]:
-        click.echo(f"error: {doc['failed']} of {doc['failed'] + doc['completed']} requests failed", err=True)
-        sys.exit(EXIT_FAILED)
 
 
-@bench.command("transfer")
-@click.option("--engines", help="Comma-separated engines (default: shm, mooncake if installed, inline; with --gpus: cuda-ipc, mooncake, inline).")
-@click.option("--sizes", help="Comma-separated payload sizes in bytes (default 16 KiB, 512 KiB, 4 MiB, 10 MiB, 30 MiB).")
-@click.option("--repeats", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Measured handoffs per size.")
-@click.option("--warmup", type=click.IntRange(0, 1000), default=3, show_default=True, help="Unmeasured handoffs first, per size.")
-@click.option("--gpus", metavar="0,1,...", help="Place the roles on these GPUs (GPU pools, cuda-ipc); shm still runs on host pools, as the baseline.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench_transfer(engines, sizes, repeats, warmup, gpus, as_json) -> None:
-    """Measure the stage handoff per transfer engine between real role processes."""
-    import importlib.util
-
-    from launcher.bench_transfer import SIZES, bench_table, run_bench, shape_for
-
-    gpu_list = _int_list(gpus, "--gpus") or []
-    if engines:
-        names = [e.strip() for e in engines.split(",") if e.strip()]
-        bad = [e for e in names if e not in TRANSFER_CHOICES or e == "auto"]
-        if bad:
-            raise click.BadParameter(f"unknown engine(s) {', '.join(bad)}", param_hint="--engines")
-    else:
-        has_mooncake = importlib.util.find_spec("mooncake") is not None
-        names = (["cuda-ipc"] if gpu_list else ["shm"]) + (["mooncake"] if has_mooncake else []) + ["inline"]
-    size_list = _int_list(sizes, "--sizes") or list(SIZES)
-    for n in size_list:
-        try:
-            shape_for(n)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--sizes") from None
-    console = _console()
-    doc = run_bench(names, size_list, repeats, warmup, gpu_list, console, quiet=as_json)
-    if as_json:
-        click.echo(json.dumps(doc))
-    else:
-        console.print(bench_table(doc))
+cli.add_command(bench)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""The Router's handling of instances coming and going: standbys, drained and stopped hosts, work a
-re-registered instance no longer runs, and processes seen to exit. A mixin of Router (orchestrator/router.py):
+"""The Router's handling of instances coming and going: instances lost (silent, stalled, exited) and their
+work moved, standbys, drained and stopped hosts and deployments, work a re-registered instance no longer
+runs. A mixin of Router (orchestrator/router.py):
 it works on the Router's registry and calls its state machine steps (lose_instance, finish_run, retry)."""
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ import logging
 
 from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
-from transport.messages import HEARTBEAT_INTERVAL_S, Rejected, Shutdown, StopHost, Stopping
+from transport.messages import HEARTBEAT_INTERVAL_S, Rejected, Shutdown, Stop, StopHost, Stopping
 
 log = logging.getLogger("disagg.orchestrator")
+
+#: what a request still waiting or running is told when the deployment stops under it
+STOPPING_ERROR = "the deployment is stopping; the request was not finished"
 
 
 class InstanceLifecycle:
@@ -87,3 +91,51 @@ class InstanceLifecycle:
             self.lose_instance(inst, f"its process {pid} exited", now, out)
             self.dispatch_queued(now, out)
         return out
+
+    def handle_stop(self, identity, msg: Stop, frames, now, out) -> None:
+        if msg.orchestrator_id and msg.orchestrator_id != self.id:
+            # a launcher stopping the orchestrator it started, which is gone: this one took its port
+            log.warning("refused a Stop meant for orchestrator %s (this is %s)", msg.orchestrator_id, self.id)
+            out.append(to_client(identity, Rejected(reason=f"this is orchestrator {self.id}, not "
+                                                          f"{msg.orchestrator_id}: not stopping")))
+            return
+        out.append(to_client(identity, Stopping()))
+        if msg.drain and self.requests:
+            self.draining = True  # refuse new work; stop once the last request ends (see end)
+            log.info("draining %d requests before stopping", len(self.requests))
+            return
+        self.stop_all(out, now)
+
+    def stop_all(self, out, now: float) -> None:
+        """Tell every instance to exit, and every client with a request in flight that it ends now."""
+        self.stopping = True
+        for inst in self.registry.alive():
+            out.append(to_instance(inst.id, Shutdown()))
+        for req in list(self.requests.values()):
+            self.fail(req, STOPPING_ERROR, now, out, stopping=True)
+
+    def expire_instances(self, now: float, out: list[Out]) -> None:
+        for inst in self.registry.alive():
+            silent = now - inst.last_seen
+            if silent > self.config.heartbeat_timeout_s:
+                self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
+            elif inst.running and now - inst.progress_at > self.config.stall_timeout_s:
+                self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
+
+    def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
+        """Mark an instance dead; every request it held or whose data it held gets a new attempt."""
+        log.warning("instance %s is dead: %s", inst.id, why)
+        self._inline_cache.clear()
+        if inst.state == "ready":
+            self.promote_standby(inst)
+        inst.state, inst.free_slots = "dead", 0
+        inst.running.clear()
+        inst.staged.clear()
+        self.recovery.forget_instance(inst.id)
+        for req in list(self.requests.values()):
+            held = req.assigned == inst.id and req.state == "running"
+            staged_here = req.source is not None and req.source.slot.instance_id == inst.id
+            if staged_here:
+                req.source, req.source_frames = None, []  # its pool went with it
+            if held or staged_here:
+                self.retry(req, f"{inst.role} {inst.id} died ({why}) during stage {req.stage}", now, out)

@@ -12,39 +12,23 @@ import uuid
 
 import msgspec
 
-from orchestrator.dispatch import make_policy, pick_joining_batch
+from orchestrator.dispatch import make_policy
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
+from orchestrator.placement import InlineCache, Placement
 from orchestrator.recovery import Recovery
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, snapshot
 from transport.messages import (
-    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register, Registered, Rejected, Release,
-    RequestQuery, RequestState, RequestStates, Result, Run, Shutdown, Source, Staged, StatusQuery, StatusReport, Stop,
-    StopHost, Stopping, Submit,
+    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register,
+    Registered, Rejected, Release, RequestQuery, RequestState, RequestStates, Result, Source, Staged, StatusQuery,
+    StatusReport, Stop, StopHost, Submit,
 )
-from transport.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
 
-#: what a request still waiting or running is told when the deployment stops under it
-STOPPING_ERROR = "the deployment is stopping; the request was not finished"
-
-
-class InlineCache(dict):
-    """needs_inline's answers, and the consumers' kinds of pool they were computed from: cleared together."""
-
-    def __init__(self):
-        super().__init__()
-        self.kinds: dict[str, dict] = {}
-
-    def clear(self) -> None:
-        super().clear()
-        self.kinds.clear()
-
-
-class Router(InstanceLifecycle):
+class Router(InstanceLifecycle, Placement):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -218,28 +202,6 @@ class Router(InstanceLifecycle):
         log.info("request %s cancelled by its client (%s %s)", req.id, req.state, req.stage)
         self.end(req, "cancelled", now)
 
-    def handle_stop(self, identity, msg: Stop, frames, now, out) -> None:
-        if msg.orchestrator_id and msg.orchestrator_id != self.id:
-            # a launcher stopping the orchestrator it started, which is gone: this one took its port
-            log.warning("refused a Stop meant for orchestrator %s (this is %s)", msg.orchestrator_id, self.id)
-            out.append(to_client(identity, Rejected(reason=f"this is orchestrator {self.id}, not "
-                                                          f"{msg.orchestrator_id}: not stopping")))
-            return
-        out.append(to_client(identity, Stopping()))
-        if msg.drain and self.requests:
-            self.draining = True  # refuse new work; stop once the last request ends (see end)
-            log.info("draining %d requests before stopping", len(self.requests))
-            return
-        self.stop_all(out, now)
-
-    def stop_all(self, out, now: float) -> None:
-        """Tell every instance to exit, and every client with a request in flight that it ends now."""
-        self.stopping = True
-        for inst in self.registry.alive():
-            out.append(to_instance(inst.id, Shutdown()))
-        for req in list(self.requests.values()):
-            self.fail(req, STOPPING_ERROR, now, out, stopping=True)
-
     # --- role messages ----------------------------------------------------------------------
 
     def handle_register(self, sender, msg: Register, frames, now, out) -> None:
@@ -389,35 +351,6 @@ class Router(InstanceLifecycle):
 
     # --- loop phases ------------------------------------------------------------------------
 
-    def dispatch_queued(self, now: float, out: list[Out]) -> None:
-        for role in ROLES:
-            queue = self.queues[role]
-            candidates = None
-            while queue:
-                req = self.requests.get(queue[0])
-                if req is None or req.ended or req.stage != role or req.state != "queued":
-                    queue.popleft()  # ended or moved on while waiting
-                    continue
-                if candidates is None:
-                    candidates = self.registry.of_role(role)
-                producer = (self.registry.get(req.source.slot.instance_id)
-                            if req.source is not None and self.config.host_aware else None)
-                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
-                                          producer.host if producer is not None else None,
-                                          batching=self.registry.batching(role))
-                if inst is None:
-                    break
-                queue.popleft()
-                self.assign(req, inst, now, out)
-
-    def expire_instances(self, now: float, out: list[Out]) -> None:
-        for inst in self.registry.alive():
-            silent = now - inst.last_seen
-            if silent > self.config.heartbeat_timeout_s:
-                self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
-            elif inst.running and now - inst.progress_at > self.config.stall_timeout_s:
-                self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
-
     def expire_requests(self, now: float, out: list[Out]) -> None:
         for req in [r for r in self.requests.values() if now > r.deadline]:
             limit = req.deadline - req.submitted_at
@@ -426,58 +359,6 @@ class Router(InstanceLifecycle):
             self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out)
 
     # --- state machine steps ----------------------------------------------------------------
-
-    def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
-        req.stage, req.state, req.assigned = role, "queued", None
-        req.mark(f"queued_{role}", now)
-        # a retry already waited its turn once
-        (self.queues[role].appendleft if front else self.queues[role].append)(req.id)
-
-    def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
-        source, frames = None, []
-        if req.source is not None:
-            producer = self.registry.get(req.source.slot.instance_id)
-            engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
-            if engine == "inline" and not req.source_frames:
-                self.release_source(req, out)
-                self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
-                return
-            if warning and (producer.id, inst.id) not in self._warned_pairs:
-                self._warned_pairs.add((producer.id, inst.id))
-                log.warning("%s", warning)
-            inst.engine = engine
-            self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
-            source = msgspec.structs.replace(req.source, engine=engine)
-            frames = req.source_frames if engine == "inline" else []
-        if not inst.running:
-            inst.progress_at = now  # an idle instance's progress clock starts with its work
-        inst.free_slots -= 1
-        inst.running[req.id] = req.attempt
-        req.state, req.assigned = "running", inst.id
-        req.mark(f"run_{inst.role}", now)
-        req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
-        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
-                  inline_output=self.needs_inline(inst))
-        out.append(to_instance(inst.id, run, frames))
-
-    def needs_inline(self, producer: Instance) -> bool:
-        """Whether some ready consumer of `producer`'s output can only be reached inline. Cached per kind of
-        pool (host, engines, device) on both ends, so a role of a thousand instances costs a few checks."""
-        role = next_stage(producer.role)
-        if role is None:
-            return False
-        key = (role, producer.pool.host_id, tuple(producer.pool.engines), producer.pool.device)
-        cached = self._inline_cache.get(key)
-        if cached is None:
-            kinds = self._consumer_kinds.get(role)
-            if kinds is None:
-                kinds = self._consumer_kinds[role] = {
-                    (c.pool.host_id, tuple(c.pool.engines), c.pool.device): c.pool
-                    for c in self.registry.of_role(role) if c.state == "ready"}
-            cached = any(choose_engine(self.config.transfer, producer.pool, pool)[0] == "inline"
-                         for pool in kinds.values())
-            self._inline_cache[key] = cached
-        return cached
 
     def finish_run(self, inst: Instance, request_id: str, attempt: int) -> Request | None:
         """Free the compute slot a report closes; the request if the report is current."""
@@ -517,24 +398,6 @@ class Router(InstanceLifecycle):
         del self.requests[req.id]
         self.recovery.ended_request(req.id)
         self.stats.record(state, now, req.timings)
-
-    def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
-        """Mark an instance dead; every request it held or whose data it held gets a new attempt."""
-        log.warning("instance %s is dead: %s", inst.id, why)
-        self._inline_cache.clear()
-        if inst.state == "ready":
-            self.promote_standby(inst)
-        inst.state, inst.free_slots = "dead", 0
-        inst.running.clear()
-        inst.staged.clear()
-        self.recovery.forget_instance(inst.id)
-        for req in list(self.requests.values()):
-            held = req.assigned == inst.id and req.state == "running"
-            staged_here = req.source is not None and req.source.slot.instance_id == inst.id
-            if staged_here:
-                req.source, req.source_frames = None, []  # its pool went with it
-            if held or staged_here:
-                self.retry(req, f"{inst.role} {inst.id} died ({why}) during stage {req.stage}", now, out)
 
     def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:
         """A new attempt from the last stage whose input still exists, else from the encoder."""

@@ -1,7 +1,7 @@
 """The worker runtime shared by all three roles: register, heartbeat, receive work, report.
 
-One thread owns the DEALER socket, the same-host fast lane (transport/lane.py, once the
-orchestrator welcomes us on it) and the poll loop; what it sends in one turn leaves together at the
+One thread owns the link to the orchestrator (roles/link.py: the DEALER socket, the same-host fast
+lane once the orchestrator welcomes us on it) and the poll loop; what it sends in one turn leaves together at the
 end of the turn (one Bundle). Compute and transfers run on a pool of `capacity` threads
 (roles/compute.py) that send their reports on their own sockets, so the loop never blocks on a
 model; computes that all took microseconds run on the loop thread itself. The loop also watches
@@ -22,19 +22,19 @@ from pathlib import Path
 import zmq
 
 from roles.compute import StageRunner
-from roles.limits import model_limits
-from roles.spec import WorkerSpec
-from transport.auth import apply_client_curve, client_curve
 from roles.layout import describe_layout
-from transport.engines import EngineOptions, TransferEngine, make_engines
-from transport.lane import LaneClosed, LaneError, LaneLink
+from roles.limits import model_limits
+from roles.link import Link
+from roles.spec import WorkerSpec
+from transport.auth import client_curve
 from transport.bundle import Outbox, decode_frames
+from transport.engines import EngineOptions, TransferEngine, make_engines
+from transport.lane import LaneLink
 from transport.messages import (
     BOOT_ERROR_EXIT,
     FOREIGN_DEPLOYMENT,
     Cancel,
     HEARTBEAT_INTERVAL_S,
-    MAX_FRAMES_BYTES,
     Alive,
     Dead,
     Failed,
@@ -58,7 +58,7 @@ REPORTS = "inproc://reports"
 INLINE_BUDGET_S = 0.1
 
 
-class Worker:
+class Worker(Link):
     """Drives a StageRunner from the orchestrator's messages."""
 
     def __init__(self, spec: WorkerSpec, load_stage, pool: Pool):
@@ -111,52 +111,6 @@ class Worker:
 
     # --- socket side (loop thread only) ----------------------------------------------------
 
-    def send(self, msg, frames=()) -> None:
-        """Queue a message for the orchestrator; it leaves at the end of this loop turn (flush)."""
-        self.outbox.add(None, msg, frames)
-
-    def flush(self) -> None:
-        self.outbox.flush(lambda _dest, frames: self.send_frames(frames))
-
-    def open_lane(self, path: str) -> None:
-        """Take the orchestrator's fast lane when it is on this host (its socket file is here)."""
-        self.close_lane()
-        if not path or not self.spec.use_lane:
-            return
-        self.lane = LaneLink.open(path, [b"role", self.spec.instance_id.encode(), self.orchestrator_id.encode()])
-        if self.lane is None:
-            self.log.info("no fast lane to the orchestrator here; control messages take ZeroMQ")
-        elif self.poller is not None:
-            self.poller.register(self.lane.fd, zmq.POLLIN)
-
-    def close_lane(self) -> None:
-        if self.lane is not None:
-            if self.poller is not None:
-                try:
-                    self.poller.unregister(self.lane.fd)
-                except (KeyError, ValueError):
-                    pass
-            self.lane.close()
-            self.lane = None
-
-    def drain_lane(self) -> None:
-        welcomed = self.lane.welcomed
-        try:
-            packets = self.lane.recv()
-        except LaneClosed:
-            self.log.info("the orchestrator closed the fast lane; control messages take ZeroMQ")
-            self.close_lane()
-            # it may have died: a heartbeat now tells (a successor answers "not registered", and we register)
-            self.heartbeat()
-            return
-        if self.lane.welcomed and not welcomed:
-            self.log.info("control messages take the fast lane")
-        for frames in packets:
-            if isinstance(frames, LaneError):
-                self.log.warning("dropped a bad packet from the orchestrator: %s", frames)
-                continue
-            self.handle_frames(frames)
-
     def pool_info(self) -> PoolInfo:
         advertised = {}
         for engine in self.engines.values():
@@ -169,21 +123,6 @@ class Worker:
             device=self.pool.device,
             **advertised,
         )
-
-    def connect(self) -> None:
-        """A fresh DEALER to the orchestrator (again after it went silent), then Register."""
-        if self.sock is not None:
-            self.outbox = Outbox()  # what was meant for the silent orchestrator goes with its socket
-            self.close_lane()
-            self.sock.close(linger=0)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, self.spec.identity.encode())
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        apply_client_curve(self.sock, self.curve)
-        self.sock.connect(self.spec.endpoint)
-        self.register()
 
     def register(self) -> None:
         self.send(
@@ -330,18 +269,6 @@ class Worker:
             else:
                 self.send_frames(frames)
 
-    def send_frames(self, frames: list) -> None:
-        if self.lane is not None:
-            if self.lane.send(frames):
-                return
-            if self.lane.closed:
-                self.log.warning("the fast lane to the orchestrator broke; control messages take ZeroMQ")
-                self.close_lane()
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            self.log.warning("orchestrator not accepting messages; a report was dropped")
-
     def handle_registered(self, msg: Registered, frames) -> None:
         # what we hold went with the Register: the orchestrator resumes requests from it or releases it
         if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
@@ -420,20 +347,6 @@ class Worker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(REPORTS)
         sock.send_multipart([encode(msg) if msg is not None else kind, *frames])
-
-    def _thread_dealer(self) -> zmq.Socket:
-        """This thread's own DEALER to the orchestrator, as INSTANCE#THREAD (it maps that to INSTANCE)."""
-        sock = getattr(self._local, "dealer", None)
-        if sock is None:
-            sock = self._local.dealer = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"{self.spec.identity}#{threading.current_thread().name}".encode())
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            apply_client_curve(sock, self.curve)
-            sock.connect(self.spec.endpoint)
-            with self._dealers_lock:
-                self._dealers.append(sock)
-        return sock
 
     def close(self) -> None:
         self.flush()

@@ -12,12 +12,14 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
+    Count, CudaIpcHandle, Id, PoolInfo, SlotRef, Source, TensorSpec,
+)
+from transport.params import MAX_INPUT_BYTES, GenerationParams  # noqa: F401 - likewise
 from transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
 )
 
-#: Largest input image or mask a request carries (its file's bytes: PNG, JPEG, WebP ...)
-MAX_INPUT_BYTES = 16 * 1024 * 1024
 #: Largest control message we decode; anything bigger is refused before parsing (a Submit with an image
 #: and a mask at their limits fits)
 MAX_MESSAGE_BYTES = 2 * MAX_INPUT_BYTES + 4 * 1024 * 1024
@@ -33,108 +35,11 @@ HEARTBEAT_INTERVAL_S = 1.0
 STATES = ("starting", "ready", "standby", "draining", "dead")
 
 Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
-Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
-Count = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
     """Base of all wire messages."""
-
-
-# --- request parameters -------------------------------------------------------------------
-
-
-class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """One generation request, named as in diffusers; unset fields take the model's defaults.
-
-    Unset fields are left off the wire, so a request that uses no new field still reaches an
-    orchestrator of an older version."""
-
-    prompt: Annotated[str, Meta(min_length=1, max_length=20_000)]
-    negative_prompt: Annotated[str, Meta(max_length=20_000)] | None = None
-    width: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
-    height: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
-    num_inference_steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
-    guidance_scale: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
-    #: Wan 2.2 (two experts): guidance of the low-noise expert; None = the model's default
-    guidance_scale_2: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    #: images (videos, for a video model) per prompt
-    num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1
-    #: video models: frames per video
-    num_frames: Annotated[int, Meta(ge=1, le=1024)] | None = None
-    #: video models: frames per second of the MP4 (None = the model's, 16 for Wan)
-    fps: Annotated[int, Meta(ge=1, le=240)] | None = None
-    #: png, jpeg or webp for images; mp4 for video, or png for its frames one by one (lossless);
-    #: None = png, or mp4 for a video model
-    response_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
-    #: image tasks: the input image's file (img2img, editing, image-to-video), and a mask (white: repaint)
-    #: of the same size for inpainting. They travel to the encoder only; the orchestrator never decodes them
-    image: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
-    mask: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
-    #: img2img and inpainting: how far from the input image (0: keep it, 1: ignore it); None = the model's
-    strength: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-
-
-# --- data plane descriptors ---------------------------------------------------------------
-
-
-class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    """Where one tensor lies inside a slot: byte offset from the slot start."""
-
-    name: Annotated[str, Meta(min_length=1, max_length=128)]
-    dtype: Annotated[str, Meta(max_length=32)]
-    shape: list[Annotated[int, Meta(ge=0)]]
-    offset: Count
-    nbytes: Count
-
-
-class CudaIpcHandle(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    """What torch needs to open another process's CUDA allocation (the fields of _share_cuda_)."""
-
-    device: int
-    handle: bytes
-    storage_bytes: Count
-    storage_offset: Count
-    ref_counter_handle: bytes
-    ref_counter_offset: Count
-    event_handle: bytes
-    event_sync_required: bool
-
-
-class PoolInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A role's buffer pool as its peers see it: enough to read from it with any engine it serves."""
-
-    host_id: Annotated[str, Meta(max_length=256)]
-    engines: list[Annotated[str, Meta(max_length=32)]]
-    pool_name: Annotated[str, Meta(max_length=256)]
-    pool_bytes: Count
-    #: cpu (host shared memory) or cuda:N (a CUDA allocation)
-    device: Annotated[str, Meta(max_length=64)] = "cpu"
-    #: mooncake: the peer id ("ip:rpc_port") and the registered base address of the pool
-    session_id: Annotated[str, Meta(max_length=256)] = ""
-    base_addr: Count = 0
-    #: cuda-ipc: the pool's IPC handle, and the physical GPU it lives on
-    cuda_ipc: CudaIpcHandle | None = None
-    gpu: int | None = None
-
-
-class SlotRef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A staged output: which slot of which instance's pool, and what it holds."""
-
-    instance_id: Id
-    offset: Count
-    nbytes: Count
-    tensors: list[TensorSpec]
-
-
-class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Where the consumer pulls its inputs from, and with which engine."""
-
-    slot: SlotRef
-    pool: PoolInfo
-    engine: Annotated[str, Meta(max_length=32)]
 
 
 # --- client <-> orchestrator ----------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""The Router's placement of queued work: which instance takes the request at the head of each role's
+queue, and the Run that tells it where its input is and how to hand its output on. A mixin of Router
+(orchestrator/router.py): it works on the Router's queues, registry, policy and requests."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from orchestrator.dispatch import pick_joining_batch
+from orchestrator.outbox import Out, to_instance
+from orchestrator.registry import Instance
+from orchestrator.requests import ROLES, Request, next_stage
+from transport.messages import Run
+from transport.selection import choose_engine
+
+log = logging.getLogger("disagg.orchestrator")
+
+
+class InlineCache(dict):
+    """needs_inline's answers, and the consumers' kinds of pool they were computed from: cleared together."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[str, dict] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.kinds.clear()
+
+
+class Placement:
+    """Methods of Router; see orchestrator/router.py for the state they use."""
+
+    def dispatch_queued(self, now: float, out: list[Out]) -> None:
+        for role in ROLES:
+            queue = self.queues[role]
+            candidates = None
+            while queue:
+                req = self.requests.get(queue[0])
+                if req is None or req.ended or req.stage != role or req.state != "queued":
+                    queue.popleft()  # ended or moved on while waiting
+                    continue
+                if candidates is None:
+                    candidates = self.registry.of_role(role)
+                producer = (self.registry.get(req.source.slot.instance_id)
+                            if req.source is not None and self.config.host_aware else None)
+                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
+                                          producer.host if producer is not None else None,
+                                          batching=self.registry.batching(role))
+                if inst is None:
+                    break
+                queue.popleft()
+                self.assign(req, inst, now, out)
+
+    def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
+        req.stage, req.state, req.assigned = role, "queued", None
+        req.mark(f"queued_{role}", now)
+        # a retry already waited its turn once
+        (self.queues[role].appendleft if front else self.queues[role].append)(req.id)
+
+    def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
+        source, frames = None, []
+        if req.source is not None:
+            producer = self.registry.get(req.source.slot.instance_id)
+            engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
+            if engine == "inline" and not req.source_frames:
+                self.release_source(req, out)
+                self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
+                return
+            if warning and (producer.id, inst.id) not in self._warned_pairs:
+                self._warned_pairs.add((producer.id, inst.id))
+                log.warning("%s", warning)
+            inst.engine = engine
+            self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
+            source = msgspec.structs.replace(req.source, engine=engine)
+            frames = req.source_frames if engine == "inline" else []
+        if not inst.running:
+            inst.progress_at = now  # an idle instance's progress clock starts with its work
+        inst.free_slots -= 1
+        inst.running[req.id] = req.attempt
+        req.state, req.assigned = "running", inst.id
+        req.mark(f"run_{inst.role}", now)
+        req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
+        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
+                  inline_output=self.needs_inline(inst))
+        out.append(to_instance(inst.id, run, frames))
+
+    def needs_inline(self, producer: Instance) -> bool:
+        """Whether some ready consumer of `producer`'s output can only be reached inline. Cached per kind of
+        pool (host, engines, device) on both ends, so a role of a thousand instances costs a few checks."""
+        role = next_stage(producer.role)
+        if role is None:
+            return False
+        key = (role, producer.pool.host_id, tuple(producer.pool.engines), producer.pool.device)
+        cached = self._inline_cache.get(key)
+        if cached is None:
+            kinds = self._consumer_kinds.get(role)
+            if kinds is None:
+                kinds = self._consumer_kinds[role] = {
+                    (c.pool.host_id, tuple(c.pool.engines), c.pool.device): c.pool
+                    for c in self.registry.of_role(role) if c.state == "ready"}
+            cached = any(choose_engine(self.config.transfer, producer.pool, pool)[0] == "inline"
+                         for pool in kinds.values())
+            self._inline_cache[key] = cached
+        return cached

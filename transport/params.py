@@ -1,0 +1,44 @@
+"""One generation request's parameters, as clients send them and every stage reads them. Part of the
+wire schema (transport/messages.py re-exports them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+#: Largest input image or mask a request carries (its file's bytes: PNG, JPEG, WebP ...)
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+
+
+class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """One generation request, named as in diffusers; unset fields take the model's defaults.
+
+    Unset fields are left off the wire, so a request that uses no new field still reaches an
+    orchestrator of an older version."""
+
+    prompt: Annotated[str, Meta(min_length=1, max_length=20_000)]
+    negative_prompt: Annotated[str, Meta(max_length=20_000)] | None = None
+    width: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
+    height: Annotated[int, Meta(ge=16, le=8192, multiple_of=16)] | None = None
+    num_inference_steps: Annotated[int, Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    #: Wan 2.2 (two experts): guidance of the low-noise expert; None = the model's default
+    guidance_scale_2: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    #: images (videos, for a video model) per prompt
+    num_images_per_prompt: Annotated[int, Meta(ge=1, le=16)] = 1
+    #: video models: frames per video
+    num_frames: Annotated[int, Meta(ge=1, le=1024)] | None = None
+    #: video models: frames per second of the MP4 (None = the model's, 16 for Wan)
+    fps: Annotated[int, Meta(ge=1, le=240)] | None = None
+    #: png, jpeg or webp for images; mp4 for video, or png for its frames one by one (lossless);
+    #: None = png, or mp4 for a video model
+    response_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
+    #: image tasks: the input image's file (img2img, editing, image-to-video), and a mask (white: repaint)
+    #: of the same size for inpainting. They travel to the encoder only; the orchestrator never decodes them
+    image: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
+    mask: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
+    #: img2img and inpainting: how far from the input image (0: keep it, 1: ignore it); None = the model's
+    strength: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
