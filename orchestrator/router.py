@@ -19,10 +19,10 @@ from orchestrator.placement import InlineCache, Placement
 from orchestrator.recovery import Recovery
 from orchestrator.registry import Instance, Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
-from orchestrator.stats import GATEWAY_SILENCE_S, Stats, snapshot
+from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
     FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register,
-    Registered, Rejected, Release, RequestQuery, RequestState, RequestStates, Result, Source, Staged, StatusQuery,
+    Registered, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
     StatusReport, Stop, StopHost, Submit,
 )
 
@@ -173,19 +173,7 @@ class Router(InstanceLifecycle, Placement):
             del self.gateways[gone]
 
     def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
-        states = {}
-        for rid in msg.request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                states[rid] = RequestState(state="unknown")
-                continue
-            step, steps = 0, 0
-            inst = self.registry.get(req.assigned) if req.assigned else None
-            if inst is not None and rid in inst.steps:
-                step, steps = inst.steps[rid]
-            states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
-                                       step=step, steps=steps)
-        out.append(to_client(identity, RequestStates(states=states)))
+        out.append(to_client(identity, request_states(self, msg.request_ids)))
 
     def handle_cancel(self, identity, msg: Cancel, frames, now, out) -> None:
         """The client that sent a request gives it up: it ends now, without a Result. Its role, if it

@@ -1,4 +1,4 @@
-"""Counters and the status snapshot the orchestrator answers `disagg status` with."""
+"""Counters, the status snapshot the orchestrator answers `disagg status` with, and where requests are (RequestQuery)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import collections
 import os
 
 from orchestrator.requests import ROLES, STAGES
-from transport.messages import GatewayStatus, PairEngine, RequestCounts, StageTime, StatusReport, TransferCount
+from transport.messages import (
+    GatewayStatus, PairEngine, RequestCounts, RequestState, RequestStates, StageTime, StatusReport, TransferCount,
+)
 
 THROUGHPUT_WINDOW_S = 10.0
 #: the timings a request's Result carries per stage, as phase_role
@@ -97,3 +99,20 @@ def snapshot(router, now: float) -> StatusReport:
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
     )
+
+
+def request_states(router, request_ids: list[str]) -> RequestStates:
+    """Where each of these requests is (RequestQuery): queued or running, in which stage, at which step."""
+    states = {}
+    for rid in request_ids:
+        req = router.requests.get(rid)
+        if req is None:
+            states[rid] = RequestState(state="unknown")
+            continue
+        step, steps = 0, 0
+        inst = router.registry.get(req.assigned) if req.assigned else None
+        if inst is not None and rid in inst.steps:
+            step, steps = inst.steps[rid]
+        states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
+                                   step=step, steps=steps)
+    return RequestStates(states=states)
