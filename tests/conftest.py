@@ -111,6 +111,20 @@ def launch_with_http(args: list[str], tmp: Path) -> Launched:
     return dep
 
 
+def serve_tiny_with_http(kind: str, tmp: Path):
+    """For a module fixture (`yield from`): tiny checkpoint `kind` (tests/checkpoints.py) served 1:1:1 behind
+    a gateway that answers /health; stopped afterwards."""
+    from tests.checkpoints import save_tiny
+
+    folder = tmp / kind
+    save_tiny(kind, folder)
+    (tmp / f"{kind}-run").mkdir()
+    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
+                                tmp / f"{kind}-run").serve(3):
+        wait_http(dep.http + "/health")
+        yield dep
+
+
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__.split(".")[-1])

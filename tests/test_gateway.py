@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from gateway.errors import from_outcome_error
-from tests.conftest import wait_http, ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive
+from tests.conftest import wait_http, ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, serve_tiny_with_http
 
 pytestmark = pytest.mark.e2e
 
@@ -254,15 +254,7 @@ def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def wan(module_tmp):
-    from tests.checkpoints import save_tiny
-
-    folder = module_tmp / "wan21"
-    save_tiny("wan21", folder)
-    (module_tmp / "wan").mkdir()
-    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
-                                module_tmp / "wan").serve(3):
-        wait_http(dep.http + "/health")
-        yield dep
+    yield from serve_tiny_with_http("wan21", module_tmp)
 
 
 def test_videos_create_retrieve_download_with_the_openai_client(wan):

@@ -16,8 +16,7 @@ import pytest
 from PIL import Image
 
 from client import Client
-from tests.checkpoints import save_tiny
-from tests.conftest import wait_http, Launched, disagg, launch_with_http
+from tests.conftest import Launched, disagg, serve_tiny_with_http
 from transport.messages import MAX_INPUT_BYTES, GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -39,12 +38,7 @@ def pixels(data: bytes) -> np.ndarray:
 @pytest.fixture(scope="module")
 def flux(module_tmp):
     """A FluxPipeline checkpoint (text, img2img, inpainting) behind a gateway."""
-    folder = module_tmp / "flux"
-    save_tiny("flux", folder)
-    (module_tmp / "flux-run").mkdir()
-    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
-                                module_tmp / "flux-run").serve(3):
-        wait_http(dep.http + "/health")
+    for dep in serve_tiny_with_http("flux", module_tmp):
         dep.api = openai.OpenAI(base_url=dep.http + "/v1", api_key="unused", max_retries=0)
         yield dep
 
@@ -150,13 +144,7 @@ def test_the_orchestrator_forwards_the_image_to_the_encoder_only(flux):
 
 @pytest.fixture(scope="module")
 def wan_i2v(module_tmp):
-    folder = module_tmp / "wan-i2v"
-    save_tiny("wan21-i2v", folder)
-    (module_tmp / "wan-run").mkdir()
-    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
-                                module_tmp / "wan-run").serve(3):
-        wait_http(dep.http + "/health")
-        yield dep
+    yield from serve_tiny_with_http("wan21-i2v", module_tmp)
 
 
 def wait_video(dep, vid: str) -> dict:
