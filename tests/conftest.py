@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,26 @@ def launch_with_http(args: list[str], tmp: Path) -> Launched:
     dep = Launched([*args, "--http-port", str(port)], tmp)
     dep.http = f"http://127.0.0.1:{port}"
     return dep
+
+
+class Load:
+    """Submits requests from a background thread (its own socket), collecting outcomes: `join` them."""
+
+    def __init__(self, endpoint: str, params: list, concurrency: int = 50, timeout_s: float | None = None):
+        self.outcomes = None
+        self.thread = threading.Thread(target=self._run, args=(endpoint, params, concurrency, timeout_s), daemon=True)
+        self.thread.start()
+
+    def _run(self, endpoint, params, concurrency, timeout_s):
+        from client import Client
+
+        with Client(endpoint) as client:
+            self.outcomes = client.run_all(params, concurrency=concurrency, timeout_s=timeout_s)
+
+    def join(self, timeout=240):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "requests still pending"
+        return self.outcomes
 
 
 def serve_tiny_with_http(kind: str, tmp: Path):

@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 from PIL import Image
 
 from client import Client
-from tests.conftest import ROOT, Launched, disagg, free_port_pair
+from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair
 from transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
@@ -199,22 +198,13 @@ def test_ctrl_c_on_submit_exits_130_with_a_summary(sim, tmp_path):
 def test_zz_a_plain_stop_ends_every_pending_request_at_once(sim):
     """Before: clients waited ~15 s for "stopped answering; request lost", even for unsent requests."""
     params = [GenerationParams(prompt=f"long {k}", width=1024, height=1024, num_inference_steps=20) for k in range(8)]
-    got = {}
-
-    def submit():
-        with Client(sim.endpoint) as client:
-            got["outcomes"] = client.run_all(params, concurrency=4, timeout_s=120)
-
-    t = threading.Thread(target=submit)
-    t.start()
+    load = Load(sim.endpoint, params, concurrency=4, timeout_s=120)
     time.sleep(1.5)
     res = disagg("stop", "--endpoint", sim.endpoint, timeout=30)
     t_stop = time.monotonic()
     assert res.returncode == 0 and "stopped" in res.stdout, res.stdout + res.stderr
-    t.join(timeout=30)
-    assert not t.is_alive()
+    outcomes = load.join(timeout=30)
     assert time.monotonic() - t_stop < 2.0
-    outcomes = got["outcomes"]
     assert len(outcomes) == 8 and not any(o.ok for o in outcomes)
     assert sum("the deployment is stopping" in o.error for o in outcomes) >= 4, [o.error for o in outcomes]
     assert all("stopping" in o.error for o in outcomes), [o.error for o in outcomes]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 
 import msgspec
@@ -16,7 +15,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import Launched, pid_alive, wait_until
+from tests.conftest import Launched, Load, pid_alive, wait_until
 from transport.messages import GenerationParams, Heartbeat, Register, StatusQuery, Submit, encode
 
 pytestmark = pytest.mark.e2e
@@ -39,24 +38,6 @@ def deployment(module_tmp):
 
 def small(n: int, tag: str) -> list[GenerationParams]:
     return [GenerationParams(prompt=f"{tag} {i}", width=64, height=64, num_inference_steps=2, seed=i) for i in range(n)]
-
-
-class Load:
-    """Submits requests from a background thread (its own socket), collecting outcomes."""
-
-    def __init__(self, endpoint: str, params: list[GenerationParams], concurrency: int = 50):
-        self.outcomes = None
-        self.thread = threading.Thread(target=self._run, args=(endpoint, params, concurrency), daemon=True)
-        self.thread.start()
-
-    def _run(self, endpoint, params, concurrency):
-        with Client(endpoint) as client:
-            self.outcomes = client.run_all(params, concurrency=concurrency)
-
-    def join(self, timeout=240):
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "requests still pending"
-        return self.outcomes
 
 
 def status(dep):

@@ -18,7 +18,7 @@ from PIL import Image
 from client import Client
 from launcher.topology import ConfigError, DeploymentConfig, RoleConfig, place, validate
 from tests.checkpoints import save_tiny
-from tests.conftest import Launched, disagg, wait_until
+from tests.conftest import Launched, Load, disagg, wait_until
 from transport.messages import GenerationParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,20 +160,10 @@ def test_zz_killing_rank_1_under_load_loses_nothing_and_the_group_restarts(ulyss
     before = rank_pids(ulysses)
     assert set(before) == {"r0", "r1"}, before
     params = [GenerationParams(prompt=f"a cat {i}", seed=i, width=64, height=64, num_inference_steps=3) for i in range(24)]
-    results = {}
-
-    def load():
-        with Client(ulysses.endpoint) as client:
-            results["outcomes"] = client.run_all(params, concurrency=4, timeout_s=300)
-
-    import threading
-
-    t = threading.Thread(target=load)
-    t.start()
+    load = Load(ulysses.endpoint, params, concurrency=4, timeout_s=300)
     time.sleep(1.0)
     os.kill(before["r1"], signal.SIGKILL)
-    t.join(timeout=300)
-    outcomes = results["outcomes"]
+    outcomes = load.join(timeout=300)
     assert sum(o.ok for o in outcomes) == len(params), [o.error for o in outcomes if not o.ok]
     after = wait_until(lambda: (lambda r: r if set(r) == {"r0", "r1"} and not set(r.values()) & set(before.values())
                                 else None)(rank_pids(ulysses)), timeout=120, why=lambda: rank_pids(ulysses))
