@@ -115,15 +115,16 @@ def launch_with_http(args: list[str], tmp: Path) -> Launched:
 class Load:
     """Submits requests from a background thread (its own socket), collecting outcomes: `join` them."""
 
-    def __init__(self, endpoint: str, params: list, concurrency: int = 50, timeout_s: float | None = None):
+    def __init__(self, endpoint: str, params: list, concurrency: int = 50, timeout_s: float | None = None, curve=None):
         self.outcomes = None
-        self.thread = threading.Thread(target=self._run, args=(endpoint, params, concurrency, timeout_s), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(endpoint, params, concurrency, timeout_s, curve),
+                                       daemon=True)
         self.thread.start()
 
-    def _run(self, endpoint, params, concurrency, timeout_s):
+    def _run(self, endpoint, params, concurrency, timeout_s, curve):
         from client import Client
 
-        with Client(endpoint) as client:
+        with Client(endpoint, curve=curve) as client:
             self.outcomes = client.run_all(params, concurrency=concurrency, timeout_s=timeout_s)
 
     def join(self, timeout=240):

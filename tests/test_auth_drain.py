@@ -12,8 +12,7 @@ from client import Client
 from launcher.ports import free_port_pair
 from orchestrator.router import Router
 from orchestrator.server import OrchestratorServer
-from tests.conftest import Launched, disagg
-from tests.test_failures import Load, wait_until
+from tests.conftest import Launched, Load, disagg, wait_until
 from transport.auth import client_curve, generate_keys
 from transport.messages import GenerationParams, PoolInfo, Register, encode
 
@@ -89,13 +88,7 @@ def test_role_without_the_key_cannot_register(deployment, tmp_path):
 
 def test_zz_drain_finishes_in_flight_work_then_exits(deployment, keys):
     params = [GenerationParams(prompt=f"d{i}", width=2048, height=1024, seed=i) for i in range(300)]
-
-    class SecureLoad(Load):
-        def _run(self, endpoint, params, concurrency):
-            with Client(endpoint, curve=deployment.curve) as client:
-                self.outcomes = client.run_all(params, concurrency=concurrency)
-
-    load = SecureLoad(deployment.endpoint, params, concurrency=20)
+    load = Load(deployment.endpoint, params, concurrency=20, curve=deployment.curve)
     with Client(deployment.endpoint, curve=deployment.curve) as c:
         wait_until(lambda: c.status().requests.completed >= 5, timeout=60, step=0.05)
     res = disagg("stop", "--drain", "--endpoint", deployment.endpoint, "--keys", str(keys), timeout=30)
