@@ -44,6 +44,16 @@ def _cases() -> dict[str, list[tuple[str, dict, dict]]]:
     img, mask, small = png(IMAGE), png(MASK), png(SMALL)
     size = dict(width=W, height=H)
     flux = dict(num_inference_steps=3, guidance_scale=3.5)
+    cfg = dict(num_inference_steps=4, guidance_scale=5.0)
+
+    def cfg_family(prefix: str) -> list[tuple[str, dict, dict]]:
+        """SD3's and SDXL's img2img and inpainting cases, alike but for the class names."""
+        return [
+            (f"{prefix}Img2ImgPipeline", dict(image=img, strength=0.6, **cfg), dict(image=IMAGE, strength=0.6, **cfg)),
+            (f"{prefix}InpaintPipeline", dict(image=img, mask=mask, strength=0.8, **size, **cfg),
+             dict(image=IMAGE, mask_image=MASK, strength=0.8, **size, **cfg)),
+        ]
+
     return {
         "flux": [
             ("FluxImg2ImgPipeline", dict(image=img, strength=0.7, **size, **flux),
@@ -59,20 +69,8 @@ def _cases() -> dict[str, list[tuple[str, dict, dict]]]:
             ("FluxFillPipeline", dict(image=img, mask=mask, **size, num_inference_steps=3, guidance_scale=30.0),
              dict(image=IMAGE, mask_image=MASK, **size, num_inference_steps=3, guidance_scale=30.0)),
         ],
-        "sd3": [  # img2img keeps the image's size
-            ("StableDiffusion3Img2ImgPipeline", dict(image=img, strength=0.6, num_inference_steps=4, guidance_scale=5.0),
-             dict(image=IMAGE, strength=0.6, num_inference_steps=4, guidance_scale=5.0)),
-            ("StableDiffusion3InpaintPipeline", dict(image=img, mask=mask, strength=0.8, **size, num_inference_steps=4,
-                                                     guidance_scale=5.0),
-             dict(image=IMAGE, mask_image=MASK, strength=0.8, **size, num_inference_steps=4, guidance_scale=5.0)),
-        ],
-        "sdxl": [
-            ("StableDiffusionXLImg2ImgPipeline", dict(image=img, strength=0.6, num_inference_steps=4, guidance_scale=5.0),
-             dict(image=IMAGE, strength=0.6, num_inference_steps=4, guidance_scale=5.0)),
-            ("StableDiffusionXLInpaintPipeline", dict(image=img, mask=mask, strength=0.8, **size, num_inference_steps=4,
-                                                      guidance_scale=5.0),
-             dict(image=IMAGE, mask_image=MASK, strength=0.8, **size, num_inference_steps=4, guidance_scale=5.0)),
-        ],
+        "sd3": cfg_family("StableDiffusion3"),  # img2img keeps the image's size
+        "sdxl": cfg_family("StableDiffusionXL"),
         "wan21-i2v": [
             ("WanImageToVideoPipeline", dict(image=small, width=32, height=32, num_frames=9, num_inference_steps=2,
                                              guidance_scale=5.0, response_format="png"),
