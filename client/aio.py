@@ -11,7 +11,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SUSPECT_PROBE_S, Outcome, Unreachable
+from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SEND_TIMEOUT_S, SUSPECT_PROBE_S, Outcome, Unreachable
 from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
@@ -73,14 +73,30 @@ class AsyncClient:
         """Send `msg`; the next reply of its kind (answers come in order) resolves the oldest waiter."""
         fut = asyncio.get_running_loop().create_future()
         waiters.append(fut)
-        await self.sock.send_multipart([encode(msg)])
         try:
+            await self._send([encode(msg)], timeout_s)
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no answer in {timeout_s:g} s)") from None
         finally:
             if fut in waiters:
                 waiters.remove(fut)
+
+    async def _send(self, frames: list, timeout_s: float = SEND_TIMEOUT_S) -> None:
+        """Send, or raise Unreachable once no connection took the message in `timeout_s` (a DEALER whose only
+        connection failed, as a CurveZMQ handshake without the right keys does, would wait forever)."""
+        try:
+            await asyncio.wait_for(self.sock.send_multipart(frames), timeout_s)
+        except asyncio.TimeoutError:
+            raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no connection took a message "
+                              f"in {timeout_s:g} s)") from None
+
+    async def _send_quietly(self, frames: list) -> None:
+        """The reader's own sends: one no connection takes is logged, and the reader goes on."""
+        try:
+            await self._send(frames)
+        except Unreachable as exc:
+            log.warning("%s", exc)
 
     async def status(self, timeout_s: float = 2.0) -> StatusReport:
         return await self._ask(StatusQuery(), self._status_waiters, timeout_s)
@@ -91,7 +107,7 @@ class AsyncClient:
 
     async def beat(self, url: str, pid: int, restarts: int = 0) -> None:
         """Tell the orchestrator this gateway serves it (status lists gateways heard from lately)."""
-        await self.sock.send_multipart([encode(GatewayBeat(url=url, pid=pid, restarts=restarts))])
+        await self._send([encode(GatewayBeat(url=url, pid=pid, restarts=restarts))])
 
     def in_flight(self, request_id: str) -> asyncio.Future | None:
         entry = self._pending.get(request_id)
@@ -99,6 +115,9 @@ class AsyncClient:
 
     async def submit(self, request_id: str, params: GenerationParams, timeout_s: float | None = None) -> Outcome:
         """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too)."""
+        entry = self._pending.get(request_id)
+        if entry is not None and entry[0] != params:  # as the orchestrator answers such a Submit
+            return Outcome(request_id, params, False, "refused: duplicate request_id with other parameters")
         fut = self.in_flight(request_id)
         if fut is None:  # the same id twice: both wait for the one run
             fut = asyncio.get_running_loop().create_future()
@@ -106,7 +125,10 @@ class AsyncClient:
                 self._last_heard = time.monotonic()
             self._pending[request_id] = (params, time.monotonic(), fut)
             self._timeouts[request_id] = timeout_s
-            await self.sock.send_multipart([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
+            try:
+                await self._send([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
+            except Unreachable as exc:
+                self._settle(request_id, Outcome(request_id, params, False, str(exc)))
         return await asyncio.shield(fut)
 
     async def cancel(self, request_id: str) -> bool:
@@ -115,7 +137,10 @@ class AsyncClient:
         entry = self._pending.get(request_id)
         if entry is None:
             return False
-        await self.sock.send_multipart([encode(Cancel(request_id=request_id))])
+        try:
+            await self._send([encode(Cancel(request_id=request_id))])
+        except Unreachable:
+            pass  # nobody to tell: it ends here all the same
         self._settle(request_id, Outcome(request_id, entry[0], False, "cancelled",
                                          latency_s=time.monotonic() - entry[1]))
         return True
@@ -131,7 +156,7 @@ class AsyncClient:
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        await self.sock.send_multipart([encode(StatusQuery())])  # learn the orchestrator's id (restarts change it)
+        await self._send_quietly([encode(StatusQuery())])  # learn the orchestrator's id (restarts change it)
         while True:
             events = dict(await poller.poll(SUSPECT_PROBE_S * 1000 if self.suspect else 500))
             if self.monitor in events:
@@ -160,14 +185,14 @@ class AsyncClient:
             elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S) and (
                     self.suspect or now - self._last_heard > PROBE_INTERVAL_S):
                 last_probe = now  # quiet, or the connection dropped: who answers now?
-                await self.sock.send_multipart([encode(StatusQuery())])
+                await self._send_quietly([encode(StatusQuery())])
             if self._resubmit:
                 todo, self._resubmit = self._resubmit, []
                 for rid in todo:
                     if rid in self._pending:
                         msg = Submit(request_id=rid, params=self._pending[rid][0], timeout_s=self._timeouts.get(rid),
                                      resume=True)
-                        await self.sock.send_multipart([encode(msg)])
+                        await self._send_quietly([encode(msg)])
 
     def _handle(self, reply, frames: list[bytes]) -> None:
         if isinstance(reply, MessageError):

@@ -41,6 +41,9 @@ PROBE_INTERVAL_S = 2.0
 SUSPECT_PROBE_S = 0.2
 #: ...and give the pending requests up when nothing at all arrived for this long
 ORCHESTRATOR_SILENCE_S = 15.0
+#: the longest a send may wait for a connection to take it: a DEALER whose only connection failed (a
+#: CurveZMQ handshake without the right keys) blocks a plain send forever
+SEND_TIMEOUT_S = 5.0
 
 
 def default_endpoint() -> str:
@@ -137,7 +140,22 @@ class Client:
                 return
             if self.lane.closed:
                 self.close_lane()
-        self.sock.send_multipart(frames)
+        self._zsend(frames)
+
+    def _zsend(self, frames: list, timeout_s: float = SEND_TIMEOUT_S) -> None:
+        """Send over ZeroMQ, or raise Unreachable once no connection took the message in `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    hint = "" if self.secured else " (if it uses keys, pass --keys)"
+                    raise Unreachable(f"cannot reach the orchestrator at {self.endpoint} (no connection took a "
+                                      f"message in {timeout_s:g} s){hint}") from None
+                self.sock.poll(min(left, 0.05) * 1000, zmq.POLLOUT)
 
     def __enter__(self):
         return self
@@ -196,8 +214,8 @@ class Client:
         if not self._probed:
             self.probe()
             self._probed = True
-        self.sock.send_multipart([encode(msg)])
         deadline = time.monotonic() + timeout_s
+        self._zsend([encode(msg)], timeout_s)
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
             if not got and time.monotonic() < deadline:
@@ -230,9 +248,11 @@ class Client:
         """Stop the deployment; with `orchestrator_id`, only if that orchestrator is the one answering."""
         return self._ask(Stop(drain=drain, orchestrator_id=orchestrator_id), Stopping, timeout_s)
 
-    def stop_host(self, host_id: str, drain: bool = False, timeout_s: float = CONNECT_TIMEOUT_S) -> Stopping:
-        """Stop one host's instances only (with `drain`, once what they run and hold is done)."""
-        return self._ask(StopHost(host_id=host_id, drain=drain), Stopping, timeout_s)
+    def stop_host(self, host_id: str, drain: bool = False, timeout_s: float = CONNECT_TIMEOUT_S,
+                  launcher: str = "") -> Stopping:
+        """Stop one host's instances only (with `drain`, once what they run and hold is done); with `launcher`,
+        only those that launcher started."""
+        return self._ask(StopHost(host_id=host_id, drain=drain, launcher=launcher), Stopping, timeout_s)
 
     def run_all(
         self,
@@ -303,12 +323,12 @@ class Client:
                     if now - last_heard > ORCHESTRATOR_SILENCE_S:
                         lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
                     elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S):
-                        self.sock.send_multipart([encode(StatusQuery())])
+                        self._zsend([encode(StatusQuery())])
                         last_probe = now
                     continue
                 last_heard = now
                 if self.suspect and pending and now - last_probe > SUSPECT_PROBE_S:
-                    self.sock.send_multipart([encode(StatusQuery())])  # who answers now? (it may have restarted)
+                    self._zsend([encode(StatusQuery())])  # who answers now? (it may have restarted)
                     last_probe = now
                 for reply, frames in got:
                     if isinstance(reply, StatusReport):

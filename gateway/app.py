@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import logging
 import os
@@ -68,7 +69,10 @@ async def _beat(client: AsyncClient, url: str) -> None:
     """Once a second: `disagg status` and the live table list this gateway."""
     restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
     while True:
-        await client.beat(url, os.getpid(), restarts)
+        try:
+            await client.beat(url, os.getpid(), restarts)
+        except Unreachable as exc:
+            log.warning("%s", exc)
         await asyncio.sleep(GATEWAY_BEAT_S)
 
 
@@ -210,9 +214,14 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         if not _REQUEST_ID.match(rid):
             raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
         headers = {"X-Request-Id": rid}
+        asked = hashlib.sha1(msgspec.msgpack.encode(params)).hexdigest()
         answered = recent.get(rid)
         if answered is not None:  # a resubmission of a finished request: the same answer, not a second run
-            return JSONResponse(answered, headers=headers)
+            if answered[0] != asked:
+                raise ApiError(409, f"X-Request-Id {rid!r} was used for a request with other parameters; send new "
+                                    "requests under new ids", param="X-Request-Id", code="duplicate_request_id",
+                               headers=headers)
+            return JSONResponse(answered[1], headers=headers)
         outcome = await submit_unless_gone(request, rid, params)
         if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
             return Response(status_code=499, headers=headers)
@@ -236,7 +245,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                "size": f"{width}x{height}" if width and height else req.size,
                "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
                           "timings": outcome.timings, "model": outcome.resolved.get("model")}}
-        recent.put(rid, doc, sum(len(d.get("b64_json", "")) for d in data))
+        recent.put(rid, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
         return JSONResponse(doc, headers=headers)
 
     add_video_routes(app, client, served_model)
@@ -262,15 +271,26 @@ def make_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 once every role has a ready instance. 503 otherwise, with `code` telling why: the orchestrator
+        cannot be reached (`orchestrator_unreachable`: down), it is stopping (`unavailable`), a role has no
+        instance at all (`no_instance`: none has joined yet, or all were stopped), or its instances are
+        still loading (`not_ready`)."""
         report = await status_or_503()
         if report.orchestrator.get("state") != "ready":
             raise ApiError(503, f"the deployment is {report.orchestrator.get('state')}", code="unavailable",
                            headers={"Retry-After": "5"})
         roles = ("monolith",) if any(i.role == "monolith" for i in report.instances) else ("encoder", "denoiser", "decoder")
-        missing = [r for r in roles if not any(i.role == r and i.state == "ready" for i in report.instances)]
+        live = {r: [i for i in report.instances if i.role == r and i.state != "dead"] for r in roles}
+        absent = [r for r in roles if not live[r]]
+        if absent:
+            waited = ", ".join(f"{r} (none for {float(report.orchestrator.get(f'unserved_{r}_s', 0)):.0f} s)"
+                               for r in absent)
+            raise ApiError(503, f"no instance of {waited}: waiting for one to register", code="no_instance",
+                           headers={"Retry-After": "5"})
+        missing = [r for r in roles if not any(i.state == "ready" for i in live[r])]
         if missing:
-            raise ApiError(503, f"no ready {', '.join(missing)} instance", code="not_ready",
-                           headers={"Retry-After": "2"})
+            what = ", ".join(f"{r} ({', '.join(sorted({i.state for i in live[r]}))})" for r in missing)
+            raise ApiError(503, f"no ready instance of {what}", code="not_ready", headers={"Retry-After": "2"})
         return {"status": "ok"}
 
     def model_card(model: str) -> dict:

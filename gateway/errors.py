@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from transport.messages import NOT_READY
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          500: "server_error", 503: "service_unavailable"}
@@ -30,6 +32,8 @@ def from_outcome_error(error: str) -> ApiError:
         reason = error[len("refused: "):]
         if reason.startswith("overloaded"):
             return ApiError(429, reason, code="overloaded", headers={"Retry-After": "1"})
+        if reason.startswith(NOT_READY):  # a role has no instance: none joined yet, or all were stopped
+            return ApiError(503, reason, code="not_ready", headers={"Retry-After": "5"})
         if reason.startswith(("draining", "shutting down")):
             return ApiError(503, reason, code="unavailable", headers={"Retry-After": "5"})
         if " is over this deployment's maximum" in reason:  # "width 8192 is over ..."
@@ -43,6 +47,8 @@ def from_outcome_error(error: str) -> ApiError:
         reason = error[error.index("InputError: ") + len("InputError: "):]
         field = reason.split(":", 1)[0]
         return ApiError(400, reason, param=field if field in ("image", "mask", "strength") else None, code="invalid_value")
+    if error.startswith("cannot reach the orchestrator"):
+        return ApiError(503, error, code="orchestrator_unreachable", headers={"Retry-After": "5"})
     if "the deployment is stopping" in error:
         return ApiError(503, error, code="unavailable", headers={"Retry-After": "5"})
     # failed after its retries: resending it as is would fail again

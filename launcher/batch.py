@@ -136,7 +136,7 @@ def run_prompts(
                 outcome.ok, outcome.error = False, f"cannot save into {out_dir}: {exc.strerror or exc}"
         record = outcome_record(outcome, paths, index_of.get(outcome.request_id), model)
         records.append(record)
-        if out_dir is not None and (outcome.ok or out_dir.exists()):
+        if out_dir is not None:  # every request's line, failures too (the folder is made for it)
             try:
                 if manifest is None:
                     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +178,7 @@ def run_prompts(
     else:
         tail = f" ({not_run} not run: interrupted)" if code == 130 else ""
         console.print(f"{ok}/{len(params)} requests succeeded{tail}", markup=False)
-        if out_dir is not None and records and out_dir.exists():
+        if out_dir is not None and records and (out_dir / MANIFEST).exists():
             console.print(f"manifest: {out_dir / MANIFEST}", markup=False)
     if code is not None:
         return code

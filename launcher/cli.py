@@ -74,6 +74,7 @@ def cli(verbose: bool) -> None:
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.1), help="Seconds of silence after which an instance is dead (default 3).")
 @click.option("--stall-timeout", type=click.FloatRange(0.1), help="Seconds without progress while holding work after which an instance is dead for it (default 120).")
 @click.option("--request-timeout", type=click.FloatRange(0.1), help="Default per-request deadline in seconds (default 600).")
+@click.option("--join-wait", type=click.FloatRange(0.1), help="Seconds a role may have no instance (none joined yet, or all stopped) before Submits are refused at once as not ready, HTTP 503 (default 10).")
 @click.option("--max-retries", type=click.IntRange(0, 100), help="New attempts when an instance dies under a request (default 2).")
 @click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
 @click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")
@@ -89,7 +90,7 @@ def cli(verbose: bool) -> None:
 @click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
 def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus,
            gpus_per_denoiser, gpus_per_encoder, gpus_per_decoder, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
-           heartbeat_timeout, stall_timeout, request_timeout, max_retries, max_queue, keys_dir, lane,
+           heartbeat_timeout, stall_timeout, request_timeout, join_wait, max_retries, max_queue, keys_dir, lane,
            run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
     """Start the orchestrator and every role process, and show them live.
 
@@ -103,7 +104,7 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
     for key, value in (("model", model), ("dtype", dtype), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
                        ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
                        ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
-                       ("request_timeout_s", request_timeout), ("max_retries", max_retries), ("max_queue", max_queue),
+                       ("request_timeout_s", request_timeout), ("join_wait_s", join_wait), ("max_retries", max_retries), ("max_queue", max_queue),
                        ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares),
                        ("join", join), ("advertise_host", advertise_host), ("host_aware", host_aware)):
         if value is not None:
@@ -252,11 +253,23 @@ def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurre
 @keys_option
 @click.option("--drain", is_flag=True, help="Refuse new work, finish what is in flight, then stop.")
 @click.option("--host", "host_id", help="Stop only the instances of this host (its id, as `status` shows it); with --drain once they finished their work, else now (their work moves elsewhere).")
-def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None) -> None:
-    """Shut the deployment down: the orchestrator stops every role, then the launcher exits."""
+@click.option("--yes", is_flag=True, help="With --host naming the orchestrator's own host: stop its instances all the same.")
+def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None, yes: bool) -> None:
+    """Shut the deployment down: the orchestrator stops every role, then the launcher exits.
+
+    With --host, only one host's instances stop; the rest of the deployment goes on. The orchestrator's own
+    host is refused without --yes: that stops the head launcher's roles, which are not started again."""
     with make_client(endpoint, keys) as client:
         if host_id:
             try:
+                report = client.status()
+                if report.orchestrator.get("host_id") == host_id and not yes:
+                    others = sorted({i.host for i in report.instances if i.host != host_id and i.state != "dead"})
+                    rest = (f"the instances of {', '.join(others)} go on" if others else
+                            "no other host has instances, so nothing would serve (`disagg stop` stops it all)")
+                    click.echo(f"error: host {host_id} runs the orchestrator: its roles would stop for good and {rest}. "
+                               "Pass --yes to stop them all the same.", err=True)
+                    sys.exit(EXIT_USAGE)
                 client.stop_host(host_id, drain=drain)
             except Unreachable as exc:
                 exit_unreachable(exc)

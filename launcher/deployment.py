@@ -18,6 +18,7 @@ from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import DeploymentConfig, Placement, cuda_env, place
+from roles.pipelines import model_identity
 from transport.messages import StatusReport
 from transport.lane import lane_in_use, lane_path
 from transport.shm import SHM_PREFIX, remove_segments
@@ -61,6 +62,8 @@ class Deployment:
         #: the launcher talks to, counts and stops that one only, never another on the same port
         self.orchestrator_id = ""
         self.lane_inode: tuple[int, int] | None = None
+        #: this launcher, as its roles tell the orchestrator (Register.launcher): a join launcher stops its own
+        self.launcher_id = f"{self.host_id}/{os.getpid()}"
 
     def client(self) -> Client:
         return Client(self.endpoint, curve=self.curve)
@@ -94,6 +97,8 @@ class Deployment:
                 "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
                 "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
                 "--deployment-id", self.run_id,
+                "--join-wait", str(c.join_wait_s), "--host-id", self.host_id,
+                "--model-identity", msgspec.json.encode(model_identity(c.model, c.dtype)).decode(),
                 "--standby", ",".join(f"{role}={c.role(role).standby}" for role in ("encoder", "denoiser", "decoder")),
                 *(["--colocated"] if c.colocated else []),
                 *([] if c.lane else ["--no-lane"]),
@@ -146,6 +151,7 @@ class Deployment:
             "use_lane": self.config.lane,
             "deployment_id": self.deployment_id,
             "pool_limits": self.pool_limits(),
+            "launcher_id": self.launcher_id,
         }
         if p.world > 1:
             return self._spawn_group(p, spec)

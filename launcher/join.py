@@ -42,6 +42,9 @@ class JoinDeployment(Deployment):
         report = self._head_status(timeout_s=30)
         self.deployment_id = str(report.orchestrator.get("deployment_id", ""))
         self.follow(report)
+        if report.orchestrator.get("host_id") == self.host_id:
+            log.info("the head runs on this host too: its instances and ours share memory; Ctrl-C here stops only "
+                     "the roles this launcher started")
         log.info("joining deployment %s at %s as host %s (%s)", self.deployment_id, self.endpoint, self.host_id,
                  self.data_host)
         for p in self.placements:
@@ -81,7 +84,7 @@ class JoinDeployment(Deployment):
         if self.supervisor.running():
             try:
                 with self.client() as client:
-                    client.stop_host(self.host_id, drain=True, timeout_s=2)
+                    client.stop_host(self.host_id, drain=True, timeout_s=2, launcher=self.launcher_id)
                 deadline = time.monotonic() + DRAIN_S
                 while self.supervisor.running() and time.monotonic() < deadline:
                     time.sleep(0.1)

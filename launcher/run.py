@@ -69,6 +69,9 @@ def run_deployment(
     else:
         dep = Deployment(config, run_dir)
     dep.install_signal_handlers()
+    out = console  # what the batch prints (its JSON); with --json everything else goes to stderr
+    if as_json:
+        console = Console(stderr=True, width=200)
     n = sum(p.world for p in dep.placements)  # an instance over several ranks is that many processes
     shape = f"{config.colocated} colocated" if config.colocated else (
         f"{config.encoders.count}:{config.denoisers.count}:{config.decoders.count}")
@@ -87,7 +90,7 @@ def run_deployment(
         dep.supervise(spares=prompts is None)
         if prompts is not None:
             with dep.client() as client:
-                return run_prompts(client, prompts, out_dir, concurrency, console, as_json,
+                return run_prompts(client, prompts, out_dir, concurrency, out, as_json,
                                    cancelled=lambda: dep.interrupted, model=config.model)
         return watch(dep, view)
     except BootError as exc:
@@ -104,6 +107,13 @@ def run_deployment(
         console.print("stopping…")
         dep.shutdown()
         console.print("stopped")
+
+
+def nothing_left(dep: Deployment, report: StatusReport) -> bool:
+    """The head stopped every role this launcher started (they exited as told, not restarted) and no host has
+    an instance any more: nothing would ever serve, so the launcher does not carry on."""
+    roles = [c for name, c in dep.supervisor.children.items() if name not in ("orchestrator", "gateway")]
+    return bool(roles) and all(c.returncode == 0 for c in roles) and all(i.state == "dead" for i in report.instances)
 
 
 def watch(dep: Deployment, view) -> int:
@@ -137,5 +147,9 @@ def watch(dep: Deployment, view) -> int:
             if report is not None and report.orchestrator.get("pid") == orchestrator.pid:
                 dep.follow(report)  # a restarted orchestrator of ours: from now on that one is ours
                 view(report)
+                if nothing_left(dep, report):
+                    view.say("every instance was stopped (disagg stop --host) and none is left on any host: "
+                             "stopping the deployment")
+                    return 0
             time.sleep(REFRESH_S)
     return 0

@@ -8,10 +8,12 @@ import os
 import sys
 import time
 
+import msgspec
+
 from orchestrator.requests import ROLES
 from orchestrator.router import Router, RouterConfig
 from orchestrator.server import OrchestratorServer
-from transport.messages import BOOT_ERROR_EXIT
+from transport.messages import BOOT_ERROR_EXIT, ModelIdentity
 from transport.shm import SHM_PREFIX
 
 
@@ -36,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--no-lane", action="store_true",
                     help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
+    ap.add_argument("--join-wait", type=float, default=10.0,
+                    help="seconds a role may have no instance before Submits are refused as not ready")
+    ap.add_argument("--model-identity", default="",
+                    help="JSON ModelIdentity of the deployment's model; instances serving another are refused "
+                         "(empty: the first instance's)")
+    ap.add_argument("--host-id", default="", help="the host this runs on, as launchers name hosts")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(
@@ -53,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         deployment_id=args.deployment_id,
         host_aware=not args.host_blind,
         standby={role: int(n) for role, _, n in (kv.partition("=") for kv in args.standby.split(",") if kv)},
+        join_wait_s=args.join_wait,
+        model=msgspec.json.decode(args.model_identity, type=ModelIdentity) if args.model_identity else None,
+        host_id=args.host_id,
     )
     try:
         router = Router(config, now=time.monotonic())

@@ -9,7 +9,9 @@ import logging
 
 from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
-from transport.messages import HEARTBEAT_INTERVAL_S, Rejected, Shutdown, Stop, StopHost, Stopping
+from transport.messages import (
+    FOREIGN_MODEL, HEARTBEAT_INTERVAL_S, NOT_READY, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
+)
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -21,10 +23,11 @@ class InstanceLifecycle:
     """Methods of Router; see orchestrator/router.py for the state they use."""
 
     def handle_stop_host(self, identity, msg: StopHost, frames, now, out) -> None:
-        insts = [i for i in self.registry.alive() if i.host == msg.host_id]
+        insts = [i for i in self.registry.alive() if i.host == msg.host_id and msg.launcher in ("", i.launcher)]
         if not insts:
             hosts = sorted({i.host for i in self.registry.alive()})
-            out.append(to_client(identity, Rejected(reason=f"no live instance on host {msg.host_id!r}; hosts: "
+            mine = f" started by launcher {msg.launcher}" if msg.launcher else ""
+            out.append(to_client(identity, Rejected(reason=f"no live instance{mine} on host {msg.host_id!r}; hosts: "
                                                           f"{', '.join(hosts) or 'none'}")))
             return
         out.append(to_client(identity, Stopping()))
@@ -37,6 +40,52 @@ class InstanceLifecycle:
                 out.append(to_instance(inst.id, Shutdown()))
                 self.lose_instance(inst, f"its host {msg.host_id} was stopped", now, out)
         self.shutdown_drained(out, now)
+
+    def foreign_model(self, msg: Register) -> str:
+        """Why an instance that registers serves another model than the deployment ("" when it does not). The
+        deployment's model is the launcher's (RouterConfig.model), else the first instance's that registered."""
+        if msg.identity is None:
+            return ""
+        if self.model is None:
+            self.model = msg.identity
+            return ""
+        if self.model.same_model(msg.identity):
+            return ""
+        return (f"{FOREIGN_MODEL}: this deployment serves {self.model.describe()}; {msg.instance_id} serves "
+                f"{msg.identity.describe()}")
+
+    # --- roles without instances ----------------------------------------------------------------
+
+    def note_served(self, now: float) -> None:
+        """Which roles have no instance that serves or will (starting, ready, standby), and since when."""
+        for role in self.pipeline_roles:
+            if any(i.state in ("starting", "ready", "standby") for i in self.registry.of_role(role)):
+                self.unserved_since.pop(role, None)
+            else:
+                self.unserved_since.setdefault(role, now)
+
+    def not_ready(self, now: float) -> str:
+        """Why Submits are refused now: a role without an instance for join_wait_s ("" when none is)."""
+        wait = self.config.join_wait_s
+        gone = [(role, now - since) for role, since in self.unserved_since.items() if now - since >= wait]
+        if not gone:
+            return ""
+        what = ", ".join(f"{role} (none for {s:.0f} s)" for role, s in gone)
+        return f"{NOT_READY}: no instance of {what}; retry once one has joined (join_wait_s {wait:g})"
+
+    def fail_unserved(self, now: float, out) -> None:
+        """Requests waiting for a role that has had no instance for join_wait_s fail now, not at their timeout."""
+        why = self.not_ready(now)
+        if not why:
+            return
+        for role, since in self.unserved_since.items():
+            if now - since < self.config.join_wait_s:
+                continue
+            for rid in list(self.queues[role]):
+                req = self.requests.get(rid)
+                if req is not None and req.state == "queued" and req.stage == role:
+                    self.release_source(req, out)
+                    self.fail(req, f"refused: {why}", now, out)
 
     def shutdown_drained(self, out, now: float) -> None:
         """Draining instances that run and hold nothing any more are told to exit."""

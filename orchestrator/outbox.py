@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from orchestrator.requests import ROLES
+from transport.messages import ModelIdentity
 
 
 @dataclass
@@ -33,6 +34,14 @@ class RouterConfig:
     standby: dict[str, int] = field(default_factory=dict)
     #: of equally good consumers, prefer the one on the producer's host (false: host-blind, to compare)
     host_aware: bool = True
+    #: a role with no instance (none registered, or all dead or draining) for this long makes the deployment
+    #: refuse Submits at once as "not ready", and fail the requests waiting for that role
+    join_wait_s: float = 10.0
+    #: the model the deployment serves (transport.messages.ModelIdentity); None: the first registered
+    #: instance's. An instance serving another is refused at Register
+    model: "ModelIdentity | None" = None
+    #: the host the orchestrator runs on (as launchers name hosts): `disagg stop --host` warns for it
+    host_id: str = ""
 
 
 @dataclass

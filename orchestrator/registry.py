@@ -44,6 +44,8 @@ class Instance:
     parallel: str = ""
     lane: bool = False
     model: str = ""
+    #: the launcher that started it (Register.launcher)
+    launcher: str = ""
     #: request id -> [done, total] denoising steps, as its last heartbeat said
     steps: dict[str, list[int]] = field(default_factory=dict)
     batch_steps: dict[int, int] = field(default_factory=dict)
@@ -76,6 +78,7 @@ class Instance:
             restarts=msg.restarts,
             max_batch=msg.max_batch,
             model=msg.model,
+            launcher=msg.launcher,
             devices=list(msg.devices),
             parallel=msg.parallel,
         )

@@ -38,6 +38,11 @@ class Router(InstanceLifecycle, Placement):
         self.policy.index = self.registry.free  # picks look at ready instances with a free slot only
         self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in ROLES}
         self.first_stage = MONOLITH if self.config.colocated else "encoder"
+        self.pipeline_roles = (MONOLITH,) if self.config.colocated else ("encoder", "denoiser", "decoder")
+        #: role -> since when it has had no instance that serves or will (see note_served)
+        self.unserved_since: dict[str, float] = {role: now for role in self.pipeline_roles}
+        #: the model every instance must serve (foreign_model)
+        self.model = self.config.model
         self.requests: dict[str, Request] = {}
         self.stats = Stats()
         self.started_at = now
@@ -114,6 +119,8 @@ class Router(InstanceLifecycle, Placement):
         out: list[Out] = []
         self.expire_instances(now, out)
         self.expire_requests(now, out)
+        self.note_served(now)
+        self.fail_unserved(now, out)
         self.shutdown_drained(out, now)
         if self.recovery.parked and not self.recovery.recovering(now):
             self.recovery.close_window(now, out)
@@ -140,6 +147,10 @@ class Router(InstanceLifecycle, Placement):
                                                         reason="duplicate request_id with other parameters")))
             elif identity not in known.clients:
                 known.clients.append(identity)
+            return
+        why = self.not_ready(now)
+        if why:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
             return
         for role, limit in self.config.max_queue.items():
             waiting = len(self.queues[role])
@@ -203,10 +214,16 @@ class Router(InstanceLifecycle, Placement):
             out.append(to_instance(sender, Rejected(reason=f"{FOREIGN_DEPLOYMENT}: this orchestrator serves "
                                                           f"deployment {ours!r}, not {msg.deployment_id!r}")))
             return
+        foreign = self.foreign_model(msg)
+        if foreign:
+            log.warning("refused %s (pid %d): %s", msg.instance_id, msg.pid, foreign)
+            out.append(to_instance(sender, Rejected(reason=foreign)))
+            return
         old = self.registry.get(msg.instance_id)
         if old is not None and old.state != "dead":
             self.lose_instance(old, "it registered again (restarted)", now, out)
         inst = self.registry.register(msg, now)
+        self.unserved_since.pop(inst.role, None)
         self._inline_cache.clear()
         # work still computing from before: its slots stay taken until it reports
         inst.running = dict(msg.busy)

@@ -78,6 +78,10 @@ def snapshot(router, now: float) -> StatusReport:
             "restarts": router.restarts,
             "uptime_s": round(now - router.started_at, 3),
             "state": "draining" if (router.draining or router.stopping) else "ready",
+            "host_id": router.config.host_id,
+            "model": router.model.name if router.model is not None else "",
+            #: roles with no instance that serves or will, and for how long (a join may still be coming)
+            **{f"unserved_{role}_s": round(now - since, 3) for role, since in router.unserved_since.items()},
         },
         instances=[i.status(now) for i in instances],
         queues={

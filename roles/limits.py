@@ -20,6 +20,18 @@ def model_limits(model: str) -> dict[str, int]:
     return {"max_width": spec.max_width, "max_height": spec.max_height, "max_frames": spec.max_frames}
 
 
+def served_model(model: str, dtype: str):
+    """The ModelIdentity an instance of `model` registers with (None if the model cannot be read here: its
+    load then fails and says why)."""
+    from roles.pipelines import model_identity
+    from transport.messages import ModelIdentity
+
+    try:
+        return ModelIdentity(**model_identity(model, dtype))
+    except ValueError:
+        return None
+
+
 class PoolFit:
     """Checks, before any compute, that a request's tensors fit every role's pool.
 

@@ -45,6 +45,8 @@ class WorkerSpec:
     deployment_id: str = ""
     #: role -> bytes of its smallest pool: the first stage refuses a request whose tensors would not fit
     pool_limits: dict[str, int] = field(default_factory=dict)
+    #: the launcher that started it (its host id and pid), told in Register: a join launcher stops only its own
+    launcher_id: str = ""
 
     #: an instance over several ranks (roles/parallel.py): {"cfg": c, "ulysses": u, "ring": r}, this process's
     #: rank (0 talks to the orchestrator), the group's rendezvous (a torch.distributed init_method) and devices

@@ -23,7 +23,7 @@ import zmq
 
 from roles.compute import StageRunner
 from roles.layout import describe_layout
-from roles.limits import model_limits
+from roles.limits import model_limits, served_model
 from roles.link import Link
 from roles.spec import WorkerSpec
 from transport.auth import client_curve
@@ -33,6 +33,7 @@ from transport.lane import LaneLink
 from transport.messages import (
     BOOT_ERROR_EXIT,
     FOREIGN_DEPLOYMENT,
+    FOREIGN_MODEL,
     Cancel,
     HEARTBEAT_INTERVAL_S,
     Alive,
@@ -91,6 +92,7 @@ class Worker(Link):
         self.components: dict[str, int] = {}
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
         self.limits = model_limits(spec.model)
+        self.identity = served_model(spec.model, spec.dtype)
         self.orchestrator_id = ""
         self.stop = False
         #: the launcher went away (killed): on the way out, clean what nobody else will
@@ -144,6 +146,8 @@ class Worker(Link):
                 model=self.spec.model,
                 devices=self.spec.group_devices if self.spec.world > 1 else [],
                 parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
+                identity=self.identity,
+                launcher=self.spec.launcher_id,
                 **self.limits,
             )
         )
@@ -289,6 +293,11 @@ class Worker(Link):
             self.register()
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
+        if msg.reason.startswith(FOREIGN_MODEL):
+            # a deployment of another model: restarting would only be refused again
+            self.log.error("refused: %s; exiting", msg.reason)
+            self.exit_code, self.stop = BOOT_ERROR_EXIT, True
+            return
         if msg.reason.startswith(FOREIGN_DEPLOYMENT):
             # our orchestrator is gone and another deployment's holds its port: never work for that one
             self.log.error("refused: %s; exiting", msg.reason)

@@ -48,6 +48,21 @@ def deployment(module_tmp, keys):
         dep.stop()
 
 
+def test_a_client_without_the_key_never_hangs_after_its_handshake_failed(deployment):
+    """Issue 22 M2: once the CurveZMQ handshake failed, the DEALER has no connection and a plain send blocks
+    forever (1 run in 8 of `disagg status` without --keys hung). Every call now has a deadline."""
+    with Client(deployment.endpoint) as client:
+        client.probe()
+        client._probed = True
+        # the handshake fails within milliseconds; from then on nothing can take a message
+        wait_until(lambda: not client.sock.poll(0, zmq.POLLOUT), timeout=10, step=0.02)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as info:
+            client.status(timeout_s=2)
+        assert "cannot reach the orchestrator" in str(info.value) and "--keys" in str(info.value)
+        assert time.monotonic() - t0 < 8
+
+
 def test_without_the_key_nothing_gets_in(deployment, keys, tmp_path):
     t0 = time.monotonic()
     res = disagg("status", "--endpoint", deployment.endpoint, timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import signal
 import time
 
@@ -161,9 +162,12 @@ def test_colocated_baseline_gives_the_same_pixels(tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text('{"prompt": "a red fox", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 5}')
     out = tmp_path / "out"
-    res = disagg("launch", "--colocated", "1", "--submit", str(prompts), "--out", str(out),
+    res = disagg("launch", "--colocated", "1", "--submit", str(prompts), "--out", str(out), "--json",
                  "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+    # issue 22 M4: with --json, stdout is that JSON alone; the banner and events go to stderr
+    assert json.loads(res.stdout)["completed"] == 1, res.stdout
+    assert "ready:" in res.stderr and "stopped" in res.stderr
     logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
     assert logs == ["monolith-0", "orchestrator"]
     [png] = out.glob("*.png")

@@ -29,6 +29,11 @@ MAX_FRAMES_BYTES = 512 * 1024 * 1024
 ROLES = ("encoder", "denoiser", "decoder", "monolith")
 #: how a Rejected to a Register of another deployment's instance begins (that instance then exits)
 FOREIGN_DEPLOYMENT = "another deployment"
+#: how a Rejected to a Register of an instance serving another model begins (that instance then exits, and its
+#: launcher does not restart it)
+FOREIGN_MODEL = "another model"
+#: how the refusal of a Submit begins while a role has had no instance for the deployment's join_wait_s
+NOT_READY = "not ready"
 #: every role heartbeats this often; an orchestrator's heartbeat timeout must be at least twice it
 HEARTBEAT_INTERVAL_S = 1.0
 #: `standby`: loaded and registered, given no work until an instance of its role dies (--standby)
@@ -159,6 +164,9 @@ class StopHost(_Msg, tag="stop_host", kw_only=True):
 
     host_id: Annotated[str, Meta(min_length=1, max_length=256)]
     drain: bool = False
+    #: only the instances this launcher started (Register.launcher): a join launcher's Ctrl-C stops what it
+    #: started, never the other instances of its host (the head's own, when both run on one machine)
+    launcher: Annotated[str, Meta(max_length=128)] = ""
 
 
 class Stopping(_Msg, tag="stopping", kw_only=True):
@@ -179,6 +187,23 @@ class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     slot: SlotRef
     #: the request's seed (the first orchestrator may have chosen it): the rest of its stages use it too
     seed: int | None = None
+
+
+class ModelIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What makes two instances serve the same model: the name as given (`--model`), the checkpoint's family,
+    the weights' dtype as configured, and a digest of its configs (model_index.json and each component's)."""
+
+    name: Annotated[str, Meta(max_length=1024)]
+    family: Annotated[str, Meta(max_length=64)] = ""
+    dtype: Annotated[str, Meta(max_length=32)] = ""
+    digest: Annotated[str, Meta(max_length=64)] = ""
+
+    def same_model(self, other: "ModelIdentity") -> bool:
+        return (self.family, self.dtype, self.digest) == (other.family, other.dtype, other.digest)
+
+    def describe(self) -> str:
+        details = ", ".join(x for x in (self.family, self.dtype, self.digest and f"digest {self.digest}") if x)
+        return f"{self.name!r} ({details})" if details else repr(self.name)
 
 
 class Register(_Msg, tag="register", kw_only=True):
@@ -212,6 +237,10 @@ class Register(_Msg, tag="register", kw_only=True):
     #: an instance over several devices (ranks): their devices, and its layout ("ulysses 2", "cfg 2")
     devices: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=64)] = []
     parallel: Annotated[str, Meta(max_length=64)] = ""
+    #: the model it serves, as an orchestrator compares it with the deployment's (a different one is refused)
+    identity: ModelIdentity | None = None
+    #: the launcher that started it (host id and pid): what a join launcher's StopHost names
+    launcher: Annotated[str, Meta(max_length=128)] = ""
 
 
 class Registered(_Msg, tag="registered", kw_only=True):

@@ -105,6 +105,24 @@ def model_spec(model: str) -> ModelSpec:
                      parallel=PARALLEL.get(ck.family, ()))
 
 
+def model_identity(model: str, dtype: str = "auto") -> dict[str, str]:
+    """What makes two instances serve the same model (transport.messages.ModelIdentity's fields): a
+    checkpoint's family and a digest of its model_index.json and component configs, so the same checkpoint
+    in two folders (or as a hub id) is the same model, and dev against schnell, or a fine-tune with
+    other configs, is not. Built-in and sim models: their name. Raises ModelError."""
+    import hashlib
+    import json
+
+    spec = model_spec(model)
+    if not spec.family:
+        return {"name": model, "family": "", "dtype": dtype, "digest": hashlib.sha1(model.encode()).hexdigest()[:12]}
+    from roles.pipelines.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(model)
+    blob = json.dumps({"index": ck.index, "configs": ck.configs}, sort_keys=True, default=str)
+    return {"name": model, "family": spec.family, "dtype": dtype, "digest": hashlib.sha1(blob.encode()).hexdigest()[:12]}
+
+
 def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):
     """The adapter for `model`, holding only `role`'s components, on `device`.
 
