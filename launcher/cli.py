@@ -74,7 +74,7 @@ def cli(verbose: bool) -> None:
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.1), help="Seconds of silence after which an instance is dead (default 3).")
 @click.option("--stall-timeout", type=click.FloatRange(0.1), help="Seconds without progress while holding work after which an instance is dead for it (default 120).")
 @click.option("--request-timeout", type=click.FloatRange(0.1), help="Default per-request deadline in seconds (default 600).")
-@click.option("--join-wait", type=click.FloatRange(0.1), help="Seconds a role may have no instance (none joined yet, or all stopped) before Submits are refused at once as not ready, HTTP 503 (default 10).")
+@click.option("--join-wait", type=click.FloatRange(0.1), help="Seconds a role may have no instance (none joined yet, or all stopped) before Submits are refused at once as not ready, HTTP 503 (default 30).")
 @click.option("--max-retries", type=click.IntRange(0, 100), help="New attempts when an instance dies under a request (default 2).")
 @click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
 @click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")

@@ -78,7 +78,7 @@ class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     #: a role with no instance (none registered yet, or all stopped) for this long: Submits are refused at once
     #: as "not ready" (HTTP 503 with Retry-After) and the requests waiting for it fail, instead of waiting
     #: for their timeout. Room for a join host's roles to register
-    join_wait_s: Annotated[float, Meta(gt=0)] = 10.0
+    join_wait_s: Annotated[float, Meta(gt=0)] = 30.0
     max_retries: Annotated[int, Meta(ge=0, le=100)] = 2
     max_queue: Annotated[int, Meta(ge=1)] = 4096
     #: CurveZMQ keys directory (`disagg keys generate`); empty = no authentication

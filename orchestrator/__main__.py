@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", default="", help="CurveZMQ keys directory; empty = no authentication")
     ap.add_argument("--no-lane", action="store_true",
                     help="no same-host fast lane: every control message takes ZeroMQ (transport/lane.py)")
-    ap.add_argument("--join-wait", type=float, default=10.0,
+    ap.add_argument("--join-wait", type=float, default=30.0,
                     help="seconds a role may have no instance before Submits are refused as not ready")
     ap.add_argument("--model-identity", default="",
                     help="JSON ModelIdentity of the deployment's model; instances serving another are refused "

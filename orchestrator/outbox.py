@@ -36,7 +36,7 @@ class RouterConfig:
     host_aware: bool = True
     #: a role with no instance (none registered, or all dead or draining) for this long makes the deployment
     #: refuse Submits at once as "not ready", and fail the requests waiting for that role
-    join_wait_s: float = 10.0
+    join_wait_s: float = 30.0
     #: the model the deployment serves (transport.messages.ModelIdentity); None: the first registered
     #: instance's. An instance serving another is refused at Register
     model: "ModelIdentity | None" = None
