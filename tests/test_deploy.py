@@ -44,24 +44,30 @@ sys.exit(max(p.wait() for p in procs))
 SCONTROL = '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo "$STUB_NODES" | tr , "\\n"\n'
 
 
-@pytest.mark.e2e
-@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
-def test_the_sbatch_script_runs_a_head_and_join_nodes_under_stub_slurm(tmp_path):
-    hosts = netns.Hosts(3)
+def stub_slurm(tmp_path: Path) -> Path:
+    """srun, scontrol and the installed `disagg` (its launches without spare interpreters) in a bin folder."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(SRUN.replace("PYTHON", sys.executable))
+    (stubs / "scontrol").write_text(SCONTROL)
+    (stubs / "disagg").write_text(f'#!/bin/sh\n[ "$1" = launch ] && shift && exec {sys.executable} -m launcher launch '
+                                  f'--spares 0 "$@"\nexec {sys.executable} -m launcher "$@"\n')
+    for f in stubs.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    return stubs
+
+
+def run_sbatch(tmp_path: Path, n_nodes: int, roles: list[str]) -> None:
+    """The sbatch script on `n_nodes` namespace hosts: once `roles` are ready, 4 requests, then `disagg stop`."""
+    hosts = netns.Hosts(n_nodes)
     proc = None
     try:
-        stubs = tmp_path / "bin"
-        stubs.mkdir()
-        (stubs / "srun").write_text(SRUN.replace("PYTHON", sys.executable))
-        (stubs / "scontrol").write_text(SCONTROL)
-        disagg = stubs / "disagg"  # the CLI as installed on the nodes
-        disagg.write_text(f'#!/bin/sh\nexec {sys.executable} -m launcher "$@"\n')
-        for f in stubs.iterdir():
-            f.chmod(f.stat().st_mode | stat.S_IXUSR)
+        stubs = stub_slurm(tmp_path)
         port, http_port = free_port_pair(), free_port_pair()
         env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
                "SLURM_JOB_NODELIST": "ignored", "STUB_NODES": ",".join(hosts.names), "DISAGG_PORT": str(port),
-               "DISAGG_HTTP_PORT": str(http_port), "DISAGG_HEAD_ROLES": "-e 1 -d 0 -k 1 --spares 0"}
+               "DISAGG_HTTP_PORT": str(http_port), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
         log = open(tmp_path / "sbatch.log", "w")
         proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/disagg.sbatch")], env=env, cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,10 +79,10 @@ def test_the_sbatch_script_runs_a_head_and_join_nodes_under_stub_slurm(tmp_path)
                     r = client.status(timeout_s=2)
             except (Unreachable, RuntimeError):
                 return None
-            return sum(i.state == "ready" for i in r.instances) >= 4 and r
-        report = wait_until(ready, timeout=240, step=1)
-        assert len({i.host for i in report.instances}) == 3  # the head node and two join nodes
-        assert sorted(i.role for i in report.instances) == ["decoder", "denoiser", "denoiser", "encoder"]
+            return sum(i.state == "ready" for i in r.instances) >= len(roles) and r
+        report = wait_until(ready, timeout=240, step=1, why=lambda: (tmp_path / "sbatch.log").read_text()[-2000:])
+        assert len({i.host for i in report.instances}) == n_nodes
+        assert sorted(i.role for i in report.instances) == sorted(roles)
         with Client(head) as client:
             outcomes = client.run_all([GenerationParams(prompt=f"slurm {i}", width=64, height=64, num_inference_steps=2,
                                                         seed=i) for i in range(4)], concurrency=2)
@@ -85,10 +91,54 @@ def test_the_sbatch_script_runs_a_head_and_join_nodes_under_stub_slurm(tmp_path)
                              text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         assert proc.wait(90) == 0, (tmp_path / "sbatch.log").read_text()[-3000:]
+        # every node's logs beside the job's output (M9), not in each node's own $TMPDIR
+        assert sorted(p.name for p in (tmp_path / "disagg-42").iterdir()) == sorted(hosts.names)
+        assert (tmp_path / "disagg-42" / hosts.names[0] / "logs" / "orchestrator.log").exists()
     finally:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, 9)
         hosts.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
+def test_the_sbatch_script_runs_a_head_and_join_nodes_under_stub_slurm(tmp_path):
+    run_sbatch(tmp_path, 3, ["decoder", "denoiser", "denoiser", "encoder"])
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
+def test_the_sbatch_script_on_one_node_runs_a_denoiser_there(tmp_path):
+    """Issue 22 M9: with --nodes=1 the head started no denoiser at all, and every request waited."""
+    run_sbatch(tmp_path, 1, ["decoder", "denoiser", "encoder"])
+
+
+def node_roles(tmp_path: Path, which: str, nodes: int, env: dict) -> str:
+    """What the sbatch script's node_roles prints on a node with `env` (and an nvidia-smi listing 8 GPUs)."""
+    script = (ROOT / "deploy/slurm/disagg.sbatch").read_text()
+    fns = script[script.index("gpu_count() {"):script.index("# the functions travel")]
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H200\"; done\n")
+    smi.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE")}
+    res = subprocess.run(["bash", "-c", f"{fns}\nnode_roles {which} {nodes}"], capture_output=True, text=True,
+                         env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
+    assert res.returncode == 0, res.stderr
+    return " ".join(res.stdout.split())
+
+
+def test_the_sbatch_script_uses_the_jobs_own_gpus(tmp_path):
+    """Issue 22 M9: GPUs came from `nvidia-smi -L` (every GPU of the node, where Slurm does not constrain devices),
+    and the head gave all of its GPUs to one encoder and one decoder."""
+    three = {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+    assert node_roles(tmp_path, "join", 2, three) == "-e 0 -k 0 -d 3 --gpus 0,1,2"
+    assert node_roles(tmp_path, "head", 1, three) == "-e 1 -k 1 -d 1 --gpus 0,1,2"
+    eight = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert node_roles(tmp_path, "head", 3, eight) == "-e 1 -k 1 -d 6 --gpus 0,1,2,3,4,5,6,7"
+    assert node_roles(tmp_path, "head", 1, {"SLURM_GPUS_ON_NODE": "2"}) == "-e 1 -k 1 -d 1 --gpus 0,1"
+    assert node_roles(tmp_path, "head", 1, {}) == "-e 1 -k 1 -d 1"  # CPU only, alone: a denoiser all the same
+    assert node_roles(tmp_path, "head", 2, {}) == "-e 1 -k 1 -d 0"  # the other node's denoisers join
+    assert node_roles(tmp_path, "join", 2, {}) == "-e 0 -k 0 -d 1"
 
 
 def container_commands(doc) -> list[list[str]]:
