@@ -195,7 +195,8 @@ def _check_out(out_dir: str) -> None:
 @keys_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--watch", is_flag=True, help="Refresh the table until Ctrl-C.")
-def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
+@click.option("--ready-here", is_flag=True, help="A readiness probe: exit 0 only if this host (its id: $DISAGG_HOST_ID, or this machine's) has instances and all of them are ready or standbys, else 1 saying which are not.")
+def status(endpoint: str, keys: str | None, as_json: bool, watch: bool, ready_here: bool) -> None:
     """Show every instance's state, free slots and queues."""
     console = make_console()
     with make_client(endpoint, keys) as client:
@@ -203,6 +204,17 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool) -> None:
             report = client.status()
         except Unreachable as exc:
             exit_unreachable(exc)
+        if ready_here:
+            from launcher.hosts import host_id
+
+            here = host_id()
+            mine = [i for i in report.instances if i.host == here and i.state != "dead"]
+            waiting = [f"{i.id} {i.state}" for i in mine if i.state not in ("ready", "standby")]
+            if not mine or waiting:
+                click.echo(f"not ready: {', '.join(waiting) or f'no instance of host {here} has registered'}", err=True)
+                sys.exit(EXIT_FAILED)
+            click.echo(f"ready: {len(mine)} instance(s) of host {here}")
+            return
         if as_json:
             click.echo(json.dumps(msgspec.to_builtins(report), indent=2))
             return

@@ -154,10 +154,14 @@ def container_commands(doc) -> list[list[str]]:
     return found
 
 
+def k8s_docs() -> list[dict]:
+    return [d for d in yaml.safe_load_all((ROOT / "deploy/k8s/disagg.yaml").read_text()) if d]
+
+
 def test_every_command_in_the_kubernetes_yaml_is_one_the_cli_accepts():
-    docs = [d for d in yaml.safe_load_all((ROOT / "deploy/k8s/disagg.yaml").read_text()) if d]
+    docs = k8s_docs()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["Deployment", "Deployment", "Service"]
+    assert kinds == ["Deployment", "Deployment", "PersistentVolumeClaim", "Service", "Service"]
     commands = [c for d in docs for c in container_commands(d)]
     assert len(commands) >= 3
     for argv in commands:
@@ -168,9 +172,99 @@ def test_every_command_in_the_kubernetes_yaml_is_one_the_cli_accepts():
     heads = [c for c in commands if "--join" not in c and c[1] == "launch"]
     joins = [c for c in commands if "--join" in c]
     assert heads and joins and all("$(POD_IP)" in c for c in heads + joins)
-    # the join target is the head's Service
-    service = next(d for d in docs if d["kind"] == "Service")
-    assert all(c[c.index("--join") + 1] == f"tcp://{service['metadata']['name']}:5555" for c in joins)
+    # the join target is a Service that publishes the head before it is ready (issue 22 H2)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for c in joins:
+        target = c[c.index("--join") + 1].removeprefix("tcp://").split(":")[0]
+        assert services[target]["spec"].get("publishNotReadyAddresses") is True
+
+
+def test_the_kubernetes_yaml_is_valid_against_the_api_schemas():
+    """kubernetes-validate (PyPI) checks every document against Kubernetes' own OpenAPI schemas, offline."""
+    res = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", str(ROOT / "deploy/k8s/disagg.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("passed") == len(k8s_docs()), res.stdout
+
+
+def test_the_image_the_recipe_runs_is_pinned_and_built_by_the_dockerfile():
+    """Issue 22 M8: a Dockerfile, a pinned tag (a :latest tag is pulled Always, so a locally built image is never
+    used), Mooncake in the image, gated weights through a Secret, a weights cache volume."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
+    assert f"-t disagg:{version} ." in dockerfile and ".[mooncake]" in dockerfile
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), line
+        if line.startswith("FROM "):
+            assert ":" in line and "latest" not in line, line
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert {p.split(".")[0] for p in packages} <= {w.split("./")[-1] for w in dockerfile.split() if w.startswith("./")}
+    for d in k8s_docs():
+        if d["kind"] != "Deployment":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        [c] = spec["containers"]
+        assert c["image"] == f"disagg:{version}" and c["imagePullPolicy"] == "IfNotPresent"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert env["HF_HOME"]["value"] in mounts
+        assert any(v.get("persistentVolumeClaim") for v in spec["volumes"])
+
+
+def cpu_pods(docs: list[dict]) -> list[dict]:
+    """The recipe as this machine can run it: the payload model, no GPUs, no spare interpreters."""
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        [c] = d["spec"]["template"]["spec"]["containers"]
+        args = list(c["args"])
+        args[args.index("--model") + 1] = "payload"
+        i = args.index("--gpus")
+        del args[i:i + 2]
+        c["args"] = args
+    return docs
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
+def test_the_kubernetes_pods_become_ready_in_order_and_serve(tmp_path):
+    """Issue 22 H2: the head runs no denoiser, so its /health is 503 until one joins; the denoisers joined through
+    the head's Service, which routes only to Ready pods: they crash-looped and the head never became ready.
+    Here the recipe's pods run as namespace hosts, with their probes and Services: the denoisers join through
+    the headless Service at once, turn Ready, then the head does, and its Service serves."""
+    import httpx
+
+    from tests.kube import PROBE_EVERY_S, Cluster
+
+    stubs = stub_slurm(tmp_path)  # the installed `disagg`
+    cluster = Cluster(cpu_pods(k8s_docs()), tmp_path, stubs, replicas={"disagg-denoiser": 2})
+    try:
+        cluster.start()
+        head = next(p for p in cluster.pods if p.name.startswith("disagg-head"))
+        wait_until(lambda: cluster.endpoints("disagg-head"), timeout=240, step=1,
+                   why=lambda: "\n".join(f"{p.name} ready={p.ready} restarts={p.restarts}\n{cluster.log(p)[-800:]}"
+                                         for p in cluster.pods))
+        denoisers = [p for p in cluster.pods if p.name.startswith("disagg-denoiser")]
+        # the head turns Ready only once denoisers joined and loaded (its probe and theirs run a period apart)
+        assert all(p.ready_at is not None and p.ready_at <= head.ready_at + PROBE_EVERY_S for p in denoisers), \
+            [(p.name, p.ready_at) for p in cluster.pods]
+        assert head.ready_at >= min(p.ready_at for p in denoisers) - PROBE_EVERY_S
+        assert all(p.restarts == 0 for p in cluster.pods), [(p.name, p.restarts) for p in cluster.pods]
+        [ep] = cluster.endpoints("disagg-head")
+        r = httpx.post(f"http://{ep.ip}:8000/v1/images/generations", json={"prompt": "k8s", "size": "64x64"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        with Client(f"tcp://{ep.ip}:5555") as client:
+            report = client.status()
+        assert sorted(i.host for i in report.instances if i.role == "denoiser") == sorted(p.name for p in denoisers)
+    finally:
+        cluster.close()
 
 
 def test_the_sbatch_script_is_valid_bash():
