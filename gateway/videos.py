@@ -143,6 +143,31 @@ def progress_of(state) -> tuple[str, int]:
     return "in_progress", 0
 
 
+def refuse_what_cannot_be_made(req: VideoRequest, params: GenerationParams, model: str, limits: dict) -> None:
+    """A 400 at create, naming the field the user sent, for a job that would certainly fail: a video asked of an
+    image model, more frames than the model makes (`seconds` as OpenAI's clients send it: 8 and 12 are over
+    Wan's 81 frames at 16 fps), a size over its maximum. `limits`: the orchestrator's status (max_width,
+    max_height, max_frames; absent before any instance registered)."""
+    if "max_frames" not in limits:
+        return
+    if not limits["max_frames"]:
+        raise ApiError(400, f"model {model!r} makes images, not videos: /v1/videos needs a video model (Wan)",
+                       param="model", code="invalid_value")
+    most = int(limits["max_frames"])
+    if params.num_frames and params.num_frames > most:
+        fps = params.fps or DEFAULT_FPS
+        if req.num_frames is None and req.seconds is not None:
+            raise ApiError(400, f"seconds {req.seconds:g} is {params.num_frames} frames at {fps} fps; {model!r} makes "
+                                f"at most {most} ({(most - 1) / fps:g} s)", param="seconds", code="invalid_value")
+        raise ApiError(400, f"num_frames {params.num_frames} is over this deployment's maximum of {most}",
+                       param="num_frames", code="invalid_value")
+    for name, value in (("width", params.width), ("height", params.height)):
+        limit = int(limits.get(f"max_{name}") or 0)
+        if value and limit and value > limit:
+            raise ApiError(400, f"size {req.size}: {name} {value} is over this deployment's maximum of {limit}",
+                           param="size", code="invalid_value")
+
+
 def add_video_routes(app: FastAPI, client, served_model) -> None:
     jobs: collections.OrderedDict[str, VideoJob] = collections.OrderedDict()
 
@@ -181,6 +206,10 @@ def add_video_routes(app: FastAPI, client, served_model) -> None:
         req = await parse_video_request(request)
         params = to_params(req)
         model = await served_model()
+        try:
+            refuse_what_cannot_be_made(req, params, model, (await client().status()).orchestrator)
+        except Unreachable:
+            pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
         if req.model and req.model not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
             raise ApiError(404, f"model {req.model!r} is not served here (this deployment serves {model!r})",
                            param="model", code="model_not_found")

@@ -80,6 +80,8 @@ def snapshot(router, now: float) -> StatusReport:
             "state": "draining" if (router.draining or router.stopping) else "ready",
             "host_id": router.config.host_id,
             "model": router.model.name if router.model is not None else "",
+            #: what the model can make, as its first stage reports it (0: no limit, max_frames 0: images only)
+            **{key: value for key, value in router.limits.items()},
             #: roles with no instance that serves or will, and for how long (a join may still be coming)
             **{f"unserved_{role}_s": round(now - since, 3) for role, since in router.unserved_since.items()},
         },

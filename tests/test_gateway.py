@@ -338,6 +338,22 @@ def test_bad_video_requests_are_400_naming_the_field(wan):
     assert httpx.get(wan.http + "/v1/videos/nope", timeout=10).status_code == 404
 
 
+def test_video_jobs_that_would_certainly_fail_are_refused_at_create(wan, api):
+    """Issue 22 M6: OpenAI's seconds 8 and 12 (beyond the 81 frames Wan makes), sizes over the limit and videos
+    asked of an image model were accepted as queued, then failed."""
+    videos = openai.OpenAI(base_url=wan.http + "/v1", api_key="unused", max_retries=0).videos
+    for kwargs, param, words in ((dict(size="32x32", seconds="8"), "seconds", "129 frames"),
+                                 (dict(size="32x32", seconds="12"), "seconds", "at most 81"),
+                                 (dict(size="4096x4096", seconds="4"), "size", "maximum"),
+                                 (dict(size="32x32", extra_body={"num_frames": 1000}), "num_frames", "maximum of 81")):
+        with pytest.raises(openai.BadRequestError) as info:
+            videos.create(prompt="a cat", **kwargs)
+        assert info.value.body["param"] == param and words in info.value.body["message"], info.value.body
+    with pytest.raises(openai.BadRequestError) as info:  # the tiny Flux makes images
+        api.videos.create(prompt="a cat", size="32x32", seconds="4")
+    assert info.value.body["param"] == "model" and "makes images" in info.value.body["message"], info.value.body
+
+
 def test_what_the_gateway_keeps_is_bounded_by_count_bytes_and_age():
     from gateway.store import BoundedCache
 
