@@ -44,6 +44,20 @@ DISCONNECT_POLL_S = 0.1
 #: whose own requests carry the key)
 OPEN_ROUTES = {"/health", "/liveness", "/metrics", "/"}
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+#: response_format=url images: the URL holds an unguessable 128-bit id, so it opens without the key (it goes
+#: into an <img>, or is shared), and only for image_ttl_s
+_IMAGE_URL = re.compile(r"^/v1/images/[0-9a-f]{32}/content$")
+
+
+def model_name(model: str) -> str:
+    """The model's id for clients: a folder checkpoint's folder name, not the server's path (L1); a hub id or a
+    built-in name as it is. Requests may name either."""
+    return model.rstrip("/").rsplit("/", 1)[-1] if model.startswith("/") else model
+
+
+def is_open(path: str) -> bool:
+    """Whether a route answers without the API key."""
+    return path in OPEN_ROUTES or bool(_IMAGE_URL.match(path))
 
 
 @dataclass
@@ -135,9 +149,9 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                 await send(message)
 
             try:
-                if settings.api_key and scope["path"] not in OPEN_ROUTES:
-                    given = dict(scope["headers"]).get(b"authorization", b"")
-                    if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
+                if settings.api_key and not is_open(scope["path"]):
+                    scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+                    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), settings.api_key.encode()):
                         raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                        code="invalid_api_key")
                 await self.inner(scope, receive, counting_send)
@@ -294,7 +308,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         return {"status": "ok"}
 
     def model_card(model: str) -> dict:
-        return {"id": model, "object": "model", "created": 0, "owned_by": "disagg"}
+        return {"id": model_name(model), "object": "model", "created": 0, "owned_by": "disagg"}
 
     @app.get("/v1/models")
     async def models():
@@ -304,7 +318,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         served = await served_model()
-        if model_id != served:
+        if model_id not in (served, model_name(served)):
             raise ApiError(404, f"model {model_id!r} is not served here (this deployment serves {served!r})",
                            param="model", code="model_not_found")
         return model_card(served)

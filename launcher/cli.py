@@ -40,7 +40,8 @@ STOP_WAIT_S = 10.0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", is_flag=True, help="Log the launcher's own steps.")
+@click.option("-v", "--verbose", is_flag=True, help="Log the launcher's own steps (before or after the command: `disagg launch -v`).")
+@click.version_option(package_name="disagg", prog_name="disagg")
 def cli(verbose: bool) -> None:
     """disagg: diffusion serving with encoders, denoisers and decoders as separate pools."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
@@ -79,7 +80,7 @@ def cli(verbose: bool) -> None:
 @click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
 @click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")
 @click.option("--lane/--no-lane", default=None, help="Same-host control messages over a Unix-socket fast lane instead of ZeroMQ (default on).")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Where per-process logs go (default $TMPDIR/disagg/RUN_ID).")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="The run's folder: per-process logs go to DIR/logs (default $TMPDIR/disagg/RUN_ID; the 20 newest runs there are kept).")
 @click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
@@ -87,7 +88,7 @@ def cli(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Batch mode: print one JSON object with every request's outcome and stage timings.")
 @click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
 @click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
-@click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /health, /liveness, /metrics stay open).")
+@click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /, /health, /liveness, /metrics and the unguessable image URLs stay open).")
 def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus,
            gpus_per_denoiser, gpus_per_encoder, gpus_per_decoder, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
            heartbeat_timeout, stall_timeout, request_timeout, join_wait, max_retries, max_queue, keys_dir, lane,
@@ -362,7 +363,11 @@ def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: s
 cli.add_command(bench)
 
 
-def main() -> None:
-    cli(prog_name="disagg")
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # -v/--verbose belongs to the group; `disagg launch -v` means the same as `disagg -v launch`
+    if args and not args[0].startswith("-") and any(a in ("-v", "--verbose") for a in args[1:]):
+        args = ["-v", *[a for a in args if a not in ("-v", "--verbose")]]
+    cli(args=args, prog_name="disagg")
 
 

@@ -86,7 +86,8 @@ def run_deployment(
     try:
         dep.start_processes()
         dep.wait_ready(on_status=view)
-        view.say(f"ready: {n} instances registered" + (f"; HTTP at {dep.http_url}/v1" if dep.http_url else ""))
+        view.say(f"ready: {len(dep.placements)} instances registered" + (f" ({n} processes)" if n != len(dep.placements) else "")
+                 + (f"; HTTP at {dep.http_url}/v1" if dep.http_url else ""))
         dep.supervise(spares=prompts is None)
         if prompts is not None:
             with dep.client() as client:

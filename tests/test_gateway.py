@@ -170,7 +170,7 @@ def test_five_thousand_malformed_requests_get_4xx_and_the_gateway_keeps_serving(
     gw = psutil.Process(pid)
     rss0 = gw.memory_info().rss
     bodies = [b"", b"{", b"[]", b"null", b'{"prompt": 5}', b'{"prompt": "x", "n": "many"}', b'{"prompt": "x", "n": 0}',
-              b'{"prompt": "x", "size": 7}', b'{"prompt": "x", "seed": -1}', b'{"prompt": "x", "extra_body": 3}',
+              b'{"prompt": "x", "size": 7}', b'{"prompt": "x", "seed": -2}', b'{"prompt": "x", "extra_body": 3}',
               b'{"prompt": "x", "zzz": 1}', b'{"prompt": "x", "size": "99999x99999"}', b'{"prompt": ""}']
     codes = {}
     with httpx.Client(base_url=tiny.http, timeout=30) as http:

@@ -196,3 +196,10 @@ def test_an_image_for_a_text_only_model_is_refused_naming_the_model(tmp_path):
         assert not bad.ok and "model 'tiny' takes text-to-image (a prompt) only" in bad.error, bad.error
         assert bad.attempts == 1  # the request's fault: no retry
         assert good.ok, good.error
+
+
+def test_a_folder_checkpoint_is_listed_by_its_folder_name_not_the_servers_path(flux):
+    """Issue 22 L1: /v1/models listed the server's absolute path, and clients had to send it."""
+    [card] = httpx.get(f"{flux.http}/v1/models", timeout=10).json()["data"]
+    assert card["id"] == "flux", card
+    assert httpx.get(f"{flux.http}/v1/models/flux", timeout=10).status_code == 200

@@ -119,3 +119,58 @@ def test_zz_stop_host_of_the_heads_own_host_asks_for_yes_then_the_head_ends(head
     with pytest.raises(Exception):
         with Client(head.endpoint) as client:
             client.run_all([GenerationParams(prompt="x")], timeout_s=2)
+
+
+# --- the lows with a clear fix, one piece each ---------------------------------------------------
+
+
+def test_seed_minus_one_means_a_random_seed():
+    """L13: `seed: -1`, the usual "random", was a 400."""
+    from transport.messages import params_from_obj
+
+    assert params_from_obj({"prompt": "x", "seed": -1}).seed is None
+    with pytest.raises(Exception, match="seed"):
+        params_from_obj({"prompt": "x", "seed": -2})
+
+
+def test_an_unreadable_image_is_named_without_a_python_repr():
+    """L4: "cannot identify image file <_io.BytesIO object at 0x7f...>"."""
+    from roles.pipelines.conditioned import InputError, open_image
+
+    with pytest.raises(InputError) as info:
+        open_image(b"not an image", "image", "RGB")
+    assert str(info.value) == "image: not an image Pillow can read (cannot identify image file)"
+
+
+def test_version_and_verbose_after_the_command():
+    """L5: no --version; `disagg launch -v` was "No such option"."""
+    res = disagg("--version", timeout=30)
+    assert res.returncode == 0 and res.stdout.startswith("disagg, version "), res.stdout + res.stderr
+    res = disagg("status", "-v", "--endpoint", "tcp://127.0.0.1:1", timeout=30)
+    assert res.returncode == 3 and "No such option" not in res.stderr, res.stderr
+
+
+def test_image_urls_open_without_the_key_and_the_scheme_is_case_insensitive():
+    """L2: an url answer could not go into an <img> without the API key; `bearer KEY` was refused."""
+    from gateway.app import is_open
+
+    assert is_open("/v1/images/" + "0123456789abcdef" * 2 + "/content") and is_open("/health") and is_open("/")
+    assert not is_open("/v1/images/generations") and not is_open("/v1/images/../stats/content")
+
+
+def test_old_run_folders_are_pruned_but_never_a_live_one(tmp_path):
+    """L9: every launch left $TMPDIR/disagg/RUN_ID behind, for ever."""
+    from launcher.deployment import RUN_IDLE_S, prune_runs
+
+    old = time.time() - RUN_IDLE_S - 60
+    for k in range(25):
+        run = tmp_path / f"{k:08x}"
+        (run / "logs").mkdir(parents=True)
+        (run / "logs" / "orchestrator.log").write_text("x")
+        when = old + k if k != 3 else time.time()  # run 3 is still being written to
+        os.utime(run / "logs" / "orchestrator.log", (when, when))
+        os.utime(run, (when, when))
+    (tmp_path / "not-a-run").mkdir()
+    removed = prune_runs(tmp_path, keep=20)
+    assert sorted(r.name for r in removed) == [f"{k:08x}" for k in (0, 1, 2, 4, 5)]
+    assert (tmp_path / "00000003").exists() and (tmp_path / "not-a-run").exists()

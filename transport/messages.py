@@ -400,8 +400,15 @@ def decode(data: bytes | memoryview, kind=ClientMessage):
         raise MessageError(str(exc)) from None
 
 
+#: a request's `seed` that asks for a random one, as diffusers' users write it (the same as leaving it out)
+RANDOM_SEED = -1
+
+
 def params_from_obj(obj: object) -> GenerationParams:
-    """Validate a decoded JSON object as request parameters; errors name the field."""
+    """Validate a decoded JSON object as request parameters; errors name the field. `seed: -1` is a random seed
+    (the orchestrator picks one and reports it)."""
+    if isinstance(obj, dict) and obj.get("seed") == RANDOM_SEED:
+        obj = {k: v for k, v in obj.items() if k != "seed"}
     try:
         return msgspec.convert(obj, GenerationParams)
     except msgspec.ValidationError as exc:

@@ -21,6 +21,7 @@ import copy
 import importlib
 import inspect
 import io
+import re
 
 import torch
 from PIL import Image
@@ -70,7 +71,9 @@ def open_image(data: bytes, field: str, mode: str) -> Image.Image:
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
-        raise InputError(f"{field}: not an image Pillow can read ({type(exc).__name__}: {exc})") from None
+        # without the repr of the in-memory file Pillow names ("<_io.BytesIO object at 0x...>")
+        why = re.sub(r"\s*<_io\.\w+ object at 0x[0-9a-fA-F]+>", "", str(exc)).rstrip(": ") or type(exc).__name__
+        raise InputError(f"{field}: not an image Pillow can read ({why})") from None
     return im.convert(mode)
 
 
