@@ -148,6 +148,39 @@ def test_stats_and_metrics(tiny):
     assert float(line.rsplit(" ", 1)[1]) >= 1
 
 
+def test_every_query_of_the_grafana_dashboard_names_a_metric_metrics_exposes(tiny, api):
+    """Issue 22: deploy/grafana/disagg.json's queries read what /metrics of a running deployment has: every
+    metric name, and every label they group by."""
+    import json
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    api.images.generate(prompt="dashboard", size="64x64", extra_body={"num_inference_steps": 1})
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "summary": ("_sum", "_count", "_created"), "gauge": ("",)}
+    names, labels = {}, {}
+    for fam in text_string_to_metric_families(httpx.get(tiny.http + "/metrics", timeout=10).text):
+        for suffix in suffixes.get(fam.type, ("",)):
+            names[fam.name + suffix] = fam.name
+        if fam.samples:  # a family with no samples yet (batch steps without batching) has no labels to check
+            labels[fam.name] = {k for sample in fam.samples for k in sample.labels} | {"le"}
+    dashboard = json.loads((ROOT / "deploy/grafana/disagg.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 14
+    for expr in exprs:
+        used = re.findall(r"\bdisagg_[a-z_]+", expr)
+        assert used, expr
+        for metric in used:
+            assert metric in names, (metric, expr)
+            for group in re.findall(r"by \(([^)]*)\)", expr) if names[metric] in labels else ():
+                for label in (x.strip() for x in group.split(",")):
+                    assert label in labels[names[metric]], (label, metric, expr)
+    panels = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for what in ("outcome", "latency", "stage", "queue", "free slots", "engine", "restarts", "http"):
+        assert what in panels, what
+
+
 def test_error_statuses_for_what_the_deployment_says():
     assert from_outcome_error("refused: overloaded: the encoder queue holds 5").status == 429
     assert from_outcome_error("refused: overloaded: x").headers["Retry-After"]
