@@ -162,6 +162,17 @@ def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, s
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
     if config.join and (submit_path or config.http.port):
         raise click.UsageError("a join host runs roles only: --submit and --http-port belong to the head")
+    if config.http.port and not config.join and config.http.port in (config.port, config.port + 1):
+        raise click.BadParameter(f"{config.http.port} is the orchestrator's {'client' if config.http.port == config.port else 'role'} "
+                                 f"port (--port {config.port} takes {config.port} and {config.port + 1})",
+                                 param_hint="--http-port")
+    nothing_here = not config.colocated and not any(config.role(r).count for r in ("encoder", "denoiser", "decoder"))
+    if nothing_here and (config.join or submit_path):
+        raise click.UsageError("-e 0 -d 0 -k 0 starts no role instance: nothing would serve"
+                               + (" here" if config.join else " the prompts"))
+    if nothing_here:
+        click.echo("warning: -e 0 -d 0 -k 0: no role instance on this host; the deployment serves once hosts join "
+                   "(disagg launch --join)", err=True)
     try:  # before anything is spawned: a second launch must never disturb the deployment already there
         if not config.join:
             check_ports(config.host, config.port, lane_path(config.port) if config.lane else None)

@@ -112,6 +112,9 @@ def test_status_without_orchestrator_exits_3_fast():
         (["-d", "-1"], "--denoisers"),
         (["--transfer", "cuda-ipc"], "cuda-ipc needs GPUs"),
         (["--transfer-protocol", "rdma"], "ib_device"),
+        # issue 22 L10: caught before anything starts, not by the gateway's bind error
+        (["--port", "7000", "--http-port", "7001"], "role port"),
+        (["-e", "0", "-d", "0", "-k", "0", "--submit", "examples/prompts.json"], "starts no role instance"),
     ],
 )
 def test_launch_usage_errors(args, needle):
