@@ -29,6 +29,7 @@ class StatusCollector:
                                                           "(every client: CLI, bench, HTTP)", labels=["outcome"])
         outcome.add_metric(["completed"], r.requests.completed)
         outcome.add_metric(["failed"], r.requests.failed)
+        outcome.add_metric(["invalid"], r.requests.invalid)
         yield outcome
         yield GaugeMetricFamily("disagg_requests_in_flight", "Requests accepted and not yet ended",
                                 value=r.requests.in_flight)

@@ -346,8 +346,12 @@ class Router(InstanceLifecycle, Placement):
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             return
-        inst.failed += 1
         cause = f"{inst.role} {inst.id} failed: {msg.error}"
+        if msg.invalid:  # the request's fault: a client error, not the instance's failure
+            self.release_source(req, out)
+            self.fail(req, cause, now, out, state="invalid")
+            return
+        inst.failed += 1
         if msg.retryable:
             self.retry(req, cause, now, out)
         else:
@@ -390,12 +394,13 @@ class Router(InstanceLifecycle, Placement):
             out.append(to_instance(producer.id, Release(request_id=req.id, offset=slot.offset)))
         req.source, req.source_frames = None, []
 
-    def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False) -> None:
-        log.warning("request %s failed: %s", req.id, error)
+    def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False,
+             state: str = "failed") -> None:
+        log.log(logging.INFO if state == "invalid" else logging.WARNING, "request %s failed: %s", req.id, error)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
                         timings=req.timings, stopping=stopping)
-        self.end(req, "failed", now)
+        self.end(req, state, now)
         self.send_result(req, result, (), out)
 
     def end(self, req: Request, state: str, now: float) -> None:

@@ -24,6 +24,7 @@ class Stats:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        self.invalid = 0
         #: (role, phase) -> [requests, seconds]: every client's requests, for /metrics
         self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
         #: (producer role, consumer role, engine) -> [handoffs, bytes]
@@ -44,6 +45,8 @@ class Stats:
             self._finish_times.append(now)
         elif state == "cancelled":
             self.cancelled += 1
+        elif state == "invalid":
+            self.invalid += 1
         else:
             self.failed += 1
 
@@ -93,7 +96,7 @@ def snapshot(router, now: float) -> StatusReport:
         },
         requests=RequestCounts(
             in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed,
-            cancelled=router.stats.cancelled,
+            cancelled=router.stats.cancelled, invalid=router.stats.invalid,
         ),
         throughput_rps=router.stats.throughput(now, router.started_at),
         gateways=[GatewayStatus(url=beat.url, pid=beat.pid, restarts=beat.restarts, last_seen_s=round(now - seen, 3))

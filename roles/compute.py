@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Callable
 
+from roles.errors import RequestError
 from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
@@ -240,10 +241,11 @@ class StageRunner:
                 return
             # a dead peer or a momentarily full pool may go better on another try; a model error not
             retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
-            log.warning("request %s attempt %d failed: %s: %s", run.request_id, run.attempt, type(exc).__name__, exc,
-                        exc_info=not retryable)
+            invalid = isinstance(exc, RequestError)  # the request's fault: one line, no traceback
+            log.log(logging.INFO if invalid else logging.WARNING, "request %s attempt %d failed: %s: %s",
+                    run.request_id, run.attempt, type(exc).__name__, exc, exc_info=not (retryable or invalid))
             self.report(Failed(request_id=run.request_id, attempt=run.attempt,
-                               error=f"{type(exc).__name__}: {exc}", retryable=retryable))
+                               error=f"{type(exc).__name__}: {exc}", retryable=retryable, invalid=invalid))
         finally:
             if busy_from is not None:
                 self.meter.leave(busy_from)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from roles.errors import RequestError
 from roles.pipelines import ROLES, ModelSpec, model_spec
 
 MIB = 1024 * 1024
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(RequestError):
     """A request whose tensors would not fit the pools of this deployment; it names the limit."""
 
 

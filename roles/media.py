@@ -7,12 +7,14 @@ import io
 import numpy as np
 from PIL import Image
 
+from roles.errors import RequestError
+
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 #: png for a video model: every frame as its own lossless PNG, videos one after another
 VIDEO_FORMATS = ("mp4", "png")
 
 
-class FormatError(ValueError):
+class FormatError(RequestError):
     """A response_format the model's output cannot take."""
 
 

@@ -97,6 +97,18 @@ def test_a_join_launcher_on_the_heads_machine_stops_only_what_it_started(head, m
         assert again.status_code == 409 and again.json()["error"]["param"] == "X-Request-Id", again.text
         same = post(head, {"prompt": "x", "size": "64x64"}, request_id="reused-1")
         assert same.status_code == 200 and same.json()["data"] == r.json()["data"]
+        # L14: a request the model cannot make is the client's error: 400, not counted against the instance,
+        # and one line in the role's log, not a traceback
+        bad = post(head, {"prompt": "x", "size": "64x64", "output_format": "webp", "extra_body": {"seed": 1}},
+                   request_id="fine")
+        assert bad.status_code == 200, bad.text  # webp is fine for an image model
+        with Client(head.endpoint) as client:
+            [o] = client.run_all([GenerationParams(prompt="x", width=64, height=64, response_format="mp4")])
+        assert not o.ok and "FormatError" in o.error
+        report = head.status()
+        assert report.requests.invalid == 1 and all(i.failed == 0 for i in report.instances), report
+        log = next((head.run_dir / "logs").glob("encoder-0*.log")).read_text()
+        assert "FormatError" in log and "Traceback" not in log
         assert joined.stop(signal.SIGINT) == 0, joined.output()
     finally:
         joined.stop()

@@ -346,6 +346,9 @@ class Failed(_Msg, tag="failed", kw_only=True):
     error: Annotated[str, Meta(max_length=65_536)]
     #: the failure may not repeat on another try (a transfer from a dead peer, a full pool)
     retryable: bool = False
+    #: the request is at fault, not the instance (an input or format the model cannot take): a client error,
+    #: not counted against the instance
+    invalid: bool = False
 
 
 class Shutdown(_Msg, tag="shutdown", kw_only=True):

@@ -57,6 +57,9 @@ class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     failed: int = 0
     #: given up by their clients (Cancel)
     cancelled: int = 0
+    #: failed for the request's own fault (an input or format the model cannot take): client errors, not
+    #: counted in `failed`
+    invalid: int = 0
 
 class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Handoffs along one edge (producer role -> consumer role) with one engine, since start."""

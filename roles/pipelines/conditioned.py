@@ -33,6 +33,7 @@ from roles.pipelines.replay import (  # noqa: F401 - LAYOUT, TASK, task_class: w
 )
 from roles.pipelines.split import step_callback
 from transport.manifest import dtype_of
+from roles.errors import RequestError
 
 #: what a request's inputs ask for: none, an image, an image and a mask
 TEXT, IMAGE, INPAINT = "text", "image", "inpaint"
@@ -41,7 +42,7 @@ TEXT, IMAGE, INPAINT = "text", "image", "inpaint"
 MAX_PIXELS = MAX_INPUT_PIXELS
 
 
-class InputError(ValueError):
+class InputError(RequestError):
     """A request's image inputs that this model cannot take (not an image, wrong size, wrong task)."""
 
 
