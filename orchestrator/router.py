@@ -17,7 +17,8 @@ from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
 from orchestrator.recovery import Recovery
-from orchestrator.registry import Instance, Registry
+from orchestrator.steps import RequestSteps
+from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
@@ -28,7 +29,7 @@ from transport.messages import (
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, Placement):
+class Router(InstanceLifecycle, Placement, RequestSteps):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -337,10 +338,6 @@ class Router(InstanceLifecycle, Placement):
         self.end(req, "done", now)
         self.send_result(req, result, frames, out)
 
-    def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
-        for client in req.clients:
-            out.append(to_client(client, result, frames))
-
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
         inst = self.registry.get(sender)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
@@ -366,62 +363,6 @@ class Router(InstanceLifecycle, Placement):
             self.release_source(req, out)
             # a compute slot held for it stays taken until its instance reports back or dies
             self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out)
-
-    # --- state machine steps ----------------------------------------------------------------
-
-    def finish_run(self, inst: Instance, request_id: str, attempt: int) -> Request | None:
-        """Free the compute slot a report closes; the request if the report is current."""
-        if inst.running.get(request_id) == attempt:
-            del inst.running[request_id]
-            inst.free_slots = min(inst.capacity, inst.free_slots + 1)
-        req = self.requests.get(request_id)
-        if req is None or req.ended or req.attempt != attempt or req.assigned != inst.id:
-            return None
-        return req
-
-    def is_source(self, request_id: str, instance_id: str, offset: int) -> bool:
-        """Whether that staged output is what its request reads next."""
-        req = self.requests.get(request_id)
-        slot = req.source.slot if req is not None and req.source is not None else None
-        return slot is not None and slot.instance_id == instance_id and slot.offset == offset
-
-    def release_source(self, req: Request, out: list[Out]) -> None:
-        if req.source is None:
-            return
-        slot = req.source.slot
-        producer = self.registry.get(slot.instance_id)
-        if producer is not None and producer.staged.pop(slot.offset, None) is not None:
-            out.append(to_instance(producer.id, Release(request_id=req.id, offset=slot.offset)))
-        req.source, req.source_frames = None, []
-
-    def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False,
-             state: str = "failed") -> None:
-        log.log(logging.INFO if state == "invalid" else logging.WARNING, "request %s failed: %s", req.id, error)
-        req.timings["total"] = round(now - req.submitted_at, 6)
-        result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
-                        timings=req.timings, stopping=stopping)
-        self.end(req, state, now)
-        self.send_result(req, result, (), out)
-
-    def end(self, req: Request, state: str, now: float) -> None:
-        req.state = state
-        del self.requests[req.id]
-        self.recovery.ended_request(req.id)
-        self.stats.record(state, now, req.timings)
-
-    def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:
-        """A new attempt from the last stage whose input still exists, else from the encoder."""
-        if req.attempt > self.config.max_retries:
-            self.release_source(req, out)
-            self.fail(req, f"gave up after {req.attempt} attempts; last: {cause}", now, out)
-            return
-        req.attempt += 1
-        log.info("request %s: attempt %d (%s)", req.id, req.attempt, cause)
-        producer = self.registry.get(req.source.slot.instance_id) if req.source else None
-        stage = req.stage if producer is not None and producer.state != "dead" else self.first_stage
-        if stage == self.first_stage:
-            self.release_source(req, out)
-        self.enqueue(req, stage, now, front=True)
 
     # --- stats ------------------------------------------------------------------------------
 
