@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client import Unreachable
 from client.aio import AsyncClient
+from gateway.activity import Activity
 from gateway.errors import ApiError, from_outcome_error
 from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_request, to_params
 from gateway.metrics import Metrics
@@ -42,7 +43,7 @@ GATEWAY_BEAT_S = 1.0
 DISCONNECT_POLL_S = 0.1
 #: routes that answer without the API key (load balancers, Kubernetes, Prometheus; the static page,
 #: whose own requests carry the key)
-OPEN_ROUTES = {"/health", "/liveness", "/metrics", "/"}
+OPEN_ROUTES = {"/health", "/liveness", "/metrics", "/", "/favicon.ico"}
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 #: response_format=url images: the URL holds an unguessable 128-bit id, so it opens without the key (it goes
 #: into an <img>, or is shared), and only for image_ttl_s
@@ -105,6 +106,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     metrics = Metrics()
     store = BoundedCache(settings.image_store_max, settings.image_store_bytes, settings.image_ttl_s)
     recent = BoundedCache(settings.recent_max, settings.recent_bytes)
+    activity = Activity()
     state: dict = {}
 
     @asynccontextmanager
@@ -240,6 +242,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
             return Response(status_code=499, headers=headers)
         metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
+        activity.record(outcome.ok, outcome.latency_s)
         if not outcome.ok:
             err = from_outcome_error(outcome.error or "failed")
             err.headers.update(headers)
@@ -260,6 +263,8 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
                           "timings": outcome.timings, "model": outcome.resolved.get("model")}}
         recent.put(rid, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
+        if outcome.images:
+            activity.show(rid, req.prompt, doc["size"], outcome.latency_s, outcome.images[0])
         return JSONResponse(doc, headers=headers)
 
     add_video_routes(app, client, served_model)
@@ -278,6 +283,16 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     async def page():
         """The web page: the live instance table and a prompt form (static; its requests carry the key)."""
         return Response(PAGE.read_bytes(), media_type="text/html; charset=utf-8")
+
+    @app.get("/recent")
+    async def recent_activity():
+        """What the page charts: this gateway's requests per 10 s over the last 5 minutes (rate, failures,
+        p50/p95 latency) and its last images with their prompts (thumbnails)."""
+        return activity.doc()
+
+    @app.get("/favicon.ico")
+    async def favicon():
+        return Response(status_code=204)
 
     @app.get("/liveness")
     async def liveness():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -12,7 +13,8 @@ import subprocess
 import pytest
 from PIL import Image
 
-from tests.conftest import launch_with_http
+from gateway.app import PAGE
+from tests.conftest import ROOT, launch_with_http
 from tests.test_gateway import wait_http
 
 pytestmark = pytest.mark.e2e
@@ -43,8 +45,18 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
         assert m, dom[-3000:]
         image = Image.open(io.BytesIO(base64.b64decode(m.group(1))))
         assert image.size == (128, 96) and "done in" in dom
+        # issue 22: live charts (plain SVG, no CDN) and the last images with their prompts
+        assert re.search(r'<svg id="chart-latency"[^>]*>.*?<polyline points="[0-9., ]+"', dom), dom[-4000:]
+        assert re.search(r'<svg id="chart-rate"[^>]*>.*?<polyline', dom)
+        assert re.search(r'<svg id="chart-queues"[^>]*>.*?<polyline', dom)
+        assert re.search(r'<figure><img src="data:image/png;base64,[^"]+" alt="a red fox"><figcaption>a red fox '
+                         r'\(128x96, ', dom), dom[-4000:]
+        assert "http://" not in re.sub(r'http://www\.w3\.org/2000/svg', "", PAGE.read_text())  # nothing fetched
+        assert "model tiny" in dom
         shot = tmp_path / "page.png"
-        browse(url, f"--screenshot={shot}")
-        assert Image.open(shot).size == (1100, 800)
+        browse(url, f"--screenshot={shot}", "--window-size=1100,1100")
+        assert Image.open(shot).size == (1100, 1100)
+        (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
+        shutil.copy(shot, ROOT / "benchmarks" / "results" / "web-page.png") if os.environ.get("DISAGG_SAVE_SHOT") else None
     finally:
         dep.stop()

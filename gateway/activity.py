@@ -1,0 +1,59 @@
+"""What the web page charts and shows: the latency and rate of the requests this gateway answered over the
+last minutes, and its last images, each with its prompt (GET /recent)."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import io
+import time
+
+#: the window the page charts, in buckets of BUCKET_S
+WINDOW_S, BUCKET_S = 300, 10
+#: the last images shown, as thumbnails of at most THUMB_PX a side
+LAST_IMAGES, THUMB_PX = 8, 160
+
+
+def thumbnail(image: bytes) -> str:
+    """A small PNG of an image's bytes, as a data: URL ("" when Pillow cannot read it)."""
+    from PIL import Image
+
+    try:
+        im = Image.open(io.BytesIO(image))
+        im.thumbnail((THUMB_PX, THUMB_PX))
+        out = io.BytesIO()
+        im.convert("RGB").save(out, format="PNG")
+    except Exception:  # noqa: BLE001 - a format Pillow cannot read is simply not shown
+        return ""
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+class Activity:
+    def __init__(self):
+        #: (when, latency_s, ok) of every request answered in the window (bounded)
+        self.ended: collections.deque[tuple[float, float, bool]] = collections.deque(maxlen=65_536)
+        self.images: collections.deque[dict] = collections.deque(maxlen=LAST_IMAGES)
+
+    def record(self, ok: bool, latency_s: float) -> None:
+        self.ended.append((time.time(), latency_s, ok))
+
+    def show(self, request_id: str, prompt: str, size: str, latency_s: float, image: bytes) -> None:
+        self.images.appendleft({"id": request_id, "prompt": prompt, "size": size, "latency_s": round(latency_s, 3),
+                                "created": int(time.time()), "thumbnail": thumbnail(image)})
+
+    def doc(self, now: float | None = None) -> dict:
+        """Per bucket of the window (oldest first): its start (seconds before now), requests per second, failed
+        ones, and p50 / p95 latency of those that succeeded; and the last images."""
+        now = time.time() if now is None else now
+        while self.ended and self.ended[0][0] < now - WINDOW_S:
+            self.ended.popleft()
+        buckets = []
+        for k in range(WINDOW_S // BUCKET_S):
+            lo = now - WINDOW_S + k * BUCKET_S
+            got = [(lat, ok) for t, lat, ok in self.ended if lo <= t < lo + BUCKET_S]
+            lat = sorted(x for x, ok in got if ok)
+            buckets.append({"t": round(lo - now, 1), "rps": round(len(got) / BUCKET_S, 3),
+                            "failed": sum(not ok for _, ok in got),
+                            "p50": lat[len(lat) // 2] if lat else None,
+                            "p95": lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else None})
+        return {"bucket_s": BUCKET_S, "series": buckets, "images": list(self.images)}
