@@ -9,8 +9,9 @@ import logging
 
 from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
+from orchestrator.stats import GATEWAY_SILENCE_S
 from transport.messages import (
-    FOREIGN_MODEL, HEARTBEAT_INTERVAL_S, NOT_READY, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
+    FOREIGN_MODEL, HEARTBEAT_INTERVAL_S, Cancel, NOT_READY, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -86,6 +87,18 @@ class InstanceLifecycle:
                 if req is not None and req.state == "queued" and req.stage == role:
                     self.release_source(req, out)
                     self.fail(req, f"refused: {why}", now, out)
+
+    def drop_silent_gateways(self, now: float, out) -> None:
+        """A gateway silent for twice GATEWAY_SILENCE_S (it beats every second) is gone, killed: the requests only
+        it waited for are cancelled, so they stop computing (its HTTP clients retried them elsewhere, or gave up)."""
+        gone = [k for k, (_, seen) in self.gateways.items() if now - seen > 2 * GATEWAY_SILENCE_S]
+        for identity in gone:
+            del self.gateways[identity]
+            orphans = [rid for rid, req in self.requests.items() if identity in req.clients]
+            if orphans:
+                log.warning("gateway %s went silent: cancelling %d requests only it waited for", identity[:24], len(orphans))
+            for rid in orphans:
+                self.handle_cancel(identity, Cancel(request_id=rid), (), now, out)
 
     def shutdown_drained(self, out, now: float) -> None:
         """Draining instances that run and hold nothing any more are told to exit."""

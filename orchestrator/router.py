@@ -120,6 +120,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         out: list[Out] = []
         self.expire_instances(now, out)
         self.expire_requests(now, out)
+        self.drop_silent_gateways(now, out)
         self.note_served(now)
         self.fail_unserved(now, out)
         self.shutdown_drained(out, now)
@@ -181,8 +182,6 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
 
     def handle_gateway_beat(self, identity, msg: GatewayBeat, frames, now, out) -> None:
         self.gateways[identity] = (msg, now)
-        for gone in [k for k, (_, seen) in self.gateways.items() if now - seen > GATEWAY_SILENCE_S]:
-            del self.gateways[gone]
 
     def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
         out.append(to_client(identity, request_states(self, msg.request_ids)))

@@ -756,3 +756,28 @@ def test_a_report_from_a_role_declared_dead_is_handled_once_it_registers_again()
     out = h.role(den, Register(role="denoiser", instance_id=den, pid=2000, host_id="h", device="cpu", capacity=1,
                                pool=pool, ready=True))
     assert not [o for o in out if isinstance(o.msg, Release)]
+
+
+def test_the_requests_of_a_gateway_gone_silent_are_cancelled():
+    """Issue 22 L15: a killed gateway's requests kept computing, so the ones its clients retried ran twice."""
+    from transport.messages import GatewayBeat
+
+    h = Harness()
+    [enc] = h.add("encoder")
+    gw, other = b"client-gateway", CLIENT
+    h.router.handle_client(gw, GatewayBeat(url="http://x", pid=7), [], h.now)
+    [(_, run)] = runs(h.router.handle_client(gw, Submit(request_id="g1", params=GenerationParams(prompt="a")), [], h.now))
+    h.submit("c1")  # a CLI client's request: not the gateway's
+    h.router.handle_client(gw, Submit(request_id="c1", params=GenerationParams(prompt="a cat")), [], h.now)  # joins
+    h.tick(3.0)
+    h.beat_all()  # the roles are fine; only the gateway went silent
+    assert "g1" in h.router.requests
+    h.tick(3.0)
+    h.beat_all()
+    assert "g1" in h.router.requests and not h.router.snapshot(h.now).gateways  # not listed after 5 s
+    h.tick(3.0)
+    h.beat_all()
+    outs = h.tick(2.0)  # 11 s without a beat from the gateway
+    [cancel] = [o for o in outs if isinstance(o.msg, Cancel)]
+    assert cancel.to_instance == enc and cancel.msg.request_id == "g1"
+    assert "g1" not in h.router.requests and h.router.requests["c1"].clients == [other]
