@@ -91,6 +91,8 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
             lines.append(f"gateway {g.url} (pid {g.pid}) is up")
     for url in urls - {g.url for g in cur.gateways}:
         lines.append(f"gateway {url} is gone")
+    seen = set(prev.warnings) if prev else set()
+    lines += [f"warning: {w}" for w in cur.warnings if w not in seen]
     if prev is None or (prev.requests.completed, prev.requests.failed) != (cur.requests.completed, cur.requests.failed):
         r = cur.requests
         if r.completed or r.failed:

@@ -74,7 +74,8 @@ class JoinDeployment(Deployment):
 
     def local(self, report: StatusReport) -> StatusReport:
         """`report` with this host's instances only (the join host's live table)."""
-        return msgspec.structs.replace(report, instances=[i for i in report.instances if i.host == self.host_id])
+        return msgspec.structs.replace(report, instances=[i for i in report.instances if i.host == self.host_id],
+                                       gateways=[])  # the head's gateway is not this host's
 
     def shutdown(self) -> None:
         """Stop this host's roles only: the head drains them (no new work; they exit once what they run and

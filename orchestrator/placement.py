@@ -72,6 +72,7 @@ class Placement:
             if warning and (producer.id, inst.id) not in self._warned_pairs:
                 self._warned_pairs.add((producer.id, inst.id))
                 log.warning("%s", warning)
+                self.warnings.append(warning)
             inst.engine = engine
             self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)

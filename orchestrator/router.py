@@ -55,6 +55,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
         self.lane = ""  # the same-host fast lane's path, likewise; told to roles in Registered
         self._warned_pairs: set[tuple[str, str]] = set()
+        #: what status shows an operator (StatusReport.warnings)
+        self.warnings: collections.deque[str] = collections.deque(maxlen=16)
         #: (consumer role, producer pool kind) -> whether some consumer needs its output inline; and
         #: role -> its ready consumers' kinds of pool. Both reset when instances change (_inline_cache.clear)
         self._inline_cache = InlineCache()

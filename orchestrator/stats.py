@@ -105,6 +105,7 @@ def snapshot(router, now: float) -> StatusReport:
                      for (r, ph), (n, t) in sorted(router.stats.stage_times.items())],
         transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
                    for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
+        warnings=list(router.warnings),
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
     )

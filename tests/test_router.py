@@ -781,3 +781,21 @@ def test_the_requests_of_a_gateway_gone_silent_are_cancelled():
     [cancel] = [o for o in outs if isinstance(o.msg, Cancel)]
     assert cancel.to_instance == enc and cancel.msg.request_id == "g1"
     assert "g1" not in h.router.requests and h.router.requests["c1"].clients == [other]
+
+
+def test_an_inline_transfer_between_hosts_is_a_warning_status_shows():
+    """Issue 22 L12: the warning that tensors go inline through the orchestrator was only in its log; status
+    carries it now, and the launcher prints each new one on its console (events_between)."""
+    from launcher.dashboard import events_between
+
+    h = Harness()
+    [enc] = h.add("encoder", host="h1")
+    h.add("denoiser", host="h2"), h.add("decoder", host="h2")
+    before = h.router.snapshot(h.now)
+    h.submit("r1")
+    [run] = [o for o in h.role(enc, staged(enc, "r1"), [b"x" * 256]) if isinstance(o.msg, Run)]
+    assert run.msg.source.engine == "inline"
+    after = h.router.snapshot(h.now)
+    [warning] = after.warnings
+    assert "inline" in warning and [line for line in events_between(before, after) if "warning" in line] == [
+        f"warning: {warning}"]

@@ -107,6 +107,9 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     gateways: list[GatewayStatus] = []
     #: per role and phase (queue, compute, fetch): requests and their seconds summed, every client's
     stage_times: list[StageTime] = []
+    #: the last warnings an operator should see (an inline transfer between hosts, ...), oldest first; a
+    #: launcher prints each new one on its console
+    warnings: list[str] = []
 
 
 class Cancel(_Msg, tag="cancel", kw_only=True):
