@@ -106,7 +106,11 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
 def bench_view(doc: dict) -> Group:
     """The `disagg bench` report as tables."""
     lat = doc["latency_s"]
+    mode = doc.get("mode", {})
+    load = (f"open loop, {mode['request_rate']:g} req/s" if "request_rate" in mode
+            else f"closed loop, concurrency {mode.get('concurrency', '?')}")
     head = Text.assemble(
+        ("path ", "bold"), f"{doc.get('path', 'zeromq')}  ", ("load ", "bold"), f"{load}\n",
         ("completed ", "bold"), f"{doc['completed']}  ", ("failed ", "bold"), f"{doc['failed']}  ",
         ("duration ", "bold"), f"{doc['duration_s']:.2f} s  ", ("throughput ", "bold"), f"{doc['throughput_rps']:.2f} req/s\n",
         ("latency ", "bold"), f"mean {lat['mean']:.4f}  p50 {lat['p50']:.4f}  p95 {lat['p95']:.4f}  p99 {lat['p99']:.4f} s   ",

@@ -80,10 +80,12 @@ def test_user_text_with_brackets_is_printed_as_is():
     EventLog(console).say("[encoder-0] pip install 'disagg[mooncake-cpu]'")
     doc = {"completed": 0, "failed": 2, "duration_s": 1.0, "throughput_rps": 0.0, "slo_factor": 2.0,
            "latency_s": {"mean": 0, "p50": 0, "p95": 0, "p99": 0}, "unloaded_latency_s": 0, "slo_attainment": 0,
-           "stages": {}, "instances": [], "failures": [{"reason": "needs disagg[mooncake] here", "count": 2}]}
+           "stages": {}, "instances": [], "failures": [{"reason": "needs disagg[mooncake] here", "count": 2}],
+           "path": "http", "mode": {"request_rate": 5.0}}
     console.print(bench_view(doc))
     text = console.export_text()
     assert "[encoder-0] pip install 'disagg[mooncake-cpu]'" in text and "disagg[mooncake] here" in text
+    assert "path http" in text and "load open loop, 5 req/s" in text  # issue 22 L11: which path, which load
 
 
 def test_launch_submit_json_and_the_warning_for_a_public_address(tmp_path):
