@@ -1,5 +1,6 @@
-"""The data plane as the control messages describe it: a role's pool, a staged slot and the tensors in it,
-and where a consumer pulls its input from. Part of the wire schema (transport/messages.py re-exports them)."""
+"""What the control messages describe: a role's pool, a staged slot and the tensors in it, where a consumer
+pulls its input from, what an instance holds (Held) and which model it serves (ModelIdentity). Part of the
+wire schema (transport/messages.py re-exports them)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,36 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     slot: SlotRef
     pool: PoolInfo
     engine: Annotated[str, Meta(max_length=32)]
+
+#: a role's name, as every message spells it
+Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
+
+
+class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An output a role holds in its pool (its Staged), told again in every Register: an orchestrator
+    that restarted resumes the request from it instead of starting over, or releases it."""
+
+    request_id: Id
+    attempt: Count
+    #: the role that made it (the stage it ends)
+    role: Role
+    slot: SlotRef
+    #: the request's seed (the first orchestrator may have chosen it): the rest of its stages use it too
+    seed: int | None = None
+
+
+class ModelIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What makes two instances serve the same model: the name as given (`--model`), the checkpoint's family,
+    the weights' dtype as configured, and a digest of its configs (model_index.json and each component's)."""
+
+    name: Annotated[str, Meta(max_length=1024)]
+    family: Annotated[str, Meta(max_length=64)] = ""
+    dtype: Annotated[str, Meta(max_length=32)] = ""
+    digest: Annotated[str, Meta(max_length=64)] = ""
+
+    def same_model(self, other: "ModelIdentity") -> bool:
+        return (self.family, self.dtype, self.digest) == (other.family, other.dtype, other.digest)
+
+    def describe(self) -> str:
+        details = ", ".join(x for x in (self.family, self.dtype, self.digest and f"digest {self.digest}") if x)
+        return f"{self.name!r} ({details})" if details else repr(self.name)

@@ -13,7 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
-    Count, CudaIpcHandle, Id, PoolInfo, SlotRef, Source, TensorSpec,
+    Count, CudaIpcHandle, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
 )
 from transport.params import MAX_INPUT_BYTES, GenerationParams  # noqa: F401 - likewise
 from transport.status import (  # noqa: F401
@@ -39,7 +39,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: `standby`: loaded and registered, given no work until an instance of its role dies (--standby)
 STATES = ("starting", "ready", "standby", "draining", "dead")
 
-Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
 Seconds = Annotated[float, Meta(ge=0)]
 
 
@@ -177,36 +176,6 @@ class Stopping(_Msg, tag="stopping", kw_only=True):
 
 
 # --- role <-> orchestrator ----------------------------------------------------------------
-
-
-class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """An output a role holds in its pool (its Staged), told again in every Register: an orchestrator
-    that restarted resumes the request from it instead of starting over, or releases it."""
-
-    request_id: Id
-    attempt: Count
-    #: the role that made it (the stage it ends)
-    role: Role
-    slot: SlotRef
-    #: the request's seed (the first orchestrator may have chosen it): the rest of its stages use it too
-    seed: int | None = None
-
-
-class ModelIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What makes two instances serve the same model: the name as given (`--model`), the checkpoint's family,
-    the weights' dtype as configured, and a digest of its configs (model_index.json and each component's)."""
-
-    name: Annotated[str, Meta(max_length=1024)]
-    family: Annotated[str, Meta(max_length=64)] = ""
-    dtype: Annotated[str, Meta(max_length=32)] = ""
-    digest: Annotated[str, Meta(max_length=64)] = ""
-
-    def same_model(self, other: "ModelIdentity") -> bool:
-        return (self.family, self.dtype, self.digest) == (other.family, other.dtype, other.digest)
-
-    def describe(self) -> str:
-        details = ", ".join(x for x in (self.family, self.dtype, self.digest and f"digest {self.digest}") if x)
-        return f"{self.name!r} ({details})" if details else repr(self.name)
 
 
 class Register(_Msg, tag="register", kw_only=True):
