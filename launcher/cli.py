@@ -330,7 +330,11 @@ def keys() -> None:
 @click.option("--force", is_flag=True, help="Replace keys already in DIRECTORY (a deployment running with them "
                                             "then admits no client until it is restarted with the new ones).")
 def keys_generate(directory: str, force: bool) -> None:
-    """Write a server and a client key pair into DIRECTORY (launch, submit, status take --keys DIRECTORY)."""
+    """Write a server and a client key pair into DIRECTORY (launch, submit, status take --keys DIRECTORY).
+
+    DIRECTORY/clients gets the client pair and the server's public key only: give that to clients, roles and
+    join hosts (their --keys), and the whole DIRECTORY to the orchestrator's host alone (it holds the server's
+    secret key)."""
     from transport.auth import generate_keys, key_files
 
     existing = [p for p in key_files(Path(directory)) if p.exists()]

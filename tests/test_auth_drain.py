@@ -23,7 +23,11 @@ pytestmark = pytest.mark.e2e
 def keys(module_tmp):
     res = disagg("keys", "generate", str(module_tmp / "keys"), timeout=30)
     assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in (module_tmp / "keys").iterdir()) == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    assert sorted(p.name for p in (module_tmp / "keys").iterdir()) == ["client.key", "client.key_secret", "clients",
+                                                                         "server.key", "server.key_secret"]
+    # issue 22 L17: what clients and join hosts get holds no server secret
+    assert sorted(p.name for p in (module_tmp / "keys" / "clients").iterdir()) == ["client.key", "client.key_secret",
+                                                                                   "server.key"]
     return module_tmp / "keys"
 
 
@@ -71,7 +75,9 @@ def test_without_the_key_nothing_gets_in(deployment, keys, tmp_path):
     prompts.write_text('{"prompt": "x", "width": 64, "height": 64}')
     res = disagg("submit", str(prompts), "--endpoint", deployment.endpoint, "--out", str(tmp_path), timeout=30)
     assert res.returncode == 3
-    # with the key, both work
+    # with the key, both work; the clients folder is enough
+    res = disagg("status", "--json", "--endpoint", deployment.endpoint, "--keys", str(keys / "clients"), timeout=30)
+    assert res.returncode == 0, res.stderr
     res = disagg("status", "--json", "--endpoint", deployment.endpoint, "--keys", str(keys), timeout=30)
     assert res.returncode == 0, res.stderr
     res = disagg("submit", str(prompts), "--endpoint", deployment.endpoint, "--out", str(tmp_path), "--keys", str(keys), timeout=60)

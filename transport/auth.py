@@ -1,6 +1,7 @@
 """CurveZMQ keys: who may talk to the orchestrator (torch-free, shared by every process).
 
-`disagg keys generate DIR` writes a server pair and a client pair. The orchestrator's sockets
+`disagg keys generate DIR` writes a server pair and a client pair, and DIR/clients with the client pair and
+the server's public key alone: what clients, roles and join hosts need. The orchestrator's sockets
 are Curve servers that accept only peers holding a key pair whose public half lies in DIR;
 clients and roles connect with the client pair. Without the keys a process can neither submit
 nor register: its connection is refused during the handshake.
@@ -27,6 +28,12 @@ def key_files(directory: Path) -> list[Path]:
     return [directory / f"{name}{ext}" for name in KEY_NAMES for ext in (".key", ".key_secret")]
 
 
+#: the sub-folder of a keys directory with what a client, a role or a join host needs, and nothing more: the
+#: client pair and the server's public key. Only the orchestrator's host needs the whole directory (it holds
+#: the server's secret key)
+CLIENTS = "clients"
+
+
 def generate_keys(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -34,6 +41,12 @@ def generate_keys(directory: Path) -> list[Path]:
         public, secret = zmq.auth.create_certificates(str(directory), name)
         Path(secret).chmod(0o600)
         written += [Path(public), Path(secret)]
+    clients = directory / CLIENTS
+    clients.mkdir(exist_ok=True)
+    for name in ("client.key", "client.key_secret", "server.key"):
+        (clients / name).write_bytes((directory / name).read_bytes())
+        (clients / name).chmod((directory / name).stat().st_mode & 0o777)
+        written.append(clients / name)
     return written
 
 
