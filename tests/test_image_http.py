@@ -203,3 +203,12 @@ def test_a_folder_checkpoint_is_listed_by_its_folder_name_not_the_servers_path(f
     [card] = httpx.get(f"{flux.http}/v1/models", timeout=10).json()["data"]
     assert card["id"] == "flux", card
     assert httpx.get(f"{flux.http}/v1/models/flux", timeout=10).status_code == 200
+
+
+def test_an_edit_without_size_keeps_the_input_images_size(flux):
+    """Issue 22 L18: Flux img2img without `size` made 1024² from a 64x48 input; OpenAI's edits keep its size."""
+    r = httpx.post(flux.http + "/v1/images/edits", data={"prompt": "a red cat", "seed": "3", "num_inference_steps": "2"},
+                   files={"image": ("in.png", png(IMAGE), "image/png")}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["size"] == f"{IMAGE.width}x{IMAGE.height}"
+    assert pixels(base64.b64decode(r.json()["data"][0]["b64_json"])).shape == (IMAGE.height, IMAGE.width, 3)

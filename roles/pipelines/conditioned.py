@@ -86,9 +86,18 @@ def input_images(p: dict) -> tuple[Image.Image | None, Image.Image | None]:
     return image, mask
 
 
+#: task pipelines that make a fixed size (1024^2) unless told one: without width and height a request keeps its
+#: input image's size instead, as OpenAI's edits do (Kontext and Qwen-Image-Edit choose from the image's aspect;
+#: SD3's and SDXL's img2img keep its size already)
+KEEP_INPUT_SIZE = ("FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline", "QwenImageImg2ImgPipeline",
+                   "QwenImageInpaintPipeline")
+
+
 def call_kwargs(cls, p: dict, image, mask, video: bool, guidance: str = "guidance_scale") -> dict:
     """The task pipeline's arguments for request `p`: the same in both halves."""
     accepted = inspect.signature(cls.__call__).parameters
+    if image is not None and p.get("width") is None and p.get("height") is None and cls.__name__ in KEEP_INPUT_SIZE:
+        p = {**p, "width": max(16, image.width // 16 * 16), "height": max(16, image.height // 16 * 16)}
     per_prompt = "num_images_per_prompt" if "num_images_per_prompt" in accepted else "num_videos_per_prompt"
     kw = {"prompt": p["prompt"], "num_inference_steps": p["num_inference_steps"], per_prompt: p["num_images_per_prompt"]}
     for name in ("height", "width", "negative_prompt", "strength"):
