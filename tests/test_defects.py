@@ -219,7 +219,7 @@ def test_keys_generate_never_overwrites_without_force(tmp_path):
     assert disagg("keys", "generate", str(keys)).returncode == 0
 
     def digest():
-        return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in keys.iterdir()}
+        return {str(p.relative_to(keys)): hashlib.md5(p.read_bytes()).hexdigest() for p in keys.rglob("*") if p.is_file()}
 
     before = digest()
     res = disagg("keys", "generate", str(keys))
