@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
-from diffusers.image_processor import VaeImageProcessor
 from roles.pipelines.flux import FluxSplit
-from roles.pipelines.tiny import CLIP_MAX_LENGTH, HIDDEN, ROLE_COMPONENTS, build_component
+from roles.pipelines.tiny import HIDDEN, ROLE_COMPONENTS, build_component
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"  # transformer.safetensors, vae.safetensors, config.json
 
@@ -87,14 +86,10 @@ def build_demo_component(name: str, weights_dir: str | Path | None = None):
 
 
 def _pipeline(names, device: str = "cpu", weights_dir: str | Path | None = None) -> FluxPipeline:
-    components = {n: build_demo_component(n, weights_dir) if n in names else None for n in ROLE_COMPONENTS["all"]}
-    pipe = FluxPipeline(**components)
-    # without a VAE / CLIP tokenizer (a role holding only some components) the constructor falls back to defaults
-    pipe.vae_scale_factor = VAE_SCALE_FACTOR
-    pipe.image_processor = VaeImageProcessor(vae_scale_factor=VAE_SCALE_FACTOR * 2)
-    pipe.tokenizer_max_length = CLIP_MAX_LENGTH
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    from roles.pipelines.tiny import assemble
+
+    return assemble({n: build_demo_component(n, weights_dir) if n in names else None for n in ROLE_COMPONENTS["all"]},
+                    device)
 
 
 def build_demo_flux_pipeline(device: str = "cpu", weights_dir: str | Path | None = None) -> FluxPipeline:

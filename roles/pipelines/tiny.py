@@ -118,7 +118,11 @@ def build_component(name: str):
 
 
 def _pipeline(names, device: str = "cpu") -> FluxPipeline:
-    components = {name: build_component(name) if name in names else None for name in ROLE_COMPONENTS["all"]}
+    return assemble({name: build_component(name) if name in names else None for name in ROLE_COMPONENTS["all"]}, device)
+
+
+def assemble(components: dict, device: str = "cpu") -> FluxPipeline:
+    """A FluxPipeline of these components (None for the ones a role does not hold), pinned to the tiny sizes."""
     pipe = FluxPipeline(**components)
     # Without a VAE / CLIP tokenizer the constructor falls back to defaults; pin them to the tiny configs.
     pipe.vae_scale_factor = VAE_SCALE_FACTOR
