@@ -48,8 +48,8 @@ def cli(verbose: bool) -> None:
 
 
 @cli.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in tiny deployment, as in configs/tiny.yaml).")
-@click.option("--model", help="Model to serve: 'tiny' (embedded default), a diffusers checkpoint (local folder or Hugging Face id: Flux, SD3, SDXL, Wan 2.1/2.2) or sim:PROFILE.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in deployment, as in configs/tiny.yaml).")
+@click.option("--model", help="Model to serve: 'demo' (default: a tiny trained Flux that draws coloured shapes, 64x64), 'tiny' (random weights, any size), a diffusers checkpoint (local folder or Hugging Face id: Flux, SD3, SDXL, Wan 2.1/2.2) or sim:PROFILE.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Checkpoint weights' dtype (default auto: bf16 on a GPU, fp32 on the CPU).")
 @click.option("-e", "--encoders", type=click.IntRange(0, 256), help="Number of encoder instances (0: none on this host; others may join).")
 @click.option("-d", "--denoisers", type=click.IntRange(0, 256), help="Number of denoiser instances (0: none on this host; others may join).")

@@ -53,7 +53,7 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class DeploymentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `disagg launch` needs; configs/tiny.yaml holds these defaults, commented."""
 
-    model: str = "tiny"
+    model: str = "demo"
     #: checkpoints: auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16 or float16
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"

@@ -14,7 +14,7 @@ class WorkerSpec:
     role: str
     instance_id: str
     endpoint: str  # the orchestrator's backend socket
-    model: str = "tiny"
+    model: str = "demo"
     device: str = "cpu"
     capacity: int = 1
     #: denoisers: requests of one shape sharing each forward (roles/batcher.py)

@@ -25,6 +25,12 @@ def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProces
     )
 
 
+def tiny_unless_named(args: list[str]) -> list[str]:
+    """Tests run the random-weight `tiny` model (parity with diffusers' pipeline, any size) unless they name a
+    model or a config file; a user's `disagg launch` defaults to the trained `demo` one."""
+    return args if "--model" in args or "--config" in args else [*args, "--model", "tiny"]
+
+
 class Launched:
     """A `disagg launch` process running in the background."""
 
@@ -37,6 +43,7 @@ class Launched:
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.run_dir = tmp / "run"
         self.log = open(tmp / log_name, "w")
+        args = tiny_unless_named(args)
         if "--spares" not in args:  # a spare interpreter costs seconds of CPU: only where a test wants one
             args = [*args, "--spares", "0"]
         self.proc = subprocess.Popen(

@@ -82,7 +82,10 @@ class Hosts:
         return proc
 
     def launch(self, i: int, args: list[str], log: Path) -> subprocess.Popen:
-        return self.popen(i, [sys.executable, "-m", "launcher", "launch", "--no-dashboard", "--spares", "0", *args], log)
+        from tests.conftest import tiny_unless_named
+
+        return self.popen(i, [sys.executable, "-m", "launcher", "launch", "--no-dashboard", "--spares", "0",
+                              *tiny_unless_named(args)], log)
 
     def link(self, i: int, up: bool) -> None:
         _ip("link", "set", f"dgv{self.tag}{i}", "up" if up else "down")

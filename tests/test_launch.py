@@ -27,9 +27,9 @@ def test_readme_batch_command_writes_images(tmp_path):
         "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "3/3 requests succeeded" in res.stdout
+    assert "8/8 requests succeeded" in res.stdout
     sizes = sorted(Image.open(p).size for p in out.glob("*.png"))
-    assert sizes == [(64, 64), (128, 128), (192, 128)]
+    assert sizes == [(64, 64)] * 8  # the demo model's size
     # 1 encoder, 2 denoisers, 1 decoder, each with its own log
     logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
     assert logs == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0", "orchestrator"]
@@ -165,7 +165,7 @@ def test_colocated_baseline_gives_the_same_pixels(tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text('{"prompt": "a red fox", "width": 64, "height": 64, "num_inference_steps": 2, "seed": 5}')
     out = tmp_path / "out"
-    res = disagg("launch", "--colocated", "1", "--submit", str(prompts), "--out", str(out), "--json",
+    res = disagg("launch", "--model", "tiny", "--colocated", "1", "--submit", str(prompts), "--out", str(out), "--json",
                  "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     # issue 22 M4: with --json, stdout is that JSON alone; the banner and events go to stderr

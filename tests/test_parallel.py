@@ -95,7 +95,7 @@ def pixels(data: bytes) -> np.ndarray:
 def ulysses(module_tmp):
     """The tiny Flux with a 2-rank Ulysses denoiser, from the config file alone."""
     cfg = module_tmp / "u2.yaml"
-    cfg.write_text("parallel:\n  denoiser: {ulysses: 2}\ndenoisers: {count: 1}\n")
+    cfg.write_text("model: tiny\nparallel:\n  denoiser: {ulysses: 2}\ndenoisers: {count: 1}\n")
     (module_tmp / "u2").mkdir()
     yield from Launched(["--config", str(cfg), "--no-dashboard"], module_tmp / "u2").serve(3)
 

@@ -15,6 +15,7 @@ from PIL import Image
 
 from gateway.app import PAGE
 from tests.conftest import ROOT, launch_with_http
+from tools.check_demo import verdict
 from tests.test_gateway import wait_http
 
 pytestmark = pytest.mark.e2e
@@ -31,12 +32,13 @@ def browse(url: str, *args: str) -> str:
 
 
 def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
-    dep = launch_with_http(["-e", "1", "-d", "2", "-k", "1", "--no-dashboard"], tmp_path)
+    # the default model (issue 22: the page shows the trained demo model's pictures, not noise)
+    dep = launch_with_http(["--model", "demo", "-e", "1", "-d", "2", "-k", "1", "--no-dashboard"], tmp_path)
     try:
         dep.wait_ready(4)
         base = dep.http
         wait_http(base + "/health")
-        url = base + "/?prompt=a%20red%20fox&size=128x96&seed=3&steps=2&generate=1"
+        url = base + "/?prompt=a%20green%20square%20on%20the%20left&seed=3&generate=1"  # size auto: the model's
         dom = browse(url, "--dump-dom")
         rows = re.findall(r"<tr><td[^>]*>(encoder|denoiser|decoder)</td><td[^>]*>([a-z]+-\d)</td>", dom)
         assert sorted(i for _, i in rows) == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0"], dom[:3000]
@@ -44,15 +46,17 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
         m = re.search(r'<img id="result"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
         assert m, dom[-3000:]
         image = Image.open(io.BytesIO(base64.b64decode(m.group(1))))
-        assert image.size == (128, 96) and "done in" in dom
+        assert image.size == (64, 64) and "done in" in dom
+        seen = verdict("green", "square", "left", 3, image)
+        assert seen["colour_ok"] and seen["position_ok"], seen
         # issue 22: live charts (plain SVG, no CDN) and the last images with their prompts
         assert re.search(r'<svg id="chart-latency"[^>]*>.*?<polyline points="[0-9., ]+"', dom), dom[-4000:]
         assert re.search(r'<svg id="chart-rate"[^>]*>.*?<polyline', dom)
         assert re.search(r'<svg id="chart-queues"[^>]*>.*?<polyline', dom)
-        assert re.search(r'<figure><img src="data:image/png;base64,[^"]+" alt="a red fox"><figcaption>a red fox '
-                         r'\(128x96, ', dom), dom[-4000:]
+        assert re.search(r'<figure><img src="data:image/png;base64,[^"]+" alt="a green square on the left"><figcaption>'
+                         r'a green square on the left \(64x64, ', dom), dom[-4000:]
         assert "http://" not in re.sub(r'http://www\.w3\.org/2000/svg', "", PAGE.read_text())  # nothing fetched
-        assert "model tiny" in dom
+        assert "model demo" in dom
         shot = tmp_path / "page.png"
         browse(url, f"--screenshot={shot}", "--window-size=1100,1100")
         assert Image.open(shot).size == (1100, 1100)

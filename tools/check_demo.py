@@ -88,13 +88,17 @@ def evaluate(pipe, seeds: int = 16, steps: int = DEFAULTS["num_inference_steps"]
         for position in POSITIONS:
             keys = [(colour, SHAPES[s % len(SHAPES)], position, s) for s in range(seeds)]
             images = generate(pipe, [caption(*k[:3]) for k in keys], [k[3] for k in keys], steps, size)
-            for (c, shape, p, seed), img in zip(keys, images):
-                m = measure(img)
-                enough = m["foreground"] >= MIN_FOREGROUND
-                m["got_shape"] = m.pop("shape", None)
-                rows.append(dict(colour=c, shape=shape, position=p, seed=seed, image=img, **m,
-                                 colour_ok=enough and m["got_colour"] == c, position_ok=enough and position_ok(p, m["x"])))
+            rows += [verdict(*k, img) for k, img in zip(keys, images)]
     return rows, (time.time() - t0) / len(rows)
+
+
+def verdict(colour: str, shape: str, position: str, seed: int, image: Image.Image) -> dict:
+    """One picture drawn for caption(colour, shape, position): what measure() sees, and whether it is right."""
+    m = measure(image)
+    enough = m["foreground"] >= MIN_FOREGROUND
+    m["got_shape"] = m.pop("shape", None)
+    return dict(colour=colour, shape=shape, position=position, seed=seed, image=image, **m,
+                colour_ok=enough and m["got_colour"] == colour, position_ok=enough and position_ok(position, m["x"]))
 
 
 def table(rows) -> tuple[str, float]:
@@ -130,9 +134,7 @@ def sheet(images, labels, cols, scale=3) -> Image.Image:
     return out
 
 
-CONTACT_PROMPTS = [("red", "circle", "left"), ("green", "square", "center"), ("blue", "triangle", "right"),
-                   ("yellow", "circle", "center"), ("blue", "square", "left"), ("red", "triangle", "center"),
-                   ("yellow", "square", "right"), ("green", "triangle", "left")]
+EXAMPLES = ROOT / "examples" / "prompts.json"  # the README's first command draws these: the contact sheet shows them
 
 
 def main():
@@ -143,16 +145,18 @@ def main():
     ap.add_argument("--size", type=int, default=DEFAULTS["height"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--contact", type=Path, default=None, help="write a contact sheet of 8 example prompts here")
+    ap.add_argument("--contact", type=Path, default=None, help="write a contact sheet of examples/prompts.json here")
     ap.add_argument("--failures", type=Path, default=None, help="write a sheet of the pictures that failed here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     pipe = build_demo_flux_pipeline(weights_dir=args.weights)
 
     if args.contact:
-        keys = CONTACT_PROMPTS
-        images = generate(pipe, [caption(*k) for k in keys], range(len(keys)), args.steps, args.size)
-        sheet(images, [caption(*k)[2:].replace(" the ", " ") for k in keys], cols=4).save(args.contact)
+        import json
+
+        examples = json.loads(EXAMPLES.read_text())
+        images = generate(pipe, [e["prompt"] for e in examples], [e["seed"] for e in examples], args.steps, args.size)
+        sheet(images, [e["prompt"][2:].replace(" the ", " ") for e in examples], cols=4).save(args.contact)
         print(f"wrote {args.contact}")
 
     rows, per_image = evaluate(pipe, args.seeds, args.steps, args.size)

@@ -75,6 +75,8 @@ PARALLEL = {"flux": ("ulysses", "ring"), "wan": ("ulysses", "ring"), "qwen": ("u
             "sdxl": ("cfg",)}
 
 SPECS = {
+    # the trained demo Flux (roles/pipelines/demo.py): draws coloured shapes at 64x64, the size it knows
+    "demo": ModelSpec("demo", 64, 64, _tiny_bytes, step_batching=True),
     "tiny": ModelSpec("tiny", 1024, 1024, _tiny_bytes, step_batching=True, parallel=("ulysses", "ring")),
     "payload": ModelSpec("payload", 4096, 2048, _payload_bytes),
 }
@@ -142,6 +144,10 @@ def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto"
         from roles.pipelines.tiny import TinyFluxAdapter
 
         return TinyFluxAdapter("all" if role == "monolith" else role, device)
+    if model == "demo":
+        from roles.pipelines.demo import DemoFluxAdapter
+
+        return DemoFluxAdapter("all" if role == "monolith" else role, device)
     from roles.pipelines.payload import PayloadAdapter
 
     return PayloadAdapter(role, device)
@@ -149,7 +155,7 @@ def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto"
 
 #: what a spare interpreter imports ahead (python -m roles --spare): every adapter, and through them
 #: the diffusers and transformers classes they use; the rest of a role's start is its model's load
-PRELOAD = ("roles.pipelines.tiny", "roles.pipelines.sim", "roles.pipelines.payload",
+PRELOAD = ("roles.pipelines.tiny", "roles.pipelines.demo", "roles.pipelines.sim", "roles.pipelines.payload",
            *(module for module, _ in FAMILY_ADAPTERS.values()))
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
-from roles.pipelines.flux import FluxSplit
-from roles.pipelines.tiny import HIDDEN, ROLE_COMPONENTS, build_component
+from roles.pipelines.tiny import HIDDEN, ROLE_COMPONENTS, TinyFluxAdapter, build_component
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"  # transformer.safetensors, vae.safetensors, config.json
 
@@ -97,8 +96,8 @@ def build_demo_flux_pipeline(device: str = "cpu", weights_dir: str | Path | None
     return _pipeline(ROLE_COMPONENTS["all"], device, weights_dir)
 
 
-class DemoFluxAdapter(FluxSplit):
-    """Runs one stage (or all) of the trained demo FluxPipeline."""
+class DemoFluxAdapter(TinyFluxAdapter):
+    """Runs one stage (or all) of the trained demo FluxPipeline (the tiny adapter's split, other weights)."""
 
     def __init__(self, role: str, device: str = "cpu", weights_dir: str | Path | None = None):
         if role not in ROLE_COMPONENTS:
