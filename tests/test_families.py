@@ -214,3 +214,22 @@ def test_flux_dev_and_schnell_split_roles_match_the_pipeline(variant, tmp_path):
     got = [np.asarray(im).astype(int) for im in dec.decode(latents, q)]
     want = reference(folder, "flux", p)
     assert len(got) == 2 and max(int(np.abs(g - w.astype(int)).max()) for g, w in zip(got, want)) <= 1
+
+
+@pytest.mark.parametrize("family,largest", [("sd3", 256), ("wan21", 512)])
+def test_the_largest_size_comes_from_the_checkpoints_own_config(family, largest, tmp_path):
+    """issue 22 L16: SD3's pos_embed_max_size and Wan's rope_max_seq_len bound the size a deployment takes, so
+    a larger request is refused at Submit; diffusers' own pipeline runs at that size and fails 16 px above it."""
+    from diffusers import DiffusionPipeline
+
+    from roles.pipelines import model_spec
+
+    save_tiny(family, tmp_path / family)
+    spec = model_spec(str(tmp_path / family))
+    assert (spec.max_width, spec.max_height) == (largest, largest)
+    pipe = DiffusionPipeline.from_pretrained(str(tmp_path / family))
+    pipe.set_progress_bar_config(disable=True)
+    video = {"num_frames": 1} if family.startswith("wan") else {}
+    pipe("x", width=largest, height=16, num_inference_steps=1, **video)
+    with pytest.raises(Exception):
+        pipe("x", width=largest + 16, height=16, num_inference_steps=1, **video)

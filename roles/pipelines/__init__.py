@@ -95,13 +95,13 @@ def model_spec(model: str) -> ModelSpec:
                          step_batching=True)
     if model in SPECS:
         return SPECS[model]
-    from roles.pipelines.checkpoint import MAX_FRAMES, MAX_SIZE, CheckpointError, load_checkpoint, output_bytes
+    from roles.pipelines.checkpoint import MAX_FRAMES, CheckpointError, load_checkpoint, max_size, output_bytes
 
     try:
         ck = load_checkpoint(model)
     except CheckpointError as exc:
         raise ModelError(f"{exc}; built in: {', '.join(SPECS)}, sim:PROFILE") from None
-    width, height = MAX_SIZE[ck.family]
+    width, height = max_size(ck)
     return ModelSpec(model, width, height, lambda role, w, h, n: output_bytes(ck, role, w, h, n), family=ck.family,
                      step_batching=ck.family in STEP_BATCHING, max_frames=MAX_FRAMES if ck.video else 0,
                      parallel=PARALLEL.get(ck.family, ()))

@@ -165,6 +165,24 @@ MAX_INPUT_PIXELS = 2048 * 2048
 MAX_FRAMES = 81
 
 
+def max_size(ck: Checkpoint) -> tuple[int, int]:
+    """(width, height) a deployment of this checkpoint takes: MAX_SIZE, lowered to what the transformer's own
+    config allows (a larger request is then refused at Submit, not failed at the denoiser): SD3's positional
+    embedding covers pos_embed_max_size patches a side, Wan's rotary table rope_max_seq_len positions an axis."""
+    width, height = MAX_SIZE[ck.family]
+    t = ck.configs.get("transformer", {})
+    spatial, _ = vae_scale_factors(ck)
+    if ck.family == "sd3" and t.get("pos_embed_max_size"):
+        limit = int(t["pos_embed_max_size"]) * int(t.get("patch_size") or 2) * spatial
+    elif ck.family == "wan" and t.get("rope_max_seq_len"):
+        patch = t.get("patch_size") or (1, 2, 2)
+        limit = int(t["rope_max_seq_len"]) * int(patch[1]) * spatial
+    else:
+        return width, height
+    limit -= limit % 16  # sizes are multiples of 16
+    return min(width, limit), min(height, limit)
+
+
 def output_bytes(ck: Checkpoint, role: str, width: int, height: int, images: int) -> int:
     """An upper bound on what `role` stages for one request (float32, CFG doubled where used)."""
     c = ck.configs
