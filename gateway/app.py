@@ -31,6 +31,7 @@ from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
 from gateway.videos import add_video_routes
+from transport.parent import LauncherWatch
 
 log = logging.getLogger("disagg.gateway")
 
@@ -93,10 +94,10 @@ async def _beat(client: AsyncClient, url: str) -> None:
 
 async def _exit_with_launcher() -> None:
     """Started by `disagg launch`: leave when it is gone (killed), as the roles do."""
-    parent = os.getppid()
+    launcher = LauncherWatch()
     while True:
         await asyncio.sleep(1.0)
-        if os.getppid() != parent:
+        if launcher.gone():
             log.warning("launcher is gone; exiting")
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own graceful shutdown
             return

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from transport.messages import BOOT_ERROR_EXIT
+from transport.parent import LAUNCHER_PID_ENV
 
 log = logging.getLogger("disagg.launcher")
 
@@ -151,6 +152,7 @@ class Supervisor:
     def _start(self, child: Child) -> bool:
         """Start (again) `child`; True if a spare interpreter became it."""
         child.env["DISAGG_RESTARTS"] = str(child.restarts)
+        child.env[LAUNCHER_PID_ENV] = str(os.getpid())  # so it notices our death even before it looks
         if child.group:
             child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
         child.returncode = None

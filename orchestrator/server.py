@@ -15,6 +15,7 @@ import zmq
 
 from orchestrator.router import Out, Router
 from transport.auth import secure_server
+from transport.parent import LauncherWatch
 from transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
 from transport.bundle import Outbox, decode_frames
 from transport.shm import pid_alive
@@ -116,7 +117,7 @@ class OrchestratorServer:
             poller.register(self.lane_listener.fileno(), zmq.POLLIN)  # raw fds come back from poll as ints
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
-        parent = os.getppid()
+        launcher = LauncherWatch()
         busy_until = 0.0
         while not self._stop_requested:
             events = {}
@@ -138,7 +139,7 @@ class OrchestratorServer:
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
                 next_tick = now + TICK_S
-                if os.getppid() != parent:  # the launcher was killed: do not linger as an orphan
+                if launcher.gone():  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
                     self.orphaned = True
                     self.send(self.router.handle_client(b"", Stop(), [], now))

@@ -27,6 +27,7 @@ from roles.limits import model_limits, served_model
 from roles.link import Link
 from roles.spec import WorkerSpec
 from transport.auth import client_curve
+from transport.parent import LauncherWatch
 from transport.bundle import Outbox, decode_frames
 from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.lane import LaneLink
@@ -97,7 +98,7 @@ class Worker(Link):
         self.stop = False
         #: the launcher went away (killed): on the way out, clean what nobody else will
         self.orphaned = False
-        self.parent_pid = os.getppid()
+        self.launcher = LauncherWatch()
         self.last_heard = time.monotonic()
         self.backoff_s = HEARTBEAT_INTERVAL_S
         self.next_register = 0.0
@@ -211,7 +212,7 @@ class Worker(Link):
                     poller.unregister(sock)
                     poller.register(self.sock, zmq.POLLIN)
                 self.heartbeat()
-                if os.getppid() != self.parent_pid:
+                if self.launcher.gone():
                     self.log.warning("launcher is gone; exiting")
                     self.stop = self.orphaned = True
             self.flush()

@@ -7,6 +7,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +18,7 @@ from launcher.batch import OutDirError, check_out_dir
 from launcher.dashboard import bench_view, status_view
 from launcher.prompts import PromptError, parse_prompts
 from launcher.run import EventLog
-from tests.conftest import Launched, disagg, free_port_pair, pid_alive
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, wait_until
 from transport.messages import InstanceStatus, RequestCounts, StatusReport
 from transport.shm import list_segments
 
@@ -156,3 +158,31 @@ def test_bench_transfer_leaves_no_run_folder(tmp_path):
                  "--json", timeout=120, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert not list(tmp_path.glob("disagg-bench-*"))
+
+
+def test_a_role_whose_launcher_died_before_it_looked_exits_and_removes_its_pool(tmp_path):
+    """The race behind a leaked `disagg-RUN-denoiser-0-PID` segment: a launcher restarts a killed role and is
+    killed itself before that role checks its parent. Here the "launcher" (sh) starts the role and exits at
+    once; the role must still see it gone (DISAGG_LAUNCHER_PID), exit and remove its pool. Before, it took
+    the parent it found at start (init) as its launcher and lingered for the 600 s orphan grace."""
+    import msgspec
+
+    from roles.spec import WorkerSpec
+
+    name = f"disagg-test{os.getpid()}-encoder-0"
+    spec = WorkerSpec(role="encoder", instance_id="encoder-0", endpoint=f"tcp://127.0.0.1:{free_port_pair() + 1}",
+                      model="payload", pool_name=name, pool_bytes=1 << 20, transfer="shm")
+    pidfile = tmp_path / "role.pid"
+    # as the supervisor does: the launcher's pid in the environment, then the role; then sh exits
+    script = f'DISAGG_LAUNCHER_PID=$$ {sys.executable} -m roles "$0" > {tmp_path}/role.log 2>&1 & echo $! > {pidfile}'
+    launcher = subprocess.Popen(["sh", "-c", script, msgspec.json.encode(spec).decode()], cwd=ROOT,
+                                start_new_session=True)
+    launcher.wait()  # sh is gone before the role has even imported torch
+    role = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip()))
+    try:
+        wait_until(lambda: not pid_alive(role), timeout=60, why=lambda: (tmp_path / "role.log").read_text()[-2000:])
+    finally:
+        if pid_alive(role):
+            os.kill(role, signal.SIGKILL)
+    assert "launcher is gone" in (tmp_path / "role.log").read_text()
+    assert not [s for s in list_segments("disagg-") if s.startswith(f"{name}-")]
