@@ -1,39 +1,47 @@
-"""`python -m gateway`: the HTTP gateway process (`disagg launch --http-port` and `disagg serve-http` start it)."""
+"""`python -m gateway SETTINGS_JSON`: the HTTP gateway process (`disagg launch --http-port` and `disagg serve-http`
+start it) with its settings.process.GatewaySettings. The API key comes in DISAGG_HTTP_API_KEY, not on the
+command line (where `ps` would show it)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
+
+import msgspec
 
 from transport.messages import BOOT_ERROR_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gateway", description="disagg HTTP gateway (OpenAI-compatible)")
-    ap.add_argument("--endpoint", required=True, help="the orchestrator's client endpoint, tcp://HOST:PORT")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--keys", default="", help="CurveZMQ keys directory of the deployment, when it uses them")
-    ap.add_argument("--log-level", default="INFO")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s [gateway] %(levelname)s %(message)s")
+    log = logging.getLogger("disagg.gateway")
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return BOOT_ERROR_EXIT
+    from settings.process import GatewaySettings, decode, encode
+
+    try:
+        settings = decode(argv[0], GatewaySettings)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.error("bad settings: %s", exc)
+        return BOOT_ERROR_EXIT
+    log.info("settings: %s", encode(settings))  # the API key is not in it: it comes from the environment
+    settings.http.api_key = settings.http.api_key or os.environ.get("DISAGG_HTTP_API_KEY", "")
     import uvicorn
 
-    from gateway.app import GatewaySettings, make_app
+    from gateway.app import make_app
 
-    # the key comes through the environment, not the command line (where `ps` would show it)
-    settings = GatewaySettings(endpoint=args.endpoint, api_key=os.environ.get("DISAGG_API_KEY", ""), keys_dir=args.keys,
-                               url=f"http://{args.host}:{args.port}")
-    config = uvicorn.Config(make_app(settings), host=args.host, port=args.port, loop="uvloop", http="httptools",
+    h = settings.http
+    config = uvicorn.Config(make_app(settings), host=h.host, port=h.port, loop="uvloop", http="httptools",
                             log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     try:
         server.run()
     except OSError as exc:  # the port is taken: a boot error, not a restart loop
-        logging.getLogger("disagg.gateway").error("cannot serve on %s:%d: %s", args.host, args.port, exc)
+        log.error("cannot serve on %s:%d: %s", h.host, h.port, exc)
         return BOOT_ERROR_EXIT
     if not server.started:  # uvicorn logs a bind failure and returns without raising
         return BOOT_ERROR_EXIT

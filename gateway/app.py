@@ -13,7 +13,6 @@ import signal
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -31,8 +30,10 @@ from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
 from gateway.videos import add_video_routes
+from settings.process import GatewaySettings
 from transport.parent import LauncherWatch
 
+MIB = 1024 * 1024
 log = logging.getLogger("disagg.gateway")
 
 #: the largest request body read (a prompt is at most 20,000 characters)
@@ -62,25 +63,6 @@ def is_open(path: str) -> bool:
     return path in OPEN_ROUTES or bool(_IMAGE_URL.match(path))
 
 
-@dataclass
-class GatewaySettings:
-    """What `python -m gateway` (and `disagg serve-http`) is told."""
-
-    endpoint: str
-    api_key: str = ""
-    #: CurveZMQ client keys of the deployment, when it uses them
-    keys_dir: str = ""
-    #: response_format=url: images kept this long, at most this many and this many bytes
-    image_ttl_s: float = 600.0
-    image_store_max: int = 256
-    image_store_bytes: int = 512 * 1024 * 1024
-    #: completed answers kept for X-Request-Id resubmissions (count and bytes of their images)
-    recent_max: int = 1024
-    recent_bytes: int = 128 * 1024 * 1024
-    #: where it serves, as `status` lists it
-    url: str = ""
-
-
 async def _beat(client: AsyncClient, url: str) -> None:
     """Once a second: `disagg status` and the live table list this gateway."""
     restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
@@ -105,22 +87,23 @@ async def _exit_with_launcher() -> None:
 
 def make_app(settings: GatewaySettings) -> FastAPI:
     metrics = Metrics()
-    store = BoundedCache(settings.image_store_max, settings.image_store_bytes, settings.image_ttl_s)
-    recent = BoundedCache(settings.recent_max, settings.recent_bytes)
+    h = settings.http
+    store = BoundedCache(h.image_store_max, h.image_store_mib * MIB, h.image_ttl)
+    recent = BoundedCache(h.recent_max, h.recent_mib * MIB)
     activity = Activity()
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         curve = None
-        if settings.keys_dir:
+        if settings.keys:
             from transport.auth import client_curve
 
-            curve = client_curve(Path(settings.keys_dir))
+            curve = client_curve(Path(settings.keys))
         client = AsyncClient(settings.endpoint, curve=curve)
         await client.start()
         state["client"] = client
-        tasks = [asyncio.create_task(_beat(client, settings.url))]
+        tasks = [asyncio.create_task(_beat(client, f"http://{h.host}:{h.port}"))]
         if os.environ.get("DISAGG_RUN_ID"):
             tasks.append(asyncio.create_task(_exit_with_launcher()))
         log.info("gateway for %s", settings.endpoint)
@@ -152,9 +135,9 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                 await send(message)
 
             try:
-                if settings.api_key and not is_open(scope["path"]):
+                if h.api_key and not is_open(scope["path"]):
                     scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-                    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), settings.api_key.encode()):
+                    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), h.api_key.encode()):
                         raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                        code="invalid_api_key")
                 await self.inner(scope, receive, counting_send)
@@ -274,7 +257,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     async def image_content(image_id: str):
         item = store.get(image_id)
         if item is None:
-            raise ApiError(404, f"no image {image_id!r} (unknown, or older than {settings.image_ttl_s:g} s)",
+            raise ApiError(404, f"no image {image_id!r} (unknown, or older than {h.image_ttl:g} s)",
                            param="image_id", code="not_found")
         return Response(item[0], media_type=item[1])
 

@@ -23,7 +23,7 @@ from rich.table import Table
 from client import Client
 from launcher.deployment import Deployment
 from launcher.ports import free_port_pair
-from launcher.topology import DeploymentConfig, RoleConfig
+from settings import RolePool, Settings
 
 SIZES = (16 * 1024, 512 * 1024, 4 * 1024**2, 10 * 1024**2, 30 * 1024**2)
 WIDTHS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
@@ -77,11 +77,11 @@ def memcpy_baseline(sizes, repeats: int) -> dict[int, dict[str, float]]:
 
 def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int], log) -> dict[int, dict[str, float]]:
     pool_mib = 2 * max(sizes) // 1024**2 + 16
-    config = DeploymentConfig(
+    config = Settings(
         # shm moves host pools: beside GPU engines it is the host-memory baseline, on the CPU
         model="payload", port=free_port_pair(), transfer=engine, gpus=[] if engine == "shm" else gpus,
-        encoders=RoleConfig(count=1, pool_mib=pool_mib), denoisers=RoleConfig(count=1, pool_mib=pool_mib),
-        decoders=RoleConfig(count=1),
+        encoders=RolePool(count=1, pool_mib=pool_mib), denoisers=RolePool(count=1, pool_mib=pool_mib),
+        decoders=RolePool(count=1),
     )
     run_dir = Path(tempfile.mkdtemp(prefix=f"disagg-bench-{engine}-"))
     dep = Deployment(config, run_dir)

@@ -23,16 +23,14 @@ from launcher.cli_common import (
     EXIT_USAGE,
     endpoint_option,
     exit_unreachable,
-    int_list,
     keys_option,
     make_client,
     make_console,
 )
 from launcher.dashboard import status_view
 from launcher.prompts import PromptError, load_prompts
-from launcher.topology import ConfigError, load_config, validate
-from orchestrator.dispatch import POLICIES
-from transport.selection import CHOICES as TRANSFER_CHOICES
+from launcher.options import file_only_epilog, flags_from, settings_options
+from launcher.topology import ConfigError
 
 #: how long `disagg stop` waits for the orchestrator to let go of its port
 STOP_WAIT_S = 10.0
@@ -47,97 +45,37 @@ def cli(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 
 
-@cli.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in deployment, as in configs/tiny.yaml).")
-@click.option("--model", help="Model to serve: 'demo' (default: a tiny trained Flux that draws coloured shapes, 64x64), 'tiny' (random weights, any size), a diffusers checkpoint (local folder or Hugging Face id: Flux, SD3, SDXL, Wan 2.1/2.2) or sim:PROFILE.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="Checkpoint weights' dtype (default auto: bf16 on a GPU, fp32 on the CPU).")
-@click.option("-e", "--encoders", type=click.IntRange(0, 256), help="Number of encoder instances (0: none on this host; others may join).")
-@click.option("-d", "--denoisers", type=click.IntRange(0, 256), help="Number of denoiser instances (0: none on this host; others may join).")
-@click.option("-k", "--decoders", type=click.IntRange(0, 256), help="Number of decoder instances (0: none on this host; others may join).")
-@click.option("--capacity", metavar="E,D,K", help="Concurrent requests per instance, per role.")
-@click.option("--standby", metavar="E,D,K", help="Warm standbys per role besides -e/-d/-k: loaded, registered, given no work until an instance of their role dies (config <role>.standby).")
-@click.option("--spares", type=click.IntRange(0, 64), help="Interpreters kept with torch and diffusers imported, to replace a role that dies in about a second (default 1; config spares).")
-@click.option("--max-batch", type=click.IntRange(1, 256), help="Denoisers: requests of one shape sharing each forward, joining at step boundaries (continuous batching; default 1).")
-@click.option("--colocated", type=click.IntRange(1, 256), help="Baseline: N monolithic instances (all three stages in one process each) instead of the pools.")
-@click.option("--gpus", metavar="0,1,...", help="GPUs to spread the instances over (round-robin); none = CPU.")
-@click.option("--gpus-per-denoiser", type=click.IntRange(1, 64), help="GPUs (ranks) per denoiser instance, contiguous groups of --gpus; the model's parallelism unless config parallel.denoiser names the layout (Ulysses for Flux, Wan, Qwen-Image; cfg 2 for SD3, SDXL).")
-@click.option("--gpus-per-encoder", type=click.IntRange(1, 64), help="GPUs per encoder instance (only 1: encoders run as one process; run more of them).")
-@click.option("--gpus-per-decoder", type=click.IntRange(1, 64), help="GPUs per decoder instance (only 1: decoders run as one process; run more of them).")
-@click.option("--host", help="Address the orchestrator binds (default 127.0.0.1).")
-@click.option("--join", metavar="tcp://HEAD:PORT", help="Start only role processes here, registered with the orchestrator of another host (config join).")
-@click.option("--advertise-host", help="The address other hosts reach this host's roles at (default: the interface that routes to the head).")
-@click.option("--port", type=click.IntRange(1, 65534), help="Client port; roles use PORT+1 (default 5555).")
-@click.option("--transfer", type=click.Choice(TRANSFER_CHOICES), help="Transfer engine between stages (default auto).")
-@click.option("--transfer-protocol", type=click.Choice(["tcp", "rdma"]), help="Mooncake protocol (default rdma with --ib-device, else tcp).")
-@click.option("--ib-device", help="RDMA NIC for Mooncake, e.g. mlx5_0.")
-@click.option("--dispatch", type=click.Choice(sorted(POLICIES)), help="Dispatch policy (default max-free-slots).")
-@click.option("--host-aware/--host-blind", "host_aware", default=None, help="Of equally good instances, prefer the one on the producer's host (default on; --host-blind to compare).")
-@click.option("--heartbeat-timeout", type=click.FloatRange(0.1), help="Seconds of silence after which an instance is dead (default 3).")
-@click.option("--stall-timeout", type=click.FloatRange(0.1), help="Seconds without progress while holding work after which an instance is dead for it (default 120).")
-@click.option("--request-timeout", type=click.FloatRange(0.1), help="Default per-request deadline in seconds (default 600).")
-@click.option("--join-wait", type=click.FloatRange(0.1), help="Seconds a role may have no instance (none joined yet, or all stopped) before Submits are refused at once as not ready, HTTP 503 (default 30).")
-@click.option("--max-retries", type=click.IntRange(0, 100), help="New attempts when an instance dies under a request (default 2).")
-@click.option("--max-queue", type=click.IntRange(1), help="Per role: refuse Submit as overloaded while this many requests wait (default 4096).")
-@click.option("--keys", "keys_dir", type=click.Path(file_okay=False), help="CurveZMQ keys from `disagg keys generate`: only holders of the client key may submit or register.")
-@click.option("--lane/--no-lane", default=None, help="Same-host control messages over a Unix-socket fast lane instead of ZeroMQ (default on).")
+@cli.command(epilog=file_only_epilog())
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Deployment YAML (default: the built-in deployment, as in configs/tiny.yaml, which lists every setting).")
+@settings_options()
+@click.option("--print-config", is_flag=True, help="Print the effective settings as YAML, each with where it came from (flag, env, file, default), and exit without starting anything.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="The run's folder: per-process logs go to DIR/logs (default $TMPDIR/disagg/RUN_ID; the 20 newest runs there are kept).")
 @click.option("--no-dashboard", is_flag=True, help="Print one plain line per event instead of the live table.")
 @click.option("--submit", "submit_path", type=click.Path(dir_okay=False), help="Batch mode: run this prompts file, write outputs, shut down.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="outputs", show_default=True, help="Batch mode: where images go.")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Batch mode: requests in flight at once.")
 @click.option("--json", "as_json", is_flag=True, help="Batch mode: print one JSON object with every request's outcome and stage timings.")
-@click.option("--http-port", type=click.IntRange(1, 65535), help="Also start the OpenAI-compatible HTTP gateway on this port (config http.port).")
-@click.option("--http-host", help="Address the HTTP gateway binds (default 127.0.0.1).")
-@click.option("--api-key", help="HTTP: require `Authorization: Bearer KEY` (default $DISAGG_API_KEY; /, /health, /liveness, /metrics and the unguessable image URLs stay open).")
-def launch(config_path, model, dtype, encoders, denoisers, decoders, capacity, standby, spares, max_batch, colocated, gpus,
-           gpus_per_denoiser, gpus_per_encoder, gpus_per_decoder, host, join, advertise_host, host_aware, port, transfer, transfer_protocol, ib_device, dispatch,
-           heartbeat_timeout, stall_timeout, request_timeout, join_wait, max_retries, max_queue, keys_dir, lane,
-           run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, http_port, http_host, api_key) -> None:
+def launch(config_path, print_config, run_dir, no_dashboard, submit_path, out_dir, concurrency, as_json, **flags) -> None:
     """Start the orchestrator and every role process, and show them live.
 
-    Flags override the config file, which overrides the built-in defaults. Ctrl-C (or SIGTERM)
-    stops every process and removes the run's shared memory.
+    Every setting is a flag, a DISAGG_<NAME> variable (a section's key: DISAGG_<SECTION>_<NAME>) and a key of
+    the --config file; a flag wins over the variable, which wins over the file, which wins over the built-in
+    default. Ctrl-C (or SIGTERM) stops every process and removes the run's shared memory.
     """
+    from launcher.topology import resolve_checked
+
     try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--config") from None
-    for key, value in (("model", model), ("dtype", dtype), ("host", host), ("port", port), ("transfer", transfer), ("dispatch", dispatch),
-                       ("transfer_protocol", transfer_protocol), ("ib_device", ib_device),
-                       ("heartbeat_timeout_s", heartbeat_timeout), ("stall_timeout_s", stall_timeout),
-                       ("request_timeout_s", request_timeout), ("join_wait_s", join_wait), ("max_retries", max_retries), ("max_queue", max_queue),
-                       ("keys", keys_dir), ("colocated", colocated), ("lane", lane), ("spares", spares),
-                       ("join", join), ("advertise_host", advertise_host), ("host_aware", host_aware)):
-        if value is not None:
-            setattr(config, key, value)
-    for key, value in (("port", http_port), ("host", http_host), ("api_key", api_key)):
-        if value is not None:
-            setattr(config.http, key, value)
-    for role_key, count in (("encoders", encoders), ("denoisers", denoisers), ("decoders", decoders)):
-        if count is not None:
-            getattr(config, role_key).count = count
-    caps = int_list(capacity, "--capacity", 3)
-    if caps:
-        if min(caps) < 1:
-            raise click.BadParameter("every capacity must be at least 1", param_hint="--capacity")
-        config.encoders.capacity, config.denoisers.capacity, config.decoders.capacity = caps
-    standbys = int_list(standby, "--standby", 3)
-    if standbys:
-        if min(standbys) < 0:
-            raise click.BadParameter("a standby count cannot be negative", param_hint="--standby")
-        config.encoders.standby, config.denoisers.standby, config.decoders.standby = standbys
-    if max_batch is not None:
-        config.denoisers.max_batch = max_batch
-    gpu_list = int_list(gpus, "--gpus")
-    if gpu_list is not None:
-        config.gpus = gpu_list
-    for role, n in (("denoiser", gpus_per_denoiser), ("encoder", gpus_per_encoder), ("decoder", gpus_per_decoder)):
-        if n is not None:
-            config.gpus_per[role] = n
-    try:
-        validate(config)
+        resolved = resolve_checked(config_path, os.environ, flags_from(flags))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    for note in resolved.warnings:
+        click.echo(f"warning: {note}", err=True)
+    config = resolved.settings
+    if print_config:
+        from settings.render import effective_yaml
+
+        click.echo(effective_yaml(resolved), nl=False)
+        return
     if config.keys:
         from transport.auth import KeyError_, client_curve
 
@@ -348,16 +286,28 @@ def keys_generate(directory: str, force: bool) -> None:
 @cli.command("serve-http")
 @endpoint_option
 @keys_option
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve HTTP on.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port to serve HTTP on.")
-@click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""),
-              help="Require `Authorization: Bearer KEY` (/health, /liveness, /metrics stay open). [default: $DISAGG_API_KEY]")
-def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: str) -> None:
-    """Serve the OpenAI-compatible HTTP API for a running deployment (more gateways may front one orchestrator)."""
-    from launcher.ports import PortBusy, check_http_port
+@settings_options(rename={"http.host": "--host", "http.port": "--port"}, only=("http.host", "http.port", "http.api_key"))
+def serve_http(endpoint: str, keys: str | None, **flags) -> None:
+    """Serve the OpenAI-compatible HTTP API for a running deployment (more gateways may front one orchestrator).
 
+    --host, --port and --api-key are the settings http.host, http.port and http.api_key (also DISAGG_HTTP_HOST,
+    DISAGG_HTTP_PORT, DISAGG_HTTP_API_KEY; a flag wins); with port 0, the default, it serves on 8000."""
+    from launcher.ports import PortBusy, check_http_port
+    from settings import resolve
+    from settings.process import GatewaySettings, encode
+    from settings.schema import SERVE_HTTP_PORT
+
+    given = flags_from(flags)
     try:
-        check_http_port(host, port)
+        resolved = resolve(None, os.environ, given)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    for note in resolved.warnings:
+        click.echo(f"warning: {note}", err=True)
+    http = resolved.settings.http
+    http.port = http.port or SERVE_HTTP_PORT
+    try:
+        check_http_port(http.host, http.port)
     except PortBusy as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
@@ -368,11 +318,10 @@ def serve_http(endpoint: str, keys: str | None, host: str, port: int, api_key: s
             exit_unreachable(exc)
     from gateway.__main__ import main as gateway_main
 
-    os.environ["DISAGG_API_KEY"] = api_key
-    click.echo(f"serving http://{host}:{port}/v1 for {endpoint}")
-    sys.exit(gateway_main(["--endpoint", endpoint, "--host", host, "--port", str(port), "--keys", keys or ""]))
-
-
+    os.environ["DISAGG_HTTP_API_KEY"] = http.api_key
+    http.api_key = ""
+    click.echo(f"serving http://{http.host}:{http.port}/v1 for {endpoint}")
+    sys.exit(gateway_main([encode(GatewaySettings(endpoint=endpoint, keys=keys or "", http=http))]))
 
 
 cli.add_command(bench)

@@ -17,9 +17,13 @@ from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
 from launcher.supervisor import Child, Supervisor
-from launcher.topology import DeploymentConfig, Placement, cuda_env, place
+from launcher.topology import Placement, cuda_env, place
+from settings import Settings
 from roles.pipelines import model_identity
-from transport.messages import StatusReport
+from settings.fields import for_process
+from settings.process import GatewaySettings, OrchestratorSettings, encode
+from settings.process import RoleSettings as WorkerSpec
+from transport.messages import ModelIdentity, StatusReport
 from transport.lane import lane_in_use, lane_path
 from transport.shm import SHM_PREFIX, remove_segments
 
@@ -40,7 +44,7 @@ class StoppedDuringStartup(RuntimeError):
 class Deployment:
     """Starts the orchestrator and N:M:K roles, waits for them, and tears everything down."""
 
-    def __init__(self, config: DeploymentConfig, run_dir: str | Path | None = None):
+    def __init__(self, config: Settings, run_dir: str | Path | None = None):
         self.config = config
         self.run_id = uuid.uuid4().hex[:8]
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.gettempdir()) / "disagg" / self.run_id
@@ -90,22 +94,7 @@ class Deployment:
         c = self.config
         self.supervisor.spawn(
             "orchestrator",
-            self.supervisor.python(
-                "orchestrator",
-                "--host", c.host, "--port", str(c.port),
-                "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-                "--stall-timeout", str(c.stall_timeout_s),
-                "--request-timeout", str(c.request_timeout_s),
-                "--max-retries", str(c.max_retries), "--max-queue", str(c.max_queue),
-                "--dispatch", c.dispatch, "--transfer", c.transfer, "--keys", self.keys_dir,
-                "--deployment-id", self.run_id,
-                "--join-wait", str(c.join_wait_s), "--host-id", self.host_id,
-                "--model-identity", msgspec.json.encode(model_identity(c.model, c.dtype)).decode(),
-                "--standby", ",".join(f"{role}={c.role(role).standby}" for role in ("encoder", "denoiser", "decoder")),
-                *(["--colocated"] if c.colocated else []),
-                *([] if c.lane else ["--no-lane"]),
-                *([] if c.host_aware else ["--host-blind"]),
-            ),
+            self.supervisor.python("orchestrator", encode(self.orchestrator_settings())),
             env=self._env(),
         )
         self._wait_reachable()
@@ -114,14 +103,24 @@ class Deployment:
         for p in self.placements:
             self.spawn_role(p)
 
+    def orchestrator_settings(self) -> OrchestratorSettings:
+        c = self.config
+        fields = {leaf.path: getattr(c, leaf.path) for leaf in for_process("orchestrator") if "." not in leaf.path}
+        fields["keys"] = self.keys_dir  # resolved: the orchestrator runs in another folder
+        return OrchestratorSettings(
+            **fields, deployment_id=self.run_id, host_id=self.host_id,
+            model_identity=msgspec.convert(model_identity(c.model, c.dtype), ModelIdentity),
+            standby={role: c.role(role).standby for role in ("encoder", "denoiser", "decoder")},
+        )
+
     def spawn_gateway(self) -> Child:
-        """The HTTP gateway: a client of our orchestrator, supervised like a role."""
-        h = self.config.http
+        """The HTTP gateway: a client of our orchestrator, supervised like a role. Its API key travels in the
+        environment, not on the command line (where `ps` shows it)."""
         env = self._env()
-        env["DISAGG_API_KEY"] = h.api_key or os.environ.get("DISAGG_API_KEY", "")
-        return self.supervisor.spawn("gateway", self.supervisor.python(
-            "gateway", "--endpoint", self.endpoint, "--host", h.host, "--port", str(h.port), "--keys", self.keys_dir),
-            env=env)
+        env["DISAGG_HTTP_API_KEY"] = self.config.http.api_key
+        http = msgspec.structs.replace(self.config.http, api_key="")
+        settings = GatewaySettings(endpoint=self.endpoint, http=http, keys=self.keys_dir)
+        return self.supervisor.spawn("gateway", self.supervisor.python("gateway", encode(settings)), env=env)
 
     @property
     def http_url(self) -> str:
@@ -129,43 +128,27 @@ class Deployment:
         return f"http://{h.host}:{h.port}" if h.port else ""
 
     def spawn_role(self, p: Placement) -> Child:
-        spec = {
-            "role": p.role,
-            "instance_id": p.instance_id,
-            "endpoint": self.role_endpoint,
-            "model": self.config.model,
-            "device": p.device,
-            "capacity": p.capacity,
-            "max_batch": p.max_batch,
-            "dtype": self.config.dtype,
-            "sim_slowdown": self.config.sim_slowdown.get(p.instance_id, 1.0),
-            "pool_bytes": p.pool_bytes,
-            "pool_name": f"{self.shm_prefix}{p.instance_id}",
-            "host_id": self.host_id,
-            "threads": p.threads,
-            "transfer": self.config.transfer,
-            "transfer_protocol": self.config.protocol,
-            "ib_device": self.config.ib_device,
-            "data_host": self.data_host,
-            "visible_gpus": self.visible_gpus(p),
-            "orchestrator_timeout_s": self.config.heartbeat_timeout_s,
-            "keys_dir": self.keys_dir,
-            "use_lane": self.config.lane,
-            "deployment_id": self.deployment_id,
-            "pool_limits": self.pool_limits(),
-            "launcher_id": self.launcher_id,
-        }
+        c = self.config
+        spec = WorkerSpec(
+            **{leaf.path: getattr(c, leaf.path) for leaf in for_process("role") if "." not in leaf.path},
+            role=p.role, instance_id=p.instance_id, endpoint=self.role_endpoint, device=p.device,
+            capacity=p.capacity, max_batch=p.max_batch, sim_slowdown=c.sim_slowdown.get(p.instance_id, 1.0),
+            pool_bytes=p.pool_bytes, pool_name=f"{self.shm_prefix}{p.instance_id}", host_id=self.host_id,
+            threads=p.threads, data_host=self.data_host, visible_gpus=self.visible_gpus(p),
+            deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,
+        )
+        spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
         if p.world > 1:
             return self._spawn_group(p, spec)
         env = self._env()
-        env.update(cuda_env(spec["visible_gpus"], dict(os.environ)))
+        env.update(cuda_env(spec.visible_gpus, dict(os.environ)))
         env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
-            p.instance_id, self.supervisor.python("roles", msgspec.json.encode(spec).decode()), env=env, cpus=p.cpus,
+            p.instance_id, self.supervisor.python("roles", encode(spec)), env=env, cpus=p.cpus,
             spare_ok=True,
         )
 
-    def _spawn_group(self, p: Placement, spec: dict) -> Child:
+    def _spawn_group(self, p: Placement, spec: WorkerSpec) -> Child:
         """An instance over several ranks: rank 0 (the instance the orchestrator knows) and its followers
         (INSTANCE.rN), one process and device each, restarted together when any of them dies."""
         gpus = p.rank_gpus or [None] * p.world
@@ -173,13 +156,13 @@ class Deployment:
         first = None
         for rank, gpu in enumerate(gpus):
             visible = [gpu] + [g for g in self.config.all_gpus() if g != gpu] if gpu is not None else []
-            rank_spec = {**spec, "rank": rank, "parallel": p.layout, "group_devices": devices, "visible_gpus": visible,
-                         "device": "cuda:0" if gpu is not None else "cpu"}
+            rank_spec = msgspec.structs.replace(spec, rank=rank, parallel=p.layout, group_devices=devices,
+                                                visible_gpus=visible, device="cuda:0" if gpu is not None else "cpu")
             env = self._env()
             env.update(cuda_env(visible, dict(os.environ)))
             env["OMP_NUM_THREADS"] = str(p.threads)
             name = p.instance_id if rank == 0 else f"{p.instance_id}.r{rank}"
-            child = self.supervisor.spawn(name, self.supervisor.python("roles", msgspec.json.encode(rank_spec).decode()),
+            child = self.supervisor.spawn(name, self.supervisor.python("roles", encode(rank_spec)),
                                           env=env, cpus=p.cpus, spare_ok=True, group=p.instance_id)
             first = first or child
         return first
@@ -254,7 +237,7 @@ class Deployment:
         """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
         host, whose orchestrator runs elsewhere and may restart meanwhile."""
         expected = {p.instance_id for p in self.placements}
-        deadline = time.monotonic() + self.config.ready_timeout_s
+        deadline = time.monotonic() + self.config.ready_timeout
         with self.client() as client:
             while True:
                 self._check_children()
@@ -279,7 +262,7 @@ class Deployment:
                     return report
                 if time.monotonic() > deadline:
                     missing = ", ".join(sorted(expected - ready))
-                    raise BootError(f"not ready after {self.config.ready_timeout_s:g} s: {missing}")
+                    raise BootError(f"not ready after {self.config.ready_timeout:g} s: {missing}")
                 time.sleep(POLL_S)
 
     def _gateway_listens(self) -> bool:

@@ -11,7 +11,7 @@ import msgspec
 from client import Unreachable
 from launcher.deployment import BootError, Deployment
 from launcher.hosts import parse_endpoint, route_address
-from launcher.topology import DeploymentConfig
+from settings import Settings
 from transport.messages import StatusReport
 from transport.shm import remove_segments
 
@@ -25,7 +25,7 @@ class JoinDeployment(Deployment):
     """This host's roles of a deployment whose orchestrator runs elsewhere. Instance ids carry the host
     (denoiser-0@HOST), so the roles of many hosts never collide."""
 
-    def __init__(self, config: DeploymentConfig, run_dir=None):
+    def __init__(self, config: Settings, run_dir=None):
         super().__init__(config, run_dir)
         head, port = parse_endpoint(config.join)
         self.endpoint = config.join

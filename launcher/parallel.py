@@ -8,33 +8,8 @@ the host's cores. A layout that does not fit, or that the model cannot run, is r
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
-from msgspec import Meta
-
-from roles.layout import KINDS, describe_layout, world_of
-
-Degree = Annotated[int, Meta(ge=1, le=64)]
-
-
-class ParallelLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """How one instance spans devices; the product of the degrees is its ranks (GPUs, with --gpus).
-
-    cfg: classifier-free guidance's negative and positive rows on different ranks (SD3, SDXL);
-    ulysses / ring: diffusers' context parallelism over the sequence (Flux, Wan, Qwen-Image)."""
-
-    cfg: Degree = 1
-    ulysses: Degree = 1
-    ring: Degree = 1
-
-    def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in KINDS}
-
-    @property
-    def world(self) -> int:
-        return world_of(self.as_dict())
-
+from roles.layout import KINDS, describe_layout
+from settings.schema import ParallelLayout  # noqa: F401 - launcher code imports it from here
 
 def resolve_layouts(config, gpus_per: dict[str, int]) -> dict[str, ParallelLayout]:
     """role -> its layout, from `parallel:` and `--gpus-per-<role>`; a ConfigError says why one cannot be."""

@@ -12,7 +12,7 @@ from rich.text import Text
 from launcher.batch import run_prompts
 from launcher.dashboard import events_between, status_view
 from launcher.deployment import BootError, Deployment, StoppedDuringStartup
-from launcher.topology import DeploymentConfig
+from settings import Settings
 from transport.messages import GenerationParams, StatusReport
 
 REFRESH_S = 0.5
@@ -53,7 +53,7 @@ class LiveTable:
 
 
 def run_deployment(
-    config: DeploymentConfig,
+    config: Settings,
     console: Console,
     run_dir: str | None,
     dashboard: bool,

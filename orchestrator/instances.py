@@ -67,7 +67,7 @@ class InstanceLifecycle:
 
     def not_ready(self, now: float) -> str:
         """Why Submits are refused now: a role without an instance for join_wait_s ("" when none is)."""
-        wait = self.config.join_wait_s
+        wait = self.config.join_wait
         gone = [(role, now - since) for role, since in self.unserved_since.items() if now - since >= wait]
         if not gone:
             return ""
@@ -80,7 +80,7 @@ class InstanceLifecycle:
         if not why:
             return
         for role, since in self.unserved_since.items():
-            if now - since < self.config.join_wait_s:
+            if now - since < self.config.join_wait:
                 continue
             for rid in list(self.queues[role]):
                 req = self.requests.get(rid)
@@ -179,9 +179,9 @@ class InstanceLifecycle:
     def expire_instances(self, now: float, out: list[Out]) -> None:
         for inst in self.registry.alive():
             silent = now - inst.last_seen
-            if silent > self.config.heartbeat_timeout_s:
+            if silent > self.config.heartbeat_timeout:
                 self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
-            elif inst.running and now - inst.progress_at > self.config.stall_timeout_s:
+            elif inst.running and now - inst.progress_at > self.config.stall_timeout:
                 self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
 
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:

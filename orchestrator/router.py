@@ -43,7 +43,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         #: role -> since when it has had no instance that serves or will (see note_served)
         self.unserved_since: dict[str, float] = {role: now for role in self.pipeline_roles}
         #: the model every instance must serve (foreign_model)
-        self.model = self.config.model
+        self.model = self.config.model_identity
         self.requests: dict[str, Request] = {}
         self.stats = Stats()
         self.started_at = now
@@ -156,7 +156,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if why:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
             return
-        for role, limit in self.config.max_queue.items():
+        limit = self.config.max_queue
+        for role in self.queues:
             waiting = len(self.queues[role])
             if waiting >= limit:
                 reason = f"overloaded: the {role} queue holds {waiting} requests (max_queue {limit}); retry later"
@@ -170,7 +171,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if params.seed is None:
             # fixed here, so a retry of any stage reproduces the same image
             params = msgspec.structs.replace(params, seed=random.randrange(2**31))
-        timeout = msg.timeout_s or self.config.request_timeout_s
+        timeout = msg.timeout_s or self.config.request_timeout
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout)
         self.requests[req.id] = req
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did

@@ -40,12 +40,10 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 TICK_S = 0.05
-#: while few requests are in flight, a turn that handled messages is followed by this long of polling
-#: without sleeping: the reply to what it just sent often comes within it, and a loop that never slept
-#: answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control plane). Under load
-#: the loop is busy anyway and the CPU is better left to the roles.
-BUSY_POLL_S = 0.0003
-BUSY_POLL_MAX_IN_FLIGHT = 4
+# busy polling (settings busy_poll, busy_poll_max_in_flight): while few requests are in flight, a turn that
+# handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
+# it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
+# plane). Under load the loop is busy anyway and the CPU is better left to the roles.
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
 #: after a role's lane closed, how long its pid is watched for its exit (a dying process closes its
@@ -118,6 +116,7 @@ class OrchestratorServer:
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         launcher = LauncherWatch()
+        busy_poll, busy_max = self.router.config.busy_poll, self.router.config.busy_poll_max_in_flight
         busy_until = 0.0
         while not self._stop_requested:
             events = {}
@@ -125,8 +124,8 @@ class OrchestratorServer:
                 events = dict(poller.poll(0))
             if not events:
                 events = dict(poller.poll(TICK_S * 1000))
-            if events and len(self.router.requests) <= BUSY_POLL_MAX_IN_FLIGHT:
-                busy_until = time.perf_counter() + BUSY_POLL_S
+            if events and busy_poll and len(self.router.requests) <= busy_max:
+                busy_until = time.perf_counter() + busy_poll
             for fd in events:
                 if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
                     self.serve_lane(fd)

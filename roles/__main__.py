@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:
             return 0
     from roles.spec import spec_from_json
-    from roles.worker import Worker, install_signal_handlers
+    from settings.process import encode
 
     try:
         spec = spec_from_json(argv[0])
-    except Exception as exc:
-        print(f"bad role spec: {exc}", file=sys.stderr)
+    except Exception as exc:  # before torch is imported: a bad spec costs nothing
+        print(f"bad role settings: {exc}", file=sys.stderr)
         return BOOT_ERROR_EXIT
+    from roles.worker import Worker, install_signal_handlers
     spec.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
     spec.dist_init = os.environ.get("DISAGG_DIST_INIT", spec.dist_init)  # a parallel instance's rendezvous
     logging.basicConfig(
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [{spec.instance_id}] %(levelname)s %(message)s",
     )
     log = logging.getLogger("disagg.role")
+    log.info("settings: %s", encode(spec))  # what it decoded, as the launcher resolved it
     group_box: list = []  # rank 0 of a parallel instance: its Group, once joined (made while the model loads)
 
     def join_group():

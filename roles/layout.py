@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-#: the kinds of parallelism one instance may span devices with, in mesh order
-KINDS = ("cfg", "ring", "ulysses")
+from settings.schema import PARALLEL_KINDS as KINDS  # the kinds one instance may span devices with, in mesh order
 
 
 def describe_layout(layout: dict[str, int]) -> str:

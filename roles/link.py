@@ -27,7 +27,7 @@ class Link:
     def open_lane(self, path: str) -> None:
         """Take the orchestrator's fast lane when it is on this host (its socket file is here)."""
         self.close_lane()
-        if not path or not self.spec.use_lane:
+        if not path or not self.spec.lane:
             return
         self.lane = LaneLink.open(path, [b"role", self.spec.instance_id.encode(), self.orchestrator_id.encode()])
         if self.lane is None:

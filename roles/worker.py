@@ -86,7 +86,7 @@ class Worker(Link):
         #: the orchestrator's same-host fast lane, once connected (transport/lane.py)
         self.lane: LaneLink | None = None
         self.poller: zmq.Poller | None = None
-        self.curve = client_curve(Path(spec.keys_dir)) if spec.keys_dir else None
+        self.curve = client_curve(Path(spec.keys)) if spec.keys else None
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.ready = False
@@ -226,7 +226,7 @@ class Worker(Link):
         if silent > self.spec.orphan_grace_s:
             self.log.error("no word from the orchestrator for %.0f s; exiting", silent)
             self.exit_code, self.stop = 1, True
-        elif silent > self.spec.orchestrator_timeout_s and now >= self.next_register:
+        elif silent > self.spec.heartbeat_timeout and now >= self.next_register:
             self.log.warning("orchestrator silent for %.1f s; reconnecting", silent)
             self.connect()
             self.next_register = now + self.backoff_s

@@ -34,7 +34,8 @@ def tiny_unless_named(args: list[str]) -> list[str]:
 class Launched:
     """A `disagg launch` process running in the background."""
 
-    def __init__(self, args: list[str], tmp: Path, port: int | None = None, log_name: str = "launch.log"):
+    def __init__(self, args: list[str], tmp: Path, port: int | None = None, log_name: str = "launch.log",
+                 env: dict[str, str] | None = None):
         self.port = port or free_port_pair()
         if port is None and "--http-port" in args:  # the orchestrator's two ports must not be the HTTP one
             http = int(args[args.index("--http-port") + 1])
@@ -48,7 +49,7 @@ class Launched:
             args = [*args, "--spares", "0"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env,
         )
 
     def wait_ready(self, n_instances: int, timeout: float = 240):

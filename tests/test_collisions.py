@@ -75,8 +75,8 @@ def test_an_orchestrator_that_cannot_bind_fails_the_launch_with_its_reason(runni
     before = pids(running.endpoint)
     script = (
         "import sys; from rich.console import Console; from launcher.run import run_deployment;"
-        "from launcher.topology import DeploymentConfig, RoleConfig;"
-        f"c = DeploymentConfig(model='sim:zero', port={running.port}, denoisers=RoleConfig(count=1));"
+        "from settings import RolePool, Settings;"
+        f"c = Settings(model='sim:zero', port={running.port}, denoisers=RolePool(count=1));"
         f"sys.exit(run_deployment(c, Console(width=200), {str(tmp_path / 'run')!r}, False, None, None, 1))"
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -13,7 +13,8 @@ import weakref
 import pytest
 import torch
 
-from launcher.topology import ConfigError, DeploymentConfig, cuda_env
+from launcher.topology import ConfigError, cuda_env
+from settings import Settings
 from transport import cuda_ipc
 from transport.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
 from transport.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
@@ -227,7 +228,7 @@ def test_each_role_gets_its_own_gpu_first_through_the_parents_list(monkeypatch, 
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    config = DeploymentConfig(model="tiny", gpus=[3, 1])
+    config = Settings(model="tiny", gpus=[3, 1])
     dep = Deployment(config, run_dir=tmp_path)
     seen = {}
     monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, **kw: seen.setdefault(name, env))

@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 from client import Client
-from launcher.topology import ConfigError, DeploymentConfig, RoleConfig, place, validate
+from launcher.topology import ConfigError, place, validate
+from settings import RolePool, Settings
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, Load, disagg, wait_until
 from transport.messages import GenerationParams
@@ -30,15 +31,16 @@ REQUESTS = [GenerationParams(prompt="a red cat on a car", seed=1, width=64, heig
 # --- layouts ----------------------------------------------------------------------------------------
 
 
-def config(**kw) -> DeploymentConfig:
-    c = DeploymentConfig(**{k: v for k, v in kw.items() if k != "denoisers"})
+def config(**kw) -> Settings:
+    """Settings of the random-weight tiny model (layouts it can run) unless `model` says otherwise."""
+    c = Settings(**{"model": "tiny", **{k: v for k, v in kw.items() if k != "denoisers"}})
     if "denoisers" in kw:
         c.denoisers = kw["denoisers"]
     return c
 
 
 def test_gpus_are_carved_into_contiguous_groups_per_instance():
-    c = config(gpus=list(range(8)), denoisers=RoleConfig(count=2), gpus_per={"denoiser": 4})
+    c = config(gpus=list(range(8)), denoisers=RolePool(count=2), gpus_per={"denoiser": 4})
     validate(c)
     groups = {p.instance_id: (p.rank_gpus, p.layout) for p in place(c, cpu_ids=[0, 1])}
     assert groups["denoiser-0"] == ([0, 1, 2, 3], {"cfg": 1, "ring": 1, "ulysses": 4})
@@ -47,14 +49,14 @@ def test_gpus_are_carved_into_contiguous_groups_per_instance():
 
 
 @pytest.mark.parametrize("kw,says", [
-    (dict(gpus=list(range(8)), denoisers=RoleConfig(count=3), gpus_per={"denoiser": 4}),
+    (dict(gpus=list(range(8)), denoisers=RolePool(count=3), gpus_per={"denoiser": 4}),
      "3 denoiser(s) of 4 GPUs each need 12 GPUs; --gpus gives 8"),
     (dict(parallel={"denoiser": {"ulysses": 2, "cfg": 2}}, gpus_per={"denoiser": 2}),
      "is 4 ranks, but --gpus-per-denoiser is 2"),
     (dict(parallel={"denoiser": {"cfg": 2}}), "model 'tiny' cannot run cfg parallelism (it takes ulysses, ring)"),
     (dict(parallel={"denoiser": {"ring": 2}}), "ring attention needs an attention backend"),
     (dict(parallel={"encoder": {"ulysses": 2}}), "only denoisers run over several devices"),
-    (dict(parallel={"denoiser": {"ulysses": 2}}, denoisers=RoleConfig(count=1, max_batch=4)),
+    (dict(parallel={"denoiser": {"ulysses": 2}}, denoisers=RolePool(count=1, max_batch=4)),
      "with a parallel denoiser: its ranks run one request at a time"),
     (dict(model="sim:zero", gpus_per={"denoiser": 2}), "model 'sim:zero': it runs no instance over several devices"),
 ])
@@ -66,7 +68,7 @@ def test_a_layout_that_cannot_run_is_refused_saying_why(kw, says):
 
 
 def test_a_layout_that_does_not_fit_exits_2_with_the_reason():
-    res = disagg("launch", "-d", "3", "--gpus-per-denoiser", "4", "--gpus", "0,1,2,3,4,5,6,7", "--no-dashboard",
+    res = disagg("launch", "--model", "tiny", "-d", "3", "--gpus-per-denoiser", "4", "--gpus", "0,1,2,3,4,5,6,7", "--no-dashboard",
                  timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "3 denoiser(s) of 4 GPUs each need 12 GPUs; --gpus gives 8" in res.stderr
@@ -178,9 +180,11 @@ def other(request, module_tmp):
     folder = module_tmp / family
     save_tiny(family, folder)
     cfg = module_tmp / f"{request.param}.yaml"
-    cfg.write_text(f"model: {folder}\nparallel:\n  denoiser: {{{kind}: 2}}\ndenoisers: {{count: 1}}\n")
+    # the model as a flag, the layout in the file: checked together, on the merged settings (issue 23)
+    cfg.write_text(f"parallel:\n  denoiser: {{{kind}: 2}}\ndenoisers: {{count: 1}}\n")
     (module_tmp / request.param).mkdir()
-    for dep in Launched(["--config", str(cfg), "--no-dashboard"], module_tmp / request.param).serve(3):
+    for dep in Launched(["--config", str(cfg), "--model", str(folder), "--no-dashboard"],
+                        module_tmp / request.param).serve(3):
         dep.family, dep.folder = family, folder
         yield dep
 

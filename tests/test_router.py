@@ -165,7 +165,7 @@ def test_policies_spread_load_across_denoisers(policy):
 
 
 def test_heartbeat_timeout_marks_dead_and_retries_its_work():
-    h = Harness(heartbeat_timeout_s=3.0)
+    h = Harness(heartbeat_timeout=3.0)
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     h.submit("r1")
@@ -250,7 +250,7 @@ def test_retry_budget_then_clear_failure():
 
 
 def test_stalled_instance_loses_its_work():
-    h = Harness(stall_timeout_s=5.0, heartbeat_timeout_s=100.0)
+    h = Harness(stall_timeout=5.0, heartbeat_timeout=100.0)
     [enc] = h.add("encoder")
     d0, d1 = h.add("denoiser", 2)
     h.add("decoder")
@@ -286,7 +286,7 @@ def test_retryable_failure_gets_new_attempt():
 
 
 def test_admission_control_refuses_when_queue_full():
-    h = Harness(max_queue={"encoder": 2, "denoiser": 10, "decoder": 10})
+    h = Harness(max_queue=2)
     h.add("encoder")
     h.submit("a")  # running
     h.submit("b"), h.submit("c")  # queued: 2
@@ -325,7 +325,7 @@ def drive_rest(h, rid, enc):
 
 
 def test_deadline_fails_request_and_quarantines_slot_until_report():
-    h = Harness(heartbeat_timeout_s=100.0)
+    h = Harness(heartbeat_timeout=100.0)
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     h.submit("slow", timeout_s=5.0)
@@ -731,7 +731,7 @@ def test_host_aware_dispatch_sends_fewer_bytes_across_hosts_than_a_host_blind_ru
 def test_a_report_from_a_role_declared_dead_is_handled_once_it_registers_again():
     """SIGSTOP, then SIGCONT: the role's compute thread reports its output before the loop's new Register
     arrives (another socket). Refused, but kept: once registered, the stale output is released, not leaked."""
-    h = Harness(heartbeat_timeout_s=3.0)
+    h = Harness(heartbeat_timeout=3.0)
     [enc] = h.add("encoder")
     [den] = h.add("denoiser")
     h.add("decoder")

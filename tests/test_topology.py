@@ -5,13 +5,14 @@ from pathlib import Path
 import pytest
 
 from launcher.deployment import Deployment
-from launcher.topology import ConfigError, DeploymentConfig, load_config, place
+from launcher.topology import ConfigError, load_config, place
+from settings import Settings
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_tiny_yaml_is_the_builtin_default():
-    assert load_config(CONFIGS / "tiny.yaml") == DeploymentConfig() == load_config(None)
+    assert load_config(CONFIGS / "tiny.yaml") == Settings() == load_config(None)
 
 
 def test_every_config_file_loads():
@@ -27,28 +28,28 @@ def test_gpu_placement_per_role_and_global():
     assert [by_id[f"denoiser-{i}"].gpu for i in range(6)] == [1, 2, 3, 4, 5, 6]
     assert all(p.device == "cuda:0" for p in by_id.values())
     assert all(len(p.cpus) == 2 for p in by_id.values())  # 16 CPUs shared by 8 instances
-    cfg = DeploymentConfig(gpus=[0, 1])
+    cfg = Settings(gpus=[0, 1])
     gpus = [p.gpu for p in place(cfg, cpu_ids=[0])]
     assert gpus == [0, 1, 0, 1] and all(p.cpus == [0] for p in place(cfg, cpu_ids=[0]))
 
 
 def test_cpu_only_placement():
-    ps = place(DeploymentConfig(), cpu_ids=[0, 1])
+    ps = place(Settings(), cpu_ids=[0, 1])
     assert [p.instance_id for p in ps] == ["encoder-0", "denoiser-0", "denoiser-1", "decoder-0"]
     assert all(p.gpu is None and p.device == "cpu" for p in ps)
     # more instances than CPUs: each may run on any, with one compute thread
     assert all(p.cpus == [0, 1] and p.threads == 1 for p in ps)
-    ps = place(DeploymentConfig(), cpu_ids=list(range(8)))
+    ps = place(Settings(), cpu_ids=list(range(8)))
     assert [p.cpus for p in ps] == [[0, 1], [2, 3], [4, 5], [6, 7]] and all(p.threads == 2 for p in ps)
 
 
 def test_spawned_role_gets_its_gpu_and_cpus(tmp_path, monkeypatch):
-    dep = Deployment(DeploymentConfig(gpus=[3]), run_dir=tmp_path)
+    dep = Deployment(Settings(gpus=[3]), run_dir=tmp_path)
     seen = {}
     monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None, **kw: seen.update(name=name, argv=argv, env=env, cpus=cpus))
     dep.spawn_role(dep.placements[1])
     assert seen["name"] == "denoiser-0" and seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
-    dep = Deployment(DeploymentConfig(gpus=[2, 5, 7]), run_dir=tmp_path)
+    dep = Deployment(Settings(gpus=[2, 5, 7]), run_dir=tmp_path)
     monkeypatch.setattr(dep.supervisor, "spawn", lambda name, argv, env=None, cpus=None, **kw: seen.update(name=name, argv=argv, env=env, cpus=cpus))
     dep.spawn_role(dep.placements[1])  # denoiser-0 on GPU 5 sees it first, then the others
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5,2,7" and '"visible_gpus":[5,2,7]' in seen["argv"][-1]
@@ -96,7 +97,7 @@ def test_model_configs_parse_and_name_their_family(tmp_path):
         folder = tmp_path / path.stem
         folder.mkdir()
         (folder / "model_index.json").write_text(f'{{"_class_name": "{family}"}}')
-        config = msgspec.convert({**data, "model": str(folder)}, DeploymentConfig)
+        config = msgspec.convert({**data, "model": str(folder)}, Settings)
         validate(config)
         placed = place(config, cpu_ids=list(range(16)))
         assert {p.role for p in placed} == {"encoder", "denoiser", "decoder"}

@@ -1,0 +1,265 @@
+"""Every setting of a deployment, declared once: name, type, default, bounds, help and the processes that need it.
+
+Each field's `Meta(description=...)` is its help text (the first paragraph is `--help`'s; the whole text is the
+comment above it in configs/tiny.yaml); `extra=use(...)` names the processes that read it, its flag where that
+is not `--NAME`, and the older key names a config file may still use. Everything else is derived from this
+module: the launch flags (launcher/options.py), config-file keys, DISAGG_<NAME> environment variables
+(settings/sources.py), each process's own settings object (settings/process.py), configs/tiny.yaml and the
+README's settings table (settings/render.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+#: the processes a setting may be for
+PROCESSES = ("launcher", "orchestrator", "role", "gateway")
+#: how one instance may span devices, in mesh order (roles/layout.py re-exports it)
+PARALLEL_KINDS = ("cfg", "ring", "ulysses")
+#: dispatch policies (orchestrator/dispatch.py implements each; a test checks the two agree)
+DISPATCH_POLICIES = ("max-free-slots", "round-robin", "least-work")
+#: transfer engines (transport/selection.py's CHOICES; a test checks the two agree)
+TRANSFERS = ("auto", "cuda-ipc", "shm", "mooncake", "inline")
+#: `disagg serve-http` serves here when http.port is 0 (launch then starts no gateway)
+SERVE_HTTP_PORT = 8000
+ROLE_SECTIONS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
+#: flags of section fields: one section's (-e sets encoders.count) or every role's at once (--capacity E,D,K sets
+#: encoders.capacity, denoisers.capacity and decoders.capacity); gpus_per's (--gpus-per-ROLE N) are per role
+SECTION_FLAGS = {
+    "encoders.count": "-e/--encoders", "denoisers.count": "-d/--denoisers", "decoders.count": "-k/--decoders",
+    "denoisers.max_batch": "--max-batch",
+    **{f"{section}.{name}": f"--{name}" for section in ROLE_SECTIONS.values() for name in ("capacity", "standby")},
+}
+
+
+def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str = "") -> dict:
+    """A field's `extra`: the processes that read it; its flag ("" = --NAME, None = config file and environment
+    only); an older key name that still works, with a warning."""
+    assert set(processes) <= set(PROCESSES), processes
+    return {"for": processes, "flag": flag, "legacy": legacy, "metavar": metavar}
+
+
+Degree = Annotated[int, Meta(ge=1, le=64)]
+RoleName = Literal["encoder", "denoiser", "decoder"]
+
+
+class ParallelLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How one instance spans devices; the product of the degrees is its ranks (GPUs, with --gpus).
+
+    cfg: classifier-free guidance's negative and positive rows on different ranks (SD3, SDXL);
+    ulysses / ring: diffusers' context parallelism over the sequence (Flux, Wan, Qwen-Image)."""
+
+    cfg: Degree = 1
+    ulysses: Degree = 1
+    ring: Degree = 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in PARALLEL_KINDS}
+
+    @property
+    def world(self) -> int:
+        n = 1
+        for k in PARALLEL_KINDS:
+            n *= getattr(self, k)
+        return n
+
+
+class RolePool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One role's pool of instances (the sections encoders, denoisers, decoders)."""
+
+    count: Annotated[int, Meta(ge=0, le=256, description=(
+        "Instances of this role on this host (0: none here; other hosts may join)."),
+        extra=use("launcher", flag=None))] = 1
+    capacity: Annotated[int, Meta(ge=1, le=1024, description=(
+        "Requests each instance holds at once (their transfers overlap; a diffusers pipeline's computes take "
+        "turns, so a denoiser that should compute several at once batches them: max_batch)."),
+        extra=use("launcher", flag=None))] = 1
+    pool_mib: Annotated[Annotated[int, Meta(ge=1, le=1 << 20)] | None, Meta(description=(
+        "MiB of each instance's buffer pool: staged outputs waiting for the next stage plus the inputs it pulled "
+        "(shared memory on the CPU, GPU memory on a GPU). null = sized from the model's largest payload at its "
+        "maximum resolution: (3 x capacity + 1) payloads, at least 16 MiB."),
+        extra=use("launcher", flag=None))] = None
+    gpus: Annotated[list[Annotated[int, Meta(ge=0)]] | None, Meta(description=(
+        "GPUs of this role's instances, round-robin (null: the global gpus list)."),
+        extra=use("launcher", flag=None))] = None
+    max_batch: Annotated[int, Meta(ge=1, le=256, description=(
+        "Denoisers only: requests of one shape sharing each forward, joining the running batch at step boundaries "
+        "(continuous batching; capacity is raised to at least this). 1 = no batching; models with step-level "
+        "batching take more (demo, tiny, Flux checkpoints, sim:*)."),
+        extra=use("launcher", flag=None))] = 1
+    standby: Annotated[int, Meta(ge=0, le=256, description=(
+        "Warm standbys besides count: loaded and registered, given no work (state standby) until an instance of "
+        "this role dies; then one takes over at once. A standby costs what an instance costs: on a GPU, a device "
+        "holding the role's weights and pool."),
+        extra=use("launcher", "orchestrator", flag=None))] = 0
+
+
+class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The OpenAI-compatible HTTP gateway (gateway/): `disagg launch` starts one beside the orchestrator when
+    http.port is set; `disagg serve-http` runs one for a deployment already running."""
+
+    port: Annotated[int, Meta(ge=0, le=65535, description=(
+        f"Port of the HTTP gateway. 0: launch starts none (serve-http then serves on {SERVE_HTTP_PORT})."),
+        extra=use("launcher", "gateway", flag="--http-port"))] = 0
+    host: Annotated[str, Meta(description="Address the HTTP gateway binds.",
+                              extra=use("gateway", flag="--http-host"))] = "127.0.0.1"
+    api_key: Annotated[str, Meta(description=(
+        "When set, every route but /, /health, /liveness, /metrics and the unguessable image URLs needs "
+        "`Authorization: Bearer KEY`. Prefer the environment (DISAGG_HTTP_API_KEY) to a file or a flag."),
+        extra=use("gateway", flag="--api-key"))] = ""
+    image_ttl: Annotated[float, Meta(gt=0, description=(
+        "response_format=url: seconds an image stays fetchable at its URL."), extra=use("gateway", flag=None))] = 600.0
+    image_store_max: Annotated[int, Meta(ge=1, description="response_format=url: the most images kept.",
+                                         extra=use("gateway", flag=None))] = 256
+    image_store_mib: Annotated[int, Meta(ge=1, description="response_format=url: the most MiB of images kept.",
+                                         extra=use("gateway", flag=None))] = 512
+    recent_max: Annotated[int, Meta(ge=0, description=(
+        "Completed answers kept for a client that sends the same X-Request-Id again (answered without computing "
+        "again)."), extra=use("gateway", flag=None))] = 1024
+    recent_mib: Annotated[int, Meta(ge=1, description="MiB of images those kept answers may hold.",
+                                    extra=use("gateway", flag=None))] = 128
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything a deployment is: `disagg launch` merges flags over DISAGG_ variables over a config file over
+    these defaults, checks the result once, and gives each process its own part (settings/process.py)."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=1024, description=(
+        "Which model every role serves: demo (a tiny Flux trained on coloured shapes: \"a red circle on the left\", "
+        "64x64), tiny (the same architecture with random weights: noise, any size; the parity tests use it), a "
+        "diffusers checkpoint (a local folder or a Hugging Face id: Flux, SD3/3.5, SDXL, Wan 2.1/2.2, Qwen-Image) "
+        "or sim:PROFILE (configs/sim/PROFILE.yaml, no compute)."),
+        extra=use("launcher", "role"))] = "demo"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
+        "Checkpoints' weight dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16."),
+        extra=use("role"))] = "auto"
+    host: Annotated[str, Meta(description=(
+        "Address the orchestrator binds. Clients use port, roles register on port + 1. Keep 127.0.0.1 unless "
+        "other hosts must reach it (then with keys)."),
+        extra=use("launcher", "orchestrator"))] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65534, description="Client port of the orchestrator; roles use port + 1.",
+                              extra=use("launcher", "orchestrator"))] = 5555
+    join: Annotated[str, Meta(description=(
+        "Join host: tcp://HEAD:PORT of an orchestrator on another host. Only the role processes start here; they "
+        "register with it and this launcher supervises them. Empty: this host runs the orchestrator."),
+        extra=use("launcher", metavar="tcp://HEAD:PORT"))] = ""
+    advertise_host: Annotated[str, Meta(description=(
+        "The address other hosts reach this host's roles at (Mooncake's local_hostname). Empty: host when it is "
+        "a real address, else the interface that routes to the head (or out of this host)."),
+        extra=use("launcher"))] = ""
+    transfer: Annotated[Literal[TRANSFERS], Meta(description=(
+        "How tensors move between stages.\n\n"
+        "auto: per pair of instances, the fastest engine both serve: same host -> cuda-ipc (GPU pools) or shm "
+        "(host pools); other host -> mooncake; inline only as a last resort. cuda-ipc: same host, GPU: the "
+        "consumer opens the producer pool's IPC handle once. shm: same host, CPU: the consumer maps the "
+        "producer's shared memory once. mooncake: any host: Mooncake Transfer Engine reads the producer's "
+        "registered pool (the mooncake or mooncake-cpu extra). inline: tensors ride in ZeroMQ frames through "
+        "the orchestrator."),
+        extra=use("orchestrator", "role"))] = "auto"
+    transfer_protocol: Annotated[Literal["", "tcp", "rdma"], Meta(description=(
+        "Mooncake's protocol: tcp or rdma (empty: rdma when ib_device names a NIC, else tcp)."),
+        extra=use("role"))] = ""
+    ib_device: Annotated[str, Meta(description="The RDMA NIC Mooncake uses, e.g. mlx5_0.", extra=use("role"))] = ""
+    dispatch: Annotated[Literal[DISPATCH_POLICIES], Meta(description=(
+        "Which ready instance gets a role's next request: max-free-slots, round-robin, or least-work (the least "
+        "predicted work from measured stage times)."),
+        extra=use("orchestrator"))] = "max-free-slots"
+    host_aware: Annotated[bool, Meta(description=(
+        "Of two otherwise equally good instances, the one on the producer's host gets the request, so fewer "
+        "bytes cross the network (under every policy). false (--host-blind): only to compare."),
+        extra=use("orchestrator", flag="--host-aware/--host-blind"))] = True
+    gpus: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description=(
+        "GPUs to spread every instance over, round-robin (each instance sees its own GPU as cuda:0). Empty: the "
+        "CPU. A role's own gpus list takes precedence."),
+        extra=use("launcher", metavar="0,1,..."))] = []
+    heartbeat_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds of silence after which an instance is dead and the requests it held get new attempts; a role "
+        "that hears nothing from the orchestrator this long reconnects. At least 2: twice the 1 s heartbeat."),
+        extra=use("orchestrator", "role", legacy="heartbeat_timeout_s"))] = 3.0
+    stall_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds an instance holding work may make no progress (stage starts and ends, denoising steps) before "
+        "it is dead for that work."),
+        extra=use("orchestrator", legacy="stall_timeout_s"))] = 120.0
+    request_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds a request may take before it fails with a timeout error (a Submit may set its own)."),
+        extra=use("orchestrator", legacy="request_timeout_s"))] = 600.0
+    join_wait: Annotated[float, Meta(gt=0, description=(
+        "Seconds a role may have no instance (none registered yet, or every one stopped or dead) before Submits "
+        "are refused at once as not ready (HTTP 503 with Retry-After) and the requests waiting for it fail. "
+        "It is the room a join host's roles get to register."),
+        extra=use("orchestrator", legacy="join_wait_s"))] = 30.0
+    max_retries: Annotated[int, Meta(ge=0, le=100, description=(
+        "New attempts a request gets when an instance dies under it; then it fails, naming the cause."),
+        extra=use("orchestrator"))] = 2
+    max_queue: Annotated[int, Meta(ge=1, description=(
+        "Admission control: while this many requests wait in a role's queue, Submit is refused at once as "
+        "overloaded (HTTP 429)."),
+        extra=use("orchestrator"))] = 4096
+    busy_poll: Annotated[float, Meta(ge=0, le=0.01, description=(
+        "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
+        "(busy_poll_max_in_flight): the next message is taken without a thread wake-up, for about a core's "
+        "CPU while it lasts. 0: always sleep in poll."),
+        extra=use("orchestrator"))] = 0.0003
+    busy_poll_max_in_flight: Annotated[int, Meta(ge=0, le=1 << 20, description=(
+        "Busy polling stops while more requests than this are in flight (then messages arrive close together "
+        "and a poll never sleeps long)."),
+        extra=use("orchestrator"))] = 4
+    keys: Annotated[str, Meta(description=(
+        "CurveZMQ keys directory (`disagg keys generate DIR`): only holders of the client key may submit or "
+        "register. Empty: no authentication (keep host on 127.0.0.1 then)."),
+        extra=use("launcher", "orchestrator", "role", "gateway", metavar="DIR"))] = ""
+    lane: Annotated[bool, Meta(description=(
+        "Control messages between processes on one host take a Unix-socket fast lane instead of ZeroMQ: one "
+        "thread wake per hop instead of several (about 100 us less per hop on a small VM). ZeroMQ still carries "
+        "registration, other hosts and big messages. false: everything over ZeroMQ."),
+        extra=use("orchestrator", "role", flag="--lane/--no-lane"))] = True
+    ready_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds `disagg launch` waits for every instance to load its model and report ready."),
+        extra=use("launcher", legacy="ready_timeout_s"))] = 180.0
+    spares: Annotated[int, Meta(ge=0, le=64, description=(
+        "Spare interpreters kept with torch, diffusers and every adapter imported (about 4 s of a role's start "
+        "here): a role process that dies is replaced by one, which loads only the model (well under a second "
+        "for the tiny model). Each costs the memory of those imports (~400 MB), no GPU. 0 = none."),
+        extra=use("launcher"))] = 1
+    encoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1))
+    denoisers: RolePool = msgspec.field(default_factory=lambda: RolePool(count=2))
+    decoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1))
+    colocated: Annotated[int, Meta(ge=0, le=256, description=(
+        "> 0: the colocated baseline instead of the pools: this many monolithic instances, each running all "
+        "three stages in one process (capacity from denoisers, devices from gpus)."),
+        extra=use("launcher", "orchestrator"))] = 0
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    sim_slowdown: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description=(
+        "sim: models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for one denoiser "
+        "three times slower than the others (dispatch experiments)."),
+        extra=use("launcher", flag=None))] = {}
+    parallel: Annotated[dict[RoleName, ParallelLayout], Meta(description=(
+        "Instances over several devices: role -> {cfg, ulysses, ring} degrees, e.g. {denoiser: {ulysses: 2}}. "
+        "cfg splits classifier-free guidance's negative and positive rows over ranks (SD3, SDXL); ulysses and "
+        "ring are diffusers' context parallelism over the sequence (Flux, Wan, Qwen-Image, tiny; ring needs "
+        "GPUs). With gpus each instance takes that many contiguous GPUs; without, its ranks share the CPU "
+        "(gloo). No continuous batching (max_batch 1). Only denoisers."),
+        extra=use("launcher", flag=None))] = {}
+    gpus_per: Annotated[dict[RoleName, Annotated[int, Meta(ge=1, le=64)]], Meta(description=(
+        "GPUs (ranks) per instance, per role (--gpus-per-denoiser N): the layout's degrees multiply to it; with "
+        "no layout named, the model's own kind at that degree (ulysses N, or cfg 2 for SD3 and SDXL). Encoders "
+        "and decoders take only 1."),
+        extra=use("launcher", flag=None))] = {}
+
+    def role(self, role: str) -> RolePool:
+        return getattr(self, ROLE_SECTIONS[role])
+
+    @property
+    def protocol(self) -> str:
+        return self.transfer_protocol or ("rdma" if self.ib_device else "tcp")
+
+    def all_gpus(self) -> list[int]:
+        gpus = list(self.gpus)
+        for role in ROLE_SECTIONS:
+            for g in self.role(role).gpus or []:
+                if g not in gpus:
+                    gpus.append(g)
+        return gpus
