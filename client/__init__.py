@@ -12,3 +12,4 @@ from client.sync import (  # noqa: F401 - the package's API
     default_endpoint,
     new_request_id,
 )
+from client.errors import BadRequest, GenerationFailed, RequestFailed, RetryLater  # noqa: F401

@@ -11,10 +11,11 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SEND_TIMEOUT_S, SUSPECT_PROBE_S, Outcome, Unreachable
+from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SEND_TIMEOUT_S, SUSPECT_PROBE_S, Outcome, Unreachable, outcome_of
 from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
+    ErrorCode,
     Cancel,
     GatewayBeat,
     GenerationParams,
@@ -22,7 +23,6 @@ from transport.messages import (
     Rejected,
     RequestQuery,
     RequestStates,
-    Result,
     ServerReply,
     StatusQuery,
     StatusReport,
@@ -117,7 +117,8 @@ class AsyncClient:
         """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too)."""
         entry = self._pending.get(request_id)
         if entry is not None and entry[0] != params:  # as the orchestrator answers such a Submit
-            return Outcome(request_id, params, False, "refused: duplicate request_id with other parameters")
+            return Outcome(request_id, params, False, "refused: duplicate request_id with other parameters",
+                           code=ErrorCode.DUPLICATE_REQUEST_ID, param="request_id")
         fut = self.in_flight(request_id)
         if fut is None:  # the same id twice: both wait for the one run
             fut = asyncio.get_running_loop().create_future()
@@ -128,7 +129,7 @@ class AsyncClient:
             try:
                 await self._send([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
             except Unreachable as exc:
-                self._settle(request_id, Outcome(request_id, params, False, str(exc)))
+                self._settle(request_id, Outcome(request_id, params, False, str(exc), code=ErrorCode.UNREACHABLE))
         return await asyncio.shield(fut)
 
     async def cancel(self, request_id: str) -> bool:
@@ -142,7 +143,7 @@ class AsyncClient:
         except Unreachable:
             pass  # nobody to tell: it ends here all the same
         self._settle(request_id, Outcome(request_id, entry[0], False, "cancelled",
-                                         latency_s=time.monotonic() - entry[1]))
+                                         latency_s=time.monotonic() - entry[1], code=ErrorCode.CANCELLED))
         return True
 
     def _settle(self, rid: str, outcome: Outcome) -> None:
@@ -181,7 +182,8 @@ class AsyncClient:
             if now - self._last_heard > ORCHESTRATOR_SILENCE_S:
                 for rid, (params, t0, _) in list(self._pending.items()):
                     self._settle(rid, Outcome(rid, params, False, f"the orchestrator at {self.endpoint} stopped "
-                                                                  "answering; request lost", latency_s=now - t0))
+                                                                  "answering; request lost", latency_s=now - t0,
+                                              code=ErrorCode.UNREACHABLE))
             elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S) and (
                     self.suspect or now - self._last_heard > PROBE_INTERVAL_S):
                 last_probe = now  # quiet, or the connection dropped: who answers now?
@@ -226,8 +228,4 @@ class AsyncClient:
             return
         params, t0, _ = entry
         latency = time.monotonic() - t0
-        if isinstance(reply, Result):
-            self._settle(rid, Outcome(rid, params, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                      reply.timings, latency, reply.attempts, dict(reply.resolved)))
-        else:
-            self._settle(rid, Outcome(rid, params, False, f"refused: {reply.reason}", latency_s=latency))
+        self._settle(rid, outcome_of(rid, params, reply, frames, latency))

@@ -12,11 +12,13 @@ from typing import Callable, Iterable
 
 import zmq
 
+from client.errors import error_for
 from transport.auth import apply_client_curve
 from transport.lane import LaneClosed, LaneError, LaneLink
 
 from transport.bundle import Outbox, decode_frames
 from transport.messages import (
+    ErrorCode,
     Cancel,
     GenerationParams,
     MessageError,
@@ -70,6 +72,25 @@ class Outcome:
     attempts: int = 1
     #: the parameters the model ran with, its defaults filled in (Result.resolved)
     resolved: dict = field(default_factory=dict)
+    #: why it did not succeed, for programs (transport/codes.py), and the request field at fault
+    code: ErrorCode | None = None
+    param: str | None = None
+
+    def raise_for_error(self) -> "Outcome":
+        """This outcome if it succeeded; else raise the exception of its code's family (client/errors.py)."""
+        if not self.ok:
+            raise error_for(self.error or "failed", self.code, self.param)
+        return self
+
+
+def outcome_of(rid: str, params: GenerationParams, reply, frames: list, latency_s: float) -> Outcome:
+    """The Outcome of a request from the orchestrator's answer to it: a Result, or a Rejected at Submit (both
+    clients build theirs here)."""
+    if isinstance(reply, Result):
+        return Outcome(rid, params, reply.ok, reply.error, list(frames), reply.image_format, reply.seed, reply.timings,
+                       latency_s, reply.attempts, dict(reply.resolved), reply.code, reply.param)
+    return Outcome(rid, params, False, f"refused: {reply.reason}", latency_s=latency_s, code=reply.code,
+                   param=reply.param)
 
 
 def new_request_id() -> str:
@@ -228,7 +249,7 @@ class Client:
                 if isinstance(reply, expect):
                     return reply
                 if isinstance(reply, Rejected) and reply.request_id is None:
-                    raise RuntimeError(f"orchestrator refused: {reply.reason}")
+                    raise error_for(f"orchestrator refused: {reply.reason}", reply.code, reply.param)
 
     def wait_gone(self, timeout_s: float) -> bool:
         """Wait until nothing listens at the endpoint any more (after a Stop); False if still there."""
@@ -284,16 +305,16 @@ class Client:
             if on_outcome:
                 on_outcome(outcome)
 
-        def lose_pending(why: str) -> None:
+        def lose_pending(why: str, code: ErrorCode = ErrorCode.UNREACHABLE) -> None:
             for rid, (p, t0) in list(pending.items()):
-                settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0))
+                settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0, code=code))
             pending.clear()
 
         def stop_sending(why: str) -> None:
             """The deployment is stopping: what was not sent yet never will be."""
             nonlocal nxt
             for rid, p in zip(id_list[nxt:], todo[nxt:]):
-                settle(rid, Outcome(rid, p, False, f"not sent: {why}"))
+                settle(rid, Outcome(rid, p, False, f"not sent: {why}", code=ErrorCode.UNAVAILABLE))
             nxt = len(todo)
 
         outbox = Outbox()
@@ -344,19 +365,16 @@ class Client:
                     if isinstance(reply, Rejected) and rid is None:
                         # the orchestrator could not read our Submit at all (e.g. a version without a field we
                         # sent): nothing we sent will be answered, so end every pending request with its reason
-                        lose_pending(f"refused by the orchestrator: {reply.reason}")
+                        lose_pending(f"refused by the orchestrator: {reply.reason}", reply.code)
                         continue
                     if rid not in pending:
                         continue
                     p, t0 = pending.pop(rid)
+                    settle(rid, outcome_of(rid, p, reply, frames, now - t0))
                     if isinstance(reply, Result):
-                        settle(rid, Outcome(rid, p, reply.ok, reply.error, list(frames), reply.image_format, reply.seed,
-                                            reply.timings, now - t0, reply.attempts, dict(reply.resolved)))
                         if reply.stopping:
                             stop_sending(f"the deployment at {self.endpoint} is stopping")
-                    else:
-                        settle(rid, Outcome(rid, p, False, f"refused: {reply.reason}", latency_s=now - t0))
-                        if reply.reason.startswith(("shutting down", "draining")):
+                    elif reply.code == ErrorCode.UNAVAILABLE:
                             stop_sending(f"the deployment at {self.endpoint} is {reply.reason.split(':')[0]}")
         except KeyboardInterrupt:  # Ctrl-C: what we had in flight is given up, not left computing
             for rid in pending:

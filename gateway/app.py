@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from client import Unreachable
 from client.aio import AsyncClient
 from gateway.activity import Activity
-from gateway.errors import ApiError, from_outcome_error
+from gateway.errors import ApiError, from_outcome
 from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_request, to_params
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
@@ -228,7 +228,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
         activity.record(outcome.ok, outcome.latency_s)
         if not outcome.ok:
-            err = from_outcome_error(outcome.error or "failed")
+            err = from_outcome(outcome)
             err.headers.update(headers)
             raise err
         fmt = outcome.image_format

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from transport.messages import NOT_READY
+from transport.codes import ErrorCode
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -26,30 +26,26 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def from_outcome_error(error: str) -> ApiError:
-    """The HTTP error for a request the deployment refused or could not finish."""
-    if error.startswith("refused: "):
-        reason = error[len("refused: "):]
-        if reason.startswith("overloaded"):
-            return ApiError(429, reason, code="overloaded", headers={"Retry-After": "1"})
-        if reason.startswith(NOT_READY):  # a role has no instance: none joined yet, or all were stopped
-            return ApiError(503, reason, code="not_ready", headers={"Retry-After": "5"})
-        if reason.startswith(("draining", "shutting down")):
-            return ApiError(503, reason, code="unavailable", headers={"Retry-After": "5"})
-        if " is over this deployment's maximum" in reason:  # "width 8192 is over ..."
-            return ApiError(400, reason, param=reason.split(" ", 1)[0], code="invalid_value")
-        if reason.startswith("duplicate request_id"):
-            return ApiError(409, reason, param="X-Request-Id", code="duplicate_request_id")
-        return ApiError(400, reason, code="invalid_request")
-    if "RequestTooLarge" in error or "FormatError" in error:  # the request, not the deployment, is at fault
-        return ApiError(400, error, code="invalid_value")
-    if "InputError: " in error:  # an input the model cannot take: "encoder encoder-0 failed: InputError: mask: ..."
-        reason = error[error.index("InputError: ") + len("InputError: "):]
-        field = reason.split(":", 1)[0]
-        return ApiError(400, reason, param=field if field in ("image", "mask", "strength") else None, code="invalid_value")
-    if error.startswith("cannot reach the orchestrator"):
-        return ApiError(503, error, code="orchestrator_unreachable", headers={"Retry-After": "5"})
-    if "the deployment is stopping" in error:
-        return ApiError(503, error, code="unavailable", headers={"Retry-After": "5"})
-    # failed after its retries: resending it as is would fail again
-    return ApiError(500, error, code="generation_failed", headers={"x-should-retry": "false"})
+#: ErrorCode -> (HTTP status, the OpenAI error's `code`, headers); a code not here is a 500
+HTTP = {
+    ErrorCode.OVERLOADED: (429, "overloaded", {"Retry-After": "1"}),
+    ErrorCode.NOT_READY: (503, "not_ready", {"Retry-After": "5"}),
+    ErrorCode.UNAVAILABLE: (503, "unavailable", {"Retry-After": "5"}),
+    ErrorCode.UNREACHABLE: (503, "orchestrator_unreachable", {"Retry-After": "5"}),
+    ErrorCode.OVER_LIMIT: (400, "invalid_value", {}),
+    ErrorCode.INVALID_INPUT: (400, "invalid_value", {}),
+    ErrorCode.DUPLICATE_REQUEST_ID: (409, "duplicate_request_id", {}),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request", {}),
+}
+#: the request's field as the HTTP API names it
+HTTP_PARAM = {"request_id": "X-Request-Id"}
+
+
+def from_outcome(outcome) -> ApiError:
+    """The HTTP error for a request the deployment refused or could not finish, from its code (no text parsed)."""
+    message = outcome.error or "failed"
+    message = message.removeprefix("refused: ")
+    status, code, headers = HTTP.get(outcome.code, (500, "generation_failed", {"x-should-retry": "false"}))
+    if outcome.code == ErrorCode.INVALID_INPUT and ": " in message:  # "encoder encoder-0 failed: InputError: mask: ..."
+        message = message.split("Error: ", 1)[-1]
+    return ApiError(status, message, param=HTTP_PARAM.get(outcome.param, outcome.param), code=code, headers=dict(headers))

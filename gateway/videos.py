@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from client import Unreachable
 from client.inputs import InputError, check_size, from_data_url
-from gateway.errors import ApiError, from_outcome_error
+from gateway.errors import ApiError, from_outcome
 from gateway.images import extensions, field_error, input_error, parse_size
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
@@ -180,7 +180,7 @@ def add_video_routes(app: FastAPI, client, served_model) -> None:
             if w and h:
                 job.size = f"{w}x{h}"
         elif job.status != "deleted":
-            err = from_outcome_error(outcome.error or "failed")
+            err = from_outcome(outcome)
             job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
         job.completed_at = int(time.time())
 

@@ -11,7 +11,7 @@ from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
 from orchestrator.stats import GATEWAY_SILENCE_S
 from transport.messages import (
-    FOREIGN_MODEL, HEARTBEAT_INTERVAL_S, Cancel, NOT_READY, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
+    HEARTBEAT_INTERVAL_S, Cancel, ErrorCode, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -44,7 +44,7 @@ class InstanceLifecycle:
 
     def foreign_model(self, msg: Register) -> str:
         """Why an instance that registers serves another model than the deployment ("" when it does not). The
-        deployment's model is the launcher's (RouterConfig.model), else the first instance's that registered."""
+        deployment's model is the launcher's (its settings' model_identity), else the first instance's that registered."""
         if msg.identity is None:
             return ""
         if self.model is None:
@@ -52,7 +52,7 @@ class InstanceLifecycle:
             return ""
         if self.model.same_model(msg.identity):
             return ""
-        return (f"{FOREIGN_MODEL}: this deployment serves {self.model.describe()}; {msg.instance_id} serves "
+        return (f"another model: this deployment serves {self.model.describe()}; {msg.instance_id} serves "
                 f"{msg.identity.describe()}")
 
     # --- roles without instances ----------------------------------------------------------------
@@ -72,7 +72,7 @@ class InstanceLifecycle:
         if not gone:
             return ""
         what = ", ".join(f"{role} (none for {s:.0f} s)" for role, s in gone)
-        return f"{NOT_READY}: no instance of {what}; retry once one has joined (join_wait_s {wait:g})"
+        return f"not ready: no instance of {what}; retry once one has joined (join_wait {wait:g} s)"
 
     def fail_unserved(self, now: float, out) -> None:
         """Requests waiting for a role that has had no instance for join_wait_s fail now, not at their timeout."""
@@ -86,7 +86,7 @@ class InstanceLifecycle:
                 req = self.requests.get(rid)
                 if req is not None and req.state == "queued" and req.stage == role:
                     self.release_source(req, out)
-                    self.fail(req, f"refused: {why}", now, out)
+                    self.fail(req, f"refused: {why}", now, out, code=ErrorCode.NOT_READY)
 
     def drop_silent_gateways(self, now: float, out) -> None:
         """A gateway silent for twice GATEWAY_SILENCE_S (it beats every second) is gone, killed: the requests only
@@ -174,7 +174,7 @@ class InstanceLifecycle:
         for inst in self.registry.alive():
             out.append(to_instance(inst.id, Shutdown()))
         for req in list(self.requests.values()):
-            self.fail(req, STOPPING_ERROR, now, out, stopping=True)
+            self.fail(req, STOPPING_ERROR, now, out, stopping=True, code=ErrorCode.UNAVAILABLE)
 
     def expire_instances(self, now: float, out: list[Out]) -> None:
         for inst in self.registry.alive():

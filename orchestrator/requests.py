@@ -68,11 +68,11 @@ class Request:
             self.timings[name] = round(self.marks[end] - self.marks[start], 6)
 
 
-def over_limits(limits: dict[str, int], p) -> str:
-    """Why a deployment with these limits (max_width, max_height, max_frames; 0 = none) cannot make a
-    request of parameters `p`, or '' when it can."""
+def over_limits(limits: dict[str, int], p) -> tuple[str, str] | None:
+    """(the field, why) a deployment with these limits (max_width, max_height, max_frames; 0 = none) cannot
+    make a request of parameters `p`, or None when it can."""
     for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
         limit = limits.get(f"max_{field.removeprefix('num_')}", 0)
         if value is not None and limit and value > limit:
-            return f"{field} {value} is over this deployment's maximum of {limit}"
-    return ""
+            return field, f"{field} {value} is over this deployment's maximum of {limit}"
+    return None

@@ -22,7 +22,7 @@ from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
-    FOREIGN_DEPLOYMENT, HEARTBEAT_INTERVAL_S, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register,
+    HEARTBEAT_INTERVAL_S, ErrorCode, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register,
     Registered, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
     StatusReport, Stop, StopHost, Submit,
 )
@@ -107,13 +107,13 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
                 return []  # a report that overtook its role's Register (after a restart): replayed after it
             if inst is None:
                 log.warning("message %s from unregistered instance %r dropped", type(msg).__name__, sender)
-                return [to_instance(sender, Rejected(reason="not registered: send Register first"))]
+                return [to_instance(sender, Rejected(reason="not registered: send Register first", code=ErrorCode.NOT_REGISTERED))]
             inst.last_seen = now
             if inst.state == "dead":
                 # it was given up on; its work went elsewhere. It must register again. A report it sent
                 # meanwhile is handled once it has (an output it staged is released then, not lost)
                 self.recovery.keep_early(sender, msg, frames, now, pid=inst.pid)
-                return [to_instance(sender, Rejected(reason="declared dead: register again"))]
+                return [to_instance(sender, Rejected(reason="declared dead: register again", code=ErrorCode.NOT_REGISTERED))]
         self._handlers[type(msg)](sender, msg, frames, now, out)
         self.dispatch_queued(now, out)
         return out
@@ -140,32 +140,36 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
     def handle_submit(self, identity, msg: Submit, frames, now, out) -> None:
         if self.stopping or self.draining:
             why = "draining: finishing in-flight work, then stopping" if self.draining else "shutting down"
-            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.UNAVAILABLE)))
             return
         known = self.requests.get(msg.request_id)
         if known is not None:
             # the same request again (resubmitted after a restart, or by another gateway): it joins the run
             same = msg.params if msg.params.seed is not None else msgspec.structs.replace(msg.params, seed=known.params.seed)
             if same != known.params:
-                out.append(to_client(identity, Rejected(request_id=msg.request_id,
-                                                        reason="duplicate request_id with other parameters")))
+                out.append(to_client(identity, Rejected(request_id=msg.request_id, param="request_id",
+                                                        reason="duplicate request_id with other parameters",
+                                                        code=ErrorCode.DUPLICATE_REQUEST_ID)))
             elif identity not in known.clients:
                 known.clients.append(identity)
             return
         why = self.not_ready(now)
         if why:
-            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why)))
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.NOT_READY)))
             return
         limit = self.config.max_queue
         for role in self.queues:
             waiting = len(self.queues[role])
             if waiting >= limit:
                 reason = f"overloaded: the {role} queue holds {waiting} requests (max_queue {limit}); retry later"
-                out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=reason)))
+                out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=reason,
+                                                        code=ErrorCode.OVERLOADED)))
                 return
         too_big = over_limits(self.limits, msg.params)
         if too_big:
-            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=too_big)))
+            field, why = too_big
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param=field,
+                                                    code=ErrorCode.OVER_LIMIT)))
             return
         params = msg.params
         if params.seed is None:
@@ -214,13 +218,14 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if ours and msg.deployment_id != ours:
             log.warning("refused %s (pid %d): it belongs to deployment %r, this orchestrator serves %r",
                         msg.instance_id, msg.pid, msg.deployment_id, ours)
-            out.append(to_instance(sender, Rejected(reason=f"{FOREIGN_DEPLOYMENT}: this orchestrator serves "
-                                                          f"deployment {ours!r}, not {msg.deployment_id!r}")))
+            out.append(to_instance(sender, Rejected(reason=f"another deployment: this orchestrator serves "
+                                                          f"deployment {ours!r}, not {msg.deployment_id!r}",
+                                                    code=ErrorCode.FOREIGN_DEPLOYMENT)))
             return
         foreign = self.foreign_model(msg)
         if foreign:
             log.warning("refused %s (pid %d): %s", msg.instance_id, msg.pid, foreign)
-            out.append(to_instance(sender, Rejected(reason=foreign)))
+            out.append(to_instance(sender, Rejected(reason=foreign, code=ErrorCode.FOREIGN_MODEL)))
             return
         old = self.registry.get(msg.instance_id)
         if old is not None and old.state != "dead":
@@ -346,9 +351,9 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if req is None:
             return
         cause = f"{inst.role} {inst.id} failed: {msg.error}"
-        if msg.invalid:  # the request's fault: a client error, not the instance's failure
+        if msg.code == ErrorCode.INVALID_INPUT:  # the request's fault: a client error, not the instance's failure
             self.release_source(req, out)
-            self.fail(req, cause, now, out, state="invalid")
+            self.fail(req, cause, now, out, state="invalid", code=msg.code, param=msg.param)
             return
         inst.failed += 1
         if msg.retryable:
@@ -364,7 +369,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             limit = req.deadline - req.submitted_at
             self.release_source(req, out)
             # a compute slot held for it stays taken until its instance reports back or dies
-            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out)
+            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out,
+                      code=ErrorCode.TIMEOUT)
 
     # --- stats ------------------------------------------------------------------------------
 

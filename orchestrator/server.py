@@ -22,7 +22,7 @@ from transport.shm import pid_alive
 from transport.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
-    FOREIGN_DEPLOYMENT,
+    ErrorCode,
     ClientMessage,
     MessageError,
     Register,
@@ -263,7 +263,7 @@ class OrchestratorServer:
         for msg, rest in items:
             if isinstance(msg, MessageError):
                 self._drop("frontend", str(msg))
-                self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}"))])
+                self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}", code=ErrorCode.INVALID_REQUEST))])
                 continue
             self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
 
@@ -283,7 +283,8 @@ class OrchestratorServer:
         ours = self.router.config.deployment_id
         if ours and deployment != ours:
             self._drop("backend", f"a message from {sender!r} of deployment {deployment!r} (this orchestrator serves {ours!r})")
-            reply = Rejected(reason=f"{FOREIGN_DEPLOYMENT}: this orchestrator serves deployment {ours!r}, not {deployment!r}")
+            reply = Rejected(reason=f"another deployment: this orchestrator serves deployment {ours!r}, not {deployment!r}",
+                             code=ErrorCode.FOREIGN_DEPLOYMENT)
             try:
                 self.backend.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError:

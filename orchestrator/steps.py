@@ -9,7 +9,7 @@ import logging
 from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import Request
-from transport.messages import Release, Result
+from transport.messages import ErrorCode, Release, Result
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -47,11 +47,11 @@ class RequestSteps:
         req.source, req.source_frames = None, []
 
     def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False,
-             state: str = "failed") -> None:
+             state: str = "failed", code: ErrorCode = ErrorCode.GENERATION_FAILED, param: str | None = None) -> None:
         log.log(logging.INFO if state == "invalid" else logging.WARNING, "request %s failed: %s", req.id, error)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
-                        timings=req.timings, stopping=stopping)
+                        timings=req.timings, stopping=stopping, code=code, param=param)
         self.end(req, state, now)
         self.send_result(req, result, (), out)
 

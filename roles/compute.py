@@ -17,7 +17,7 @@ from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
 from transport.manifest import unpack
-from transport.messages import Dead, Done, Failed, Fetched, Held, Run, Staged
+from transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
@@ -230,7 +230,8 @@ class StageRunner:
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
                                    fetch_s=fetch_s, device_s=device_s), extra)
         except Cancelled as exc:  # nobody waits for it: free the slot, no retry
-            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False))
+            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
+                               code=ErrorCode.CANCELLED))
         except Exception as exc:  # a request error: report it and keep serving
             if type(exc).__name__ == "GroupBroken":  # a parallel instance whose ranks lost each other (parallel.py)
                 # it cannot serve: say so before anything else, so its work (this request too) moves at once
@@ -244,8 +245,9 @@ class StageRunner:
             invalid = isinstance(exc, RequestError)  # the request's fault: one line, no traceback
             log.log(logging.INFO if invalid else logging.WARNING, "request %s attempt %d failed: %s: %s",
                     run.request_id, run.attempt, type(exc).__name__, exc, exc_info=not (retryable or invalid))
-            self.report(Failed(request_id=run.request_id, attempt=run.attempt,
-                               error=f"{type(exc).__name__}: {exc}", retryable=retryable, invalid=invalid))
+            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=f"{type(exc).__name__}: {exc}",
+                               retryable=retryable, code=ErrorCode.INVALID_INPUT if invalid else ErrorCode.GENERATION_FAILED,
+                               param=exc.param if invalid else None))
         finally:
             if busy_from is not None:
                 self.meter.leave(busy_from)

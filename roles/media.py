@@ -17,6 +17,9 @@ VIDEO_FORMATS = ("mp4", "png")
 class FormatError(RequestError):
     """A response_format the model's output cannot take."""
 
+    def __init__(self, message: str):
+        super().__init__(message, param="response_format")
+
 
 def check_format(fmt: str | None, video: bool) -> str:
     """The format to encode with: the request's, else png (images) / mp4 (video)."""

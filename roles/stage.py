@@ -135,7 +135,8 @@ class Stage:
                 (p.get("image") is not None or p.get("mask") is not None):
             from roles.pipelines.conditioned import InputError
 
-            raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask")
+            raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask",
+                             param="image")
         if self.role == "encoder":
             if tasks is not None:
                 task = tasks.check(p)

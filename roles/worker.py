@@ -33,12 +33,11 @@ from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.lane import LaneLink
 from transport.messages import (
     BOOT_ERROR_EXIT,
-    FOREIGN_DEPLOYMENT,
-    FOREIGN_MODEL,
     Cancel,
     HEARTBEAT_INTERVAL_S,
     Alive,
     Dead,
+    ErrorCode,
     Failed,
     Heartbeat,
     MessageError,
@@ -294,18 +293,18 @@ class Worker(Link):
             self.register()
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
-        if msg.reason.startswith(FOREIGN_MODEL):
+        if msg.code == ErrorCode.FOREIGN_MODEL:
             # a deployment of another model: restarting would only be refused again
             self.log.error("refused: %s; exiting", msg.reason)
             self.exit_code, self.stop = BOOT_ERROR_EXIT, True
             return
-        if msg.reason.startswith(FOREIGN_DEPLOYMENT):
+        if msg.code == ErrorCode.FOREIGN_DEPLOYMENT:
             # our orchestrator is gone and another deployment's holds its port: never work for that one
             self.log.error("refused: %s; exiting", msg.reason)
             self.exit_code, self.stop = 1, True
             return
         self.log.warning("orchestrator rejected a message: %s", msg.reason)
-        if "register" in msg.reason:
+        if msg.code == ErrorCode.NOT_REGISTERED:
             self.register()
 
     def handle_run(self, msg: Run, frames) -> None:

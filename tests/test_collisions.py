@@ -14,7 +14,7 @@ from client import Client
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
 from transport.lane import lane_path
 from transport.messages import (
-    FOREIGN_DEPLOYMENT, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
+    ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
 )
 
 pytestmark = pytest.mark.e2e
@@ -102,7 +102,7 @@ def test_a_role_of_another_deployment_is_refused_and_takes_over_nothing(running)
     assert sock.poll(5000), "no answer to a foreign Register"
     reply = decode(sock.recv_multipart()[0], OrchestratorCommand)
     assert isinstance(reply, Rejected)
-    assert reply.reason.startswith(FOREIGN_DEPLOYMENT) and "otherdeployment" in reply.reason
+    assert reply.code == ErrorCode.FOREIGN_DEPLOYMENT and "otherdeployment" in reply.reason
     sock.close()
     time.sleep(1.5)
     with Client(running.endpoint) as client:

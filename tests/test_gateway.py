@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from gateway.errors import from_outcome_error
+from gateway.errors import from_outcome
 from tests.conftest import wait_http, ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, serve_tiny_with_http
 
 pytestmark = pytest.mark.e2e
@@ -181,15 +181,22 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_metrics_exposes(tin
         assert what in panels, what
 
 
-def test_error_statuses_for_what_the_deployment_says():
-    assert from_outcome_error("refused: overloaded: the encoder queue holds 5").status == 429
-    assert from_outcome_error("refused: overloaded: x").headers["Retry-After"]
-    assert from_outcome_error("refused: draining: finishing in-flight work, then stopping").status == 503
-    err = from_outcome_error("refused: width 8192 is over this deployment's maximum of 2048")
+def test_error_statuses_come_from_the_codes_not_the_text():
+    from client import Outcome
+    from transport.codes import ErrorCode as C
+
+    def status(code, param=None, text="same words for all"):
+        return from_outcome(Outcome("r", GenerationParams(prompt="p"), False, text, code=code, param=param))
+
+    assert status(C.OVERLOADED).status == 429 and status(C.OVERLOADED).headers["Retry-After"]
+    assert status(C.UNAVAILABLE).status == 503 and status(C.NOT_READY).code == "not_ready"
+    err = status(C.OVER_LIMIT, "width")
     assert err.status == 400 and err.param == "width"
-    err = from_outcome_error("gave up after 3 attempts; last: denoiser denoiser-0 died")
+    assert status(C.DUPLICATE_REQUEST_ID, "request_id").param == "X-Request-Id"
+    err = status(C.GENERATION_FAILED)
     assert err.status == 500 and err.headers["x-should-retry"] == "false"
-    assert from_outcome_error("encoder encoder-0 failed: RequestTooLarge: 16 image(s)").status == 400
+    assert status(C.INVALID_INPUT).status == 400 and status(C.UNREACHABLE).status == 503
+    assert status(None).status == 500  # an answer without a code (an older orchestrator)
 
 
 def test_five_thousand_malformed_requests_get_4xx_and_the_gateway_keeps_serving(tiny):

@@ -104,16 +104,22 @@ def test_the_sim_profile_charges_the_encoder_for_an_input_image():
     assert (t2 - t1) - (t1 - t0) > 0.03  # ~40 ms of VAE encoding at 1024^2
 
 
-@pytest.mark.parametrize("error,status,param", [
-    ("encoder encoder-0 failed: InputError: mask: 8x8 differs from the image's 16x8", 400, "mask"),
-    ("encoder encoder-0 failed: InputError: model 'tiny' takes text-to-image (a prompt) only", 400, None),
-    ("denoiser denoiser-0 failed: RuntimeError: boom", 500, None),
+@pytest.mark.parametrize("error,code,param,status", [
+    ("encoder encoder-0 failed: InputError: mask: 8x8 differs from the image's 16x8", "invalid_input", "mask", 400),
+    ("encoder encoder-0 failed: InputError: model 'tiny' takes text-to-image (a prompt) only", "invalid_input", "image",
+     400),
+    ("denoiser denoiser-0 failed: RuntimeError: boom", "generation_failed", None, 500),
 ])
-def test_input_errors_reach_http_clients_as_400_naming_the_field(error, status, param):
-    from gateway.errors import from_outcome_error
+def test_input_errors_reach_http_clients_as_400_naming_the_field(error, code, param, status):
+    """By the code and field the role reported (issue 23: the gateway parses no text)."""
+    from client import Outcome
+    from gateway.errors import from_outcome
+    from transport.codes import ErrorCode
 
-    err = from_outcome_error(error)
+    err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, error, code=ErrorCode(code), param=param))
     assert err.status == status and err.param == param
+    if status == 400:
+        assert err.message.startswith(error.split("InputError: ")[1][:10])
 
 
 def test_a_sim_request_with_an_image_runs_through_its_stage():

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from transport.codes import ErrorCode  # noqa: F401 - messages carry it; users import it from here
 from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
     Count, CudaIpcHandle, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
 )
@@ -27,13 +28,6 @@ MAX_MESSAGE_BYTES = 2 * MAX_INPUT_BYTES + 4 * 1024 * 1024
 MAX_FRAMES_BYTES = 512 * 1024 * 1024
 
 ROLES = ("encoder", "denoiser", "decoder", "monolith")
-#: how a Rejected to a Register of another deployment's instance begins (that instance then exits)
-FOREIGN_DEPLOYMENT = "another deployment"
-#: how a Rejected to a Register of an instance serving another model begins (that instance then exits, and its
-#: launcher does not restart it)
-FOREIGN_MODEL = "another model"
-#: how the refusal of a Submit begins while a role has had no instance for the deployment's join_wait_s
-NOT_READY = "not ready"
 #: every role heartbeats this often; an orchestrator's heartbeat timeout must be at least twice it
 HEARTBEAT_INTERVAL_S = 1.0
 #: `standby`: loaded and registered, given no work until an instance of its role dies (--standby)
@@ -77,6 +71,9 @@ class Result(_Msg, tag="result", kw_only=True):
     resolved: dict[str, str | int | float] = {}
     #: the request ended because the deployment is stopping: a client submits nothing more to it
     stopping: bool = False
+    #: why it failed, for programs (transport/codes.py), and the request field at fault if one is
+    code: ErrorCode | None = None
+    param: str | None = None
 
 
 class Rejected(_Msg, tag="rejected", kw_only=True):
@@ -84,6 +81,9 @@ class Rejected(_Msg, tag="rejected", kw_only=True):
 
     request_id: str | None = None
     reason: str
+    #: why, for programs (transport/codes.py); `param`: the request field at fault, if one is
+    code: ErrorCode = ErrorCode.INVALID_REQUEST
+    param: str | None = None
 
 
 class StatusQuery(_Msg, tag="status_query", kw_only=True):
@@ -318,9 +318,11 @@ class Failed(_Msg, tag="failed", kw_only=True):
     error: Annotated[str, Meta(max_length=65_536)]
     #: the failure may not repeat on another try (a transfer from a dead peer, a full pool)
     retryable: bool = False
-    #: the request is at fault, not the instance (an input or format the model cannot take): a client error,
-    #: not counted against the instance
-    invalid: bool = False
+    #: GENERATION_FAILED, or INVALID_INPUT when the request is at fault, not the instance (an input or format the
+    #: model cannot take, tensors too large for a pool): a client error, not retried, not counted against the
+    #: instance; `param`: the request field at fault
+    code: ErrorCode = ErrorCode.GENERATION_FAILED
+    param: str | None = None
 
 
 class Shutdown(_Msg, tag="shutdown", kw_only=True):

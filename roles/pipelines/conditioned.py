@@ -57,7 +57,7 @@ def describe(tasks, video: bool = False) -> str:
 def request_task(p: dict) -> str:
     if p.get("mask") is not None:
         if p.get("image") is None:
-            raise InputError("a mask needs an image: send the image to inpaint with it")
+            raise InputError("a mask needs an image: send the image to inpaint with it", param="image")
         return INPAINT
     return IMAGE if p.get("image") is not None else TEXT
 
@@ -67,14 +67,14 @@ def open_image(data: bytes, field: str, mode: str) -> Image.Image:
     try:
         im = Image.open(io.BytesIO(data))
         if im.width * im.height > MAX_PIXELS:
-            raise InputError(f"{field}: {im.width}x{im.height} is over the {MAX_PIXELS}-pixel limit")
+            raise InputError(f"{field}: {im.width}x{im.height} is over the {MAX_PIXELS}-pixel limit", param=field)
         im.load()
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
         # without the repr of the in-memory file Pillow names ("<_io.BytesIO object at 0x...>")
         why = re.sub(r"\s*<_io\.\w+ object at 0x[0-9a-fA-F]+>", "", str(exc)).rstrip(": ") or type(exc).__name__
-        raise InputError(f"{field}: not an image Pillow can read ({why})") from None
+        raise InputError(f"{field}: not an image Pillow can read ({why})", param=field) from None
     return im.convert(mode)
 
 
@@ -82,7 +82,8 @@ def input_images(p: dict) -> tuple[Image.Image | None, Image.Image | None]:
     image = open_image(p["image"], "image", "RGB") if p.get("image") is not None else None
     mask = open_image(p["mask"], "mask", "L") if p.get("mask") is not None else None
     if image is not None and mask is not None and image.size != mask.size:
-        raise InputError(f"mask: {mask.width}x{mask.height} differs from the image's {image.width}x{image.height}")
+        raise InputError(f"mask: {mask.width}x{mask.height} differs from the image's {image.width}x{image.height}",
+                         param="mask")
     return image, mask
 
 
@@ -104,7 +105,7 @@ def call_kwargs(cls, p: dict, image, mask, video: bool, guidance: str = "guidanc
         if p.get(name) is not None:
             if name not in accepted:
                 if name == "strength":
-                    raise InputError(f"strength: {cls.__name__} does not take one")
+                    raise InputError(f"strength: {cls.__name__} does not take one", param="strength")
                 continue
             kw[name] = p[name]
     if p.get("guidance_scale") is not None and guidance in accepted:
@@ -142,7 +143,7 @@ class ConditionedTasks:
         if task not in self.classes:
             ck = self.adapter.ck
             raise InputError(f"model {ck.source!r} ({ck.pipeline_class}) takes {describe(self.classes, ck.video)}; "
-                             f"this request is {describe([task], ck.video)}")
+                             f"this request is {describe([task], ck.video)}", param="image")
         return task
 
     def _pipe(self, task: str):
