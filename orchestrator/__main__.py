@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return BOOT_ERROR_EXIT
     server.run()
     run_id = os.environ.get("DISAGG_RUN_ID")
-    if server.orphaned and run_id:  # the launcher was killed: nobody else removes what killed roles left
+    if run_id:  # what killed roles of this run left: the launcher removes it too, unless it is killed meanwhile
         from transport.shm import remove_segments
 
         remove_segments(f"{SHM_PREFIX}{run_id}-", only_dead=True)

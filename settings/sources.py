@@ -36,6 +36,7 @@ OTHER_VARIABLES = {
     "DISAGG_LOG_LEVEL": "log level of the orchestrator and role processes (default INFO)",
     "DISAGG_HEAD_ROLES": "deploy/slurm/disagg.sbatch: the instances on the head node",
     "DISAGG_RUN_DIR": "deploy/slurm/disagg.sbatch: the job's run folder",
+    "DISAGG_BIN": "deploy/slurm/disagg.sbatch: the disagg command to run",
     "DISAGG_RUN_ID": "set by the launcher for its processes: the run's id",
     "DISAGG_RESTARTS": "set by the launcher: how often this process was restarted",
     "DISAGG_DIST_INIT": "set by the launcher: a parallel instance's rendezvous",

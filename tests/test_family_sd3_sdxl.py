@@ -109,7 +109,7 @@ def test_half_precision_roles_match_pipeline(family, dtype):
     """Roles loaded in half precision (as on a GPU; SDXL keeps an fp16 VAE in float32, as its pipeline upcasts)."""
     cls, folder = type(family.roles["encoder"]), family.roles["encoder"].ck.path
     roles = {role: cls(str(folder), role, dtype=dtype) for role in ("encoder", "denoiser", "decoder")}
-    p = {**cls.defaults(), "prompt": "a red cat", "negative_prompt": "a dog", "guidance_scale": 5.0,
+    p = {**roles["encoder"].defaults(), "prompt": "a red cat", "negative_prompt": "a dog", "guidance_scale": 5.0,
          "num_images_per_prompt": 2, "width": 64, "height": 32, "num_inference_steps": 2, "seed": 3}
     embeds = roles["encoder"].encode(p)
     latents = roles["denoiser"].denoise(crossed(embeds), p)
@@ -145,7 +145,12 @@ def test_defaults_are_the_pipelines(cls):
 
     pipeline = {SD3Adapter: diffusers.StableDiffusion3Pipeline, SDXLAdapter: diffusers.StableDiffusionXLPipeline}[cls]
     params = inspect.signature(pipeline.__call__).parameters
-    d = cls.defaults()
+    from types import SimpleNamespace
+
+    # SD3's default size comes from the checkpoint's config, as the pipeline's does: the real model's here
+    real = SimpleNamespace(ck=SimpleNamespace(family="sd3", configs={"transformer": {"sample_size": 128},
+                                                                    "vae": {"block_out_channels": [1, 2, 3, 4]}}))
+    d = cls.defaults(real) if cls is SD3Adapter else cls.defaults()
     for key in ("num_inference_steps", "guidance_scale", "num_images_per_prompt", "negative_prompt"):
         assert d[key] == params[key].default, key
     assert (d["width"], d["height"]) == (128 * 8, 128 * 8)  # the real models' sample_size x vae_scale_factor

@@ -12,6 +12,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
 from roles.pipelines.conditioned import task_class
+from roles.pipelines.checkpoint import vae_scale_factors
 from roles.pipelines.split import CFG_EMBEDS, SplitPipeline
 
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default max_sequence_length
@@ -29,10 +30,12 @@ class SD3Adapter(SplitPipeline):
             # it as the accelerate path would, or bf16 text embeddings meet float32 weights.
             transformer.to(self.dtype)
 
-    @staticmethod
-    def defaults() -> dict:
-        # StableDiffusion3Pipeline.__call__'s defaults; 1024 = transformer sample_size 128 x vae_scale_factor 8
-        return dict(width=1024, height=1024, num_inference_steps=28, guidance_scale=7.0, num_images_per_prompt=1,
+    def defaults(self) -> dict:
+        # StableDiffusion3Pipeline.__call__'s defaults: default_sample_size (the transformer's sample_size) x
+        # vae_scale_factor, 128 x 8 = 1024 for SD3; from the config, since a role may hold neither module
+        spatial, _ = vae_scale_factors(self.ck)
+        size = int(self.ck.configs.get("transformer", {}).get("sample_size") or 128) * spatial
+        return dict(width=size, height=size, num_inference_steps=28, guidance_scale=7.0, num_images_per_prompt=1,
                     negative_prompt=None, seed=0)
 
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
