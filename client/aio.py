@@ -11,7 +11,8 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from client.sync import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SEND_TIMEOUT_S, SUSPECT_PROBE_S, Outcome, Unreachable, outcome_of
+from client.core import SUSPECT_PROBE_S, Outcome, RequestBook
+from client.sync import SEND_TIMEOUT_S, Unreachable
 from transport.auth import apply_client_curve
 from transport.bundle import decode_frames
 from transport.messages import (
@@ -26,7 +27,6 @@ from transport.messages import (
     ServerReply,
     StatusQuery,
     StatusReport,
-    Submit,
     encode,
 )
 
@@ -46,18 +46,12 @@ class AsyncClient:
         self.sock.connect(endpoint)
         # told when the connection drops (the orchestrator died): then ask who answers now
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.suspect = False
-        #: request id -> (params, sent at, its future)
-        self._pending: dict[str, tuple[GenerationParams, float, asyncio.Future]] = {}
-        #: request id -> its Submit's timeout_s (sent again, under the same id, to an orchestrator that restarted)
-        self._timeouts: dict[str, float | None] = {}
+        #: the requests' state (client/core.py), and the future each caller awaits
+        self.book = RequestBook(endpoint)
+        self._futures: dict[str, asyncio.Future] = {}
         self._status_waiters: list[asyncio.Future] = []
         self._query_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
-        self._last_heard = time.monotonic()
-        self.orchestrator_id = ""
-        #: pending requests to send again (the orchestrator restarted)
-        self._resubmit: list[str] = []
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="orchestrator-replies")
@@ -109,123 +103,93 @@ class AsyncClient:
         """Tell the orchestrator this gateway serves it (status lists gateways heard from lately)."""
         await self._send([encode(GatewayBeat(url=url, pid=pid, restarts=restarts))])
 
+    @property
+    def orchestrator_id(self) -> str:
+        return self.book.orchestrator_id
+
     def in_flight(self, request_id: str) -> asyncio.Future | None:
-        entry = self._pending.get(request_id)
-        return entry[2] if entry else None
+        return self._futures.get(request_id)
 
     async def submit(self, request_id: str, params: GenerationParams, timeout_s: float | None = None) -> Outcome:
-        """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too)."""
-        entry = self._pending.get(request_id)
-        if entry is not None and entry[0] != params:  # as the orchestrator answers such a Submit
-            return Outcome(request_id, params, False, "refused: duplicate request_id with other parameters",
-                           code=ErrorCode.DUPLICATE_REQUEST_ID, param="request_id")
-        fut = self.in_flight(request_id)
-        if fut is None:  # the same id twice: both wait for the one run
-            fut = asyncio.get_running_loop().create_future()
-            if not self._pending:  # silence counts from here: an idle client hears nothing, and that is fine
-                self._last_heard = time.monotonic()
-            self._pending[request_id] = (params, time.monotonic(), fut)
-            self._timeouts[request_id] = timeout_s
+        """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too). The same id
+        twice, with the same parameters, waits for the one run."""
+        msg = self.book.submit(request_id, params, timeout_s, time.monotonic())
+        if isinstance(msg, Outcome):
+            return msg
+        if msg is not None:
+            self._futures[request_id] = asyncio.get_running_loop().create_future()
             try:
-                await self._send([encode(Submit(request_id=request_id, params=params, timeout_s=timeout_s))])
+                await self._send([encode(msg)])
             except Unreachable as exc:
-                self._settle(request_id, Outcome(request_id, params, False, str(exc), code=ErrorCode.UNREACHABLE))
-        return await asyncio.shield(fut)
+                self._settle([self.book.give_up(request_id, str(exc), ErrorCode.UNREACHABLE, time.monotonic())])
+        return await asyncio.shield(self._futures[request_id])
 
     async def cancel(self, request_id: str) -> bool:
         """Give a request up: the orchestrator drops it (its role stops at the next step); whoever
         awaits it gets a failed Outcome at once. False if it was not pending."""
-        entry = self._pending.get(request_id)
-        if entry is None:
+        if request_id not in self.book.pending:
             return False
         try:
             await self._send([encode(Cancel(request_id=request_id))])
         except Unreachable:
             pass  # nobody to tell: it ends here all the same
-        self._settle(request_id, Outcome(request_id, entry[0], False, "cancelled",
-                                         latency_s=time.monotonic() - entry[1], code=ErrorCode.CANCELLED))
+        self._settle([self.book.give_up(request_id, "cancelled", ErrorCode.CANCELLED, time.monotonic())])
         return True
 
-    def _settle(self, rid: str, outcome: Outcome) -> None:
-        self._timeouts.pop(rid, None)
-        entry = self._pending.pop(rid, None)
-        if entry is not None and not entry[2].done():
-            entry[2].set_result(outcome)
+    def _settle(self, ended: list[Outcome | None]) -> None:
+        for outcome in ended:
+            fut = self._futures.pop(outcome.request_id, None) if outcome is not None else None
+            if fut is not None and not fut.done():
+                fut.set_result(outcome)
 
     async def _read_forever(self) -> None:
-        last_probe = 0.0
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         await self._send_quietly([encode(StatusQuery())])  # learn the orchestrator's id (restarts change it)
         while True:
-            events = dict(await poller.poll(SUSPECT_PROBE_S * 1000 if self.suspect else 500))
+            events = dict(await poller.poll(SUSPECT_PROBE_S * 1000 if self.book.suspect else 500))
+            to_send = []
             if self.monitor in events:
                 while await self.monitor.poll(0):
                     await self.monitor.recv_multipart()
-                self.suspect = True
+                self.book.on_disconnect()
                 log.info("lost the connection to the orchestrator; asking who answers")
             if self.sock in events:
                 while await self.sock.poll(0):
                     frames = await self.sock.recv_multipart()
-                    self._last_heard = time.monotonic()
                     try:
                         replies = decode_frames(frames, ServerReply)
                     except MessageError as exc:
                         log.warning("bad reply from the orchestrator: %s", exc)
                         continue
                     for reply, rest in replies:
-                        self._handle(reply, rest)
-            now = time.monotonic()
-            if not self._pending:
-                continue
-            if now - self._last_heard > ORCHESTRATOR_SILENCE_S:
-                for rid, (params, t0, _) in list(self._pending.items()):
-                    self._settle(rid, Outcome(rid, params, False, f"the orchestrator at {self.endpoint} stopped "
-                                                                  "answering; request lost", latency_s=now - t0,
-                                              code=ErrorCode.UNREACHABLE))
-            elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S) and (
-                    self.suspect or now - self._last_heard > PROBE_INTERVAL_S):
-                last_probe = now  # quiet, or the connection dropped: who answers now?
-                await self._send_quietly([encode(StatusQuery())])
-            if self._resubmit:
-                todo, self._resubmit = self._resubmit, []
-                for rid in todo:
-                    if rid in self._pending:
-                        msg = Submit(request_id=rid, params=self._pending[rid][0], timeout_s=self._timeouts.get(rid),
-                                     resume=True)
-                        await self._send_quietly([encode(msg)])
+                        to_send += self._handle(reply, rest)
+            ended, probes = self.book.tick(time.monotonic())
+            self._settle(ended)
+            for msg in to_send + probes:
+                await self._send_quietly([encode(msg)])
 
-    def _handle(self, reply, frames: list[bytes]) -> None:
+    def _handle(self, reply, frames: list[bytes]) -> list:
+        """One reply: ends requests, answers waiters; what to send (resubmits to an orchestrator that restarted)."""
         if isinstance(reply, MessageError):
             log.warning("bad reply from the orchestrator: %s", reply)
-            return
+        before = self.book.orchestrator_id
+        ended, resend = self.book.on_reply(reply, frames, time.monotonic())
+        self._settle(ended)
         if isinstance(reply, StatusReport):
-            oid = str(reply.orchestrator.get("id", ""))
-            self.suspect = False
-            if self.orchestrator_id and oid != self.orchestrator_id:
-                # a successor: it knows our requests only from us (and what the roles still hold)
-                log.info("the orchestrator restarted (%s, was %s); sending its %d pending requests again", oid,
-                         self.orchestrator_id, len(self._pending))
-                self._resubmit.extend(self._pending)
-            self.orchestrator_id = oid
+            if resend:
+                log.info("the orchestrator restarted (%s, was %s); sending its %d pending requests again",
+                         self.book.orchestrator_id, before, len(resend))
             waiters, self._status_waiters = self._status_waiters, []
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(reply)
-            return
-        if isinstance(reply, RequestStates):  # answers come in order: the oldest query is answered
+        elif isinstance(reply, RequestStates):  # answers come in order: the oldest query is answered
             if self._query_waiters:
                 fut = self._query_waiters.pop(0)
                 if not fut.done():
                     fut.set_result(reply)
-            return
-        rid = getattr(reply, "request_id", None)
-        entry = self._pending.get(rid) if rid else None
-        if entry is None:
-            if isinstance(reply, Rejected) and rid is None:
-                log.warning("the orchestrator refused a message: %s", reply.reason)
-            return
-        params, t0, _ = entry
-        latency = time.monotonic() - t0
-        self._settle(rid, outcome_of(rid, params, reply, frames, latency))
+        elif isinstance(reply, Rejected) and reply.request_id is None:
+            log.warning("the orchestrator refused a message: %s", reply.reason)
+        return resend

@@ -7,11 +7,12 @@ import select
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import zmq
 
+from client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SUSPECT_PROBE_S  # noqa: F401
+from client.core import Outcome, RequestBook, outcome_of  # noqa: F401 - the clients' API
 from client.errors import error_for
 from transport.auth import apply_client_curve
 from transport.lane import LaneClosed, LaneError, LaneLink
@@ -23,7 +24,6 @@ from transport.messages import (
     GenerationParams,
     MessageError,
     Rejected,
-    Result,
     ServerReply,
     StatusQuery,
     StatusReport,
@@ -36,13 +36,6 @@ from transport.messages import (
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 CONNECT_TIMEOUT_S = 1.0
-#: while requests are pending and nothing arrives, ask for status this often...
-PROBE_INTERVAL_S = 2.0
-#: ...and this often once the connection to the orchestrator dropped, until one answers (it restarted:
-#: the pending requests then go to it again under the same ids, Submit.resume)
-SUSPECT_PROBE_S = 0.2
-#: ...and give the pending requests up when nothing at all arrived for this long
-ORCHESTRATOR_SILENCE_S = 15.0
 #: the longest a send may wait for a connection to take it: a DEALER whose only connection failed (a
 #: CurveZMQ handshake without the right keys) blocks a plain send forever
 SEND_TIMEOUT_S = 5.0
@@ -54,43 +47,6 @@ def default_endpoint() -> str:
 
 class Unreachable(ConnectionError):
     """No orchestrator answered at the endpoint."""
-
-
-@dataclass
-class Outcome:
-    """How one submitted request ended, with its images."""
-
-    request_id: str
-    params: GenerationParams
-    ok: bool
-    error: str | None = None
-    images: list[bytes] = field(default_factory=list)
-    image_format: str = "png"
-    seed: int | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    latency_s: float = 0.0
-    attempts: int = 1
-    #: the parameters the model ran with, its defaults filled in (Result.resolved)
-    resolved: dict = field(default_factory=dict)
-    #: why it did not succeed, for programs (transport/codes.py), and the request field at fault
-    code: ErrorCode | None = None
-    param: str | None = None
-
-    def raise_for_error(self) -> "Outcome":
-        """This outcome if it succeeded; else raise the exception of its code's family (client/errors.py)."""
-        if not self.ok:
-            raise error_for(self.error or "failed", self.code, self.param)
-        return self
-
-
-def outcome_of(rid: str, params: GenerationParams, reply, frames: list, latency_s: float) -> Outcome:
-    """The Outcome of a request from the orchestrator's answer to it: a Result, or a Rejected at Submit (both
-    clients build theirs here)."""
-    if isinstance(reply, Result):
-        return Outcome(rid, params, reply.ok, reply.error, list(frames), reply.image_format, reply.seed, reply.timings,
-                       latency_s, reply.attempts, dict(reply.resolved), reply.code, reply.param)
-    return Outcome(rid, params, False, f"refused: {reply.reason}", latency_s=latency_s, code=reply.code,
-                   param=reply.param)
 
 
 def new_request_id() -> str:
@@ -293,41 +249,38 @@ class Client:
         todo = list(params)
         id_list = list(ids) if ids is not None else [new_request_id() for _ in todo]
         report = self.status()  # also fails fast with Unreachable
-        orchestrator_id = report.orchestrator.get("id")
         self.open_lane(report)
-        pending: dict[str, tuple[GenerationParams, float]] = {}
+        book = RequestBook(self.endpoint)
+        book.on_reply(report, [], time.monotonic())  # the orchestrator that holds our requests
+        book.suspect = self.suspect
         outcomes: dict[str, Outcome] = {}
         nxt = 0
-        last_heard = last_probe = start = time.monotonic()
+        start = time.monotonic()
 
-        def settle(rid: str, outcome: Outcome) -> None:
-            outcomes[rid] = outcome
-            if on_outcome:
-                on_outcome(outcome)
-
-        def lose_pending(why: str, code: ErrorCode = ErrorCode.UNREACHABLE) -> None:
-            for rid, (p, t0) in list(pending.items()):
-                settle(rid, Outcome(rid, p, False, why, latency_s=time.monotonic() - t0, code=code))
-            pending.clear()
-
-        def stop_sending(why: str) -> None:
-            """The deployment is stopping: what was not sent yet never will be."""
-            nonlocal nxt
-            for rid, p in zip(id_list[nxt:], todo[nxt:]):
-                settle(rid, Outcome(rid, p, False, f"not sent: {why}", code=ErrorCode.UNAVAILABLE))
-            nxt = len(todo)
+        def settle(ended: list[Outcome]) -> None:
+            for outcome in ended:
+                outcomes[outcome.request_id] = outcome
+                if on_outcome:
+                    on_outcome(outcome)
 
         outbox = Outbox()
         try:
-            while nxt < len(todo) or pending:
+            while nxt < len(todo) or book.pending:
                 if cancelled is not None and cancelled():
                     raise KeyboardInterrupt
+                if book.stopping:  # the deployment is stopping: what was not sent yet never will be
+                    why = f"not sent: the deployment at {self.endpoint} is {book.stopping}"
+                    settle([Outcome(rid, p, False, why, code=ErrorCode.UNAVAILABLE)
+                            for rid, p in zip(id_list[nxt:], todo[nxt:])])
+                    nxt = len(todo)
                 while nxt < len(todo) and (
-                    time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(pending) < concurrency
+                    time.monotonic() - start >= arrivals[nxt] if arrivals is not None else len(book.pending) < concurrency
                 ):
-                    rid, p = id_list[nxt], todo[nxt]
-                    outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s))
-                    pending[rid] = (p, time.monotonic())
+                    msg = book.submit(id_list[nxt], todo[nxt], timeout_s, time.monotonic())
+                    if isinstance(msg, Submit):
+                        outbox.add(None, msg)
+                    elif msg is not None:
+                        settle([msg])
                     nxt += 1
                 # the submits of this turn leave as one message
                 outbox.flush(lambda _dest, frames: self._send(frames))
@@ -336,48 +289,23 @@ class Client:
                     wait_s = min(wait_s, max(0.0, start + arrivals[nxt] - time.monotonic()))
                 # everything that is already here, so the next submits go out together
                 got = self._recv(wait_s, most=256)
-                now = time.monotonic()
-                if not got:
-                    if not pending:
-                        continue
-                    # quiet: make sure the orchestrator that holds our requests is still there
-                    if now - last_heard > ORCHESTRATOR_SILENCE_S:
-                        lose_pending(f"the orchestrator at {self.endpoint} stopped answering; request lost")
-                    elif now - last_probe > (SUSPECT_PROBE_S if self.suspect else PROBE_INTERVAL_S):
-                        self._zsend([encode(StatusQuery())])
-                        last_probe = now
-                    continue
-                last_heard = now
-                if self.suspect and pending and now - last_probe > SUSPECT_PROBE_S:
-                    self._zsend([encode(StatusQuery())])  # who answers now? (it may have restarted)
-                    last_probe = now
+                book.suspect = book.suspect or self.suspect
                 for reply, frames in got:
+                    before = book.orchestrator_id
+                    ended, resend = book.on_reply(reply, frames, time.monotonic())
                     if isinstance(reply, StatusReport):
                         self.suspect = False
-                        if reply.orchestrator.get("id") != orchestrator_id:
-                            # a successor: it knows our requests only from us (and what the roles still hold)
-                            orchestrator_id = reply.orchestrator.get("id")
+                        if book.orchestrator_id != before:  # a successor: its own lane
                             self.open_lane(reply)
-                            for rid, (p, _) in pending.items():
-                                outbox.add(None, Submit(request_id=rid, params=p, timeout_s=timeout_s, resume=True))
-                        continue
-                    rid = getattr(reply, "request_id", None)
-                    if isinstance(reply, Rejected) and rid is None:
-                        # the orchestrator could not read our Submit at all (e.g. a version without a field we
-                        # sent): nothing we sent will be answered, so end every pending request with its reason
-                        lose_pending(f"refused by the orchestrator: {reply.reason}", reply.code)
-                        continue
-                    if rid not in pending:
-                        continue
-                    p, t0 = pending.pop(rid)
-                    settle(rid, outcome_of(rid, p, reply, frames, now - t0))
-                    if isinstance(reply, Result):
-                        if reply.stopping:
-                            stop_sending(f"the deployment at {self.endpoint} is stopping")
-                    elif reply.code == ErrorCode.UNAVAILABLE:
-                            stop_sending(f"the deployment at {self.endpoint} is {reply.reason.split(':')[0]}")
+                    settle(ended)
+                    for msg in resend:
+                        outbox.add(None, msg)
+                ended, to_send = book.tick(time.monotonic())
+                settle(ended)
+                for msg in to_send:
+                    self._zsend([encode(msg)])  # who answers now? (it may have restarted): never the lane
         except KeyboardInterrupt:  # Ctrl-C: what we had in flight is given up, not left computing
-            for rid in pending:
+            for rid in book.pending:
                 outbox.add(None, Cancel(request_id=rid))
             outbox.flush(lambda _dest, frames: self._send(frames))
             raise
