@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError
+from gateway.fields import extensions, field_error, parse_size, upload
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: our fields, accepted at the top level of the body or inside `extra_body`
@@ -56,28 +55,6 @@ MAX_EDIT_BODY_BYTES = 2 * MAX_INPUT_BYTES + 1024 * 1024
 EDIT_EXTENSIONS = EXTENSIONS + ("strength",)
 
 
-def input_error(exc: InputError, field: str) -> ApiError:
-    """An unreadable input image as HTTP: 413 over the size limit, else 400, naming the field."""
-    too_big = "limit" in str(exc)
-    return ApiError(413 if too_big else 400, str(exc), param=field, code="too_large" if too_big else "invalid_value")
-
-
-async def upload(form, names: tuple[str, ...], field: str) -> bytes | None:
-    """The bytes of the one file (or data: URL field) sent under any of `names` (None if none was)."""
-    files = [f for name in names for f in form.getlist(name)]
-    if not files:
-        return None
-    if len(files) > 1:
-        raise ApiError(400, f"{field}: one image is taken, {len(files)} were sent", param=field, code="invalid_value")
-    item = files[0]
-    try:
-        if isinstance(item, str):
-            return from_data_url(item, field) if item.startswith("data:") else check_size(item.encode(), field)
-        return check_size(await item.read(MAX_INPUT_BYTES + 1), field)
-    except InputError as exc:
-        raise input_error(exc, field) from None
-
-
 async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParams]:
     if not request.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise ApiError(400, "images/edits takes multipart/form-data (the image as a file)", code="invalid_request")
@@ -96,19 +73,6 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
     return req, to_params(req, EDIT_EXTENSIONS, image=image, mask=mask)
 
 
-SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
-_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
-
-
-def field_error(exc: Exception) -> ApiError:
-    message = str(exc)
-    m = _FIELD.search(message)
-    if "Object contains unknown field" in message:
-        field = message.split("`")[1] if "`" in message else None
-        return ApiError(400, f"unknown field {field!r}: {message}", param=field, code="unknown_parameter")
-    return ApiError(400, message, param=m.group(1) if m else None, code="invalid_value")
-
-
 def parse_image_request(body: bytes) -> ImageRequest:
     try:
         req = msgspec.json.decode(body, type=ImageRequest)
@@ -117,26 +81,6 @@ def parse_image_request(body: bytes) -> ImageRequest:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     return req
-
-
-def parse_size(size: str | None, example: str) -> dict[str, int]:
-    """{width, height} from "WxH" ({} for None or "auto"); a 400 naming `size` otherwise."""
-    if size in (None, "auto"):
-        return {}
-    m = SIZE.match(size)
-    if not m:
-        raise ApiError(400, f"size {size!r}: expected WIDTHxHEIGHT, e.g. {example}", param="size", code="invalid_value")
-    return {"width": int(m.group(1)), "height": int(m.group(2))}
-
-
-def extensions(req, names: tuple[str, ...]) -> dict:
-    """Our fields of `req`, top level or inside its `extra_body` (which wins); unknown ones are a 400."""
-    extra = req.extra_body or {}
-    unknown = sorted(set(extra) - set(names))
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body (known: {', '.join(names)})",
-                       param=f"extra_body.{unknown[0]}", code="unknown_parameter")
-    return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}
 
 
 def to_params(req: ImageRequest, names: tuple[str, ...] = EXTENSIONS, **inputs) -> GenerationParams:

@@ -1,5 +1,5 @@
-"""OpenAI's Videos API: POST /v1/videos makes a job, GET polls it (progress from the denoising steps
-its role reports), GET .../content downloads the MP4, DELETE cancels it for real."""
+"""OpenAI's Videos API requests: VideoRequest and its fields to GenerationParams, jobs, progress (the routes are
+gateway/routes/videos.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from msgspec import Meta
 from client import Unreachable
 from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError, from_outcome
-from gateway.images import extensions, field_error, input_error, parse_size
+from gateway.fields import extensions, field_error, input_error, parse_size
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
@@ -166,108 +166,3 @@ def refuse_what_cannot_be_made(req: VideoRequest, params: GenerationParams, mode
         if value and limit and value > limit:
             raise ApiError(400, f"size {req.size}: {name} {value} is over this deployment's maximum of {limit}",
                            param="size", code="invalid_value")
-
-
-def add_video_routes(app: FastAPI, client, served_model) -> None:
-    jobs: collections.OrderedDict[str, VideoJob] = collections.OrderedDict()
-
-    async def run(job: VideoJob, params: GenerationParams) -> None:
-        outcome = await client().submit(job.id, params)
-        if outcome.ok and outcome.images:
-            job.status, job.progress, job.data = "completed", 100, outcome.images[0]
-            keep_bytes_bounded(job)
-            w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
-            if w and h:
-                job.size = f"{w}x{h}"
-        elif job.status != "deleted":
-            err = from_outcome(outcome)
-            job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
-        job.completed_at = int(time.time())
-
-    def keep_bytes_bounded(newest: VideoJob) -> None:
-        held = sum(len(j.data) for j in jobs.values() if j.data)
-        for old in [j for j in jobs.values() if j.data and j is not newest]:
-            if held <= MAX_VIDEO_BYTES:
-                break
-            held -= len(old.data)
-            jobs.pop(old.id, None)
-
-    def get(video_id: str) -> VideoJob:
-        job = jobs.get(video_id)
-        if job is None:
-            raise ApiError(404, f"no video job {video_id!r}", param="video_id", code="not_found")
-        return job
-
-    def answer(job: VideoJob) -> JSONResponse:
-        return JSONResponse(job.doc(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
-
-    @app.post("/v1/videos")
-    async def create(request: Request):
-        req = await parse_video_request(request)
-        params = to_params(req)
-        model = await served_model()
-        try:
-            refuse_what_cannot_be_made(req, params, model, (await client().status()).orchestrator)
-        except Unreachable:
-            pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
-        if req.model and req.model not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
-            raise ApiError(404, f"model {req.model!r} is not served here (this deployment serves {model!r})",
-                           param="model", code="model_not_found")
-        seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
-        job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
-                       size=req.size or "auto", seconds=f"{seconds:g}")
-        while len(jobs) >= MAX_JOBS:  # the oldest job goes; one still running is cancelled
-            _, old = jobs.popitem(last=False)
-            if old.task is not None and not old.task.done():
-                await client().cancel(old.id)
-        jobs[job.id] = job
-        job.task = asyncio.create_task(run(job, params))
-        return answer(job)
-
-    @app.get("/v1/videos")
-    async def list_jobs(limit: int = 20, after: str | None = None, order: str = "desc"):
-        if not 1 <= limit <= 100:
-            raise ApiError(400, "limit must be 1 ... 100", param="limit", code="invalid_value")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, "order must be asc or desc", param="order", code="invalid_value")
-        items = list(jobs.values()) if order == "asc" else list(reversed(jobs.values()))
-        if after is not None:
-            ids = [j.id for j in items]
-            if after not in ids:
-                raise ApiError(404, f"no video job {after!r}", param="after", code="not_found")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": [j.doc() for j in page], "first_id": page[0].id if page else None,
-                "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
-
-    @app.get("/v1/videos/{video_id}")
-    async def retrieve(video_id: str):
-        job = get(video_id)
-        if job.status in ("queued", "in_progress"):
-            try:
-                states = await client().query([job.id])
-            except Unreachable:
-                return answer(job)
-            state = states.states.get(job.id)
-            if state is not None and state.state != "unknown" and job.status in ("queued", "in_progress"):
-                status, progress = progress_of(state)
-                job.status, job.progress = status, max(job.progress, progress)
-        return answer(job)
-
-    @app.get("/v1/videos/{video_id}/content")
-    async def content(video_id: str, variant: str = "video"):
-        job = get(video_id)
-        if variant != "video":
-            raise ApiError(400, f"variant {variant!r}: only 'video' is served", param="variant", code="invalid_value")
-        if job.status != "completed" or job.data is None:
-            raise ApiError(404, f"video {video_id} is {job.status}, not ready", param="video_id", code="not_ready")
-        return Response(job.data, media_type="video/mp4")
-
-    @app.delete("/v1/videos/{video_id}")
-    async def delete(video_id: str):
-        job = get(video_id)
-        if job.task is not None and not job.task.done():
-            job.status = "deleted"
-            await client().cancel(job.id)
-        jobs.pop(video_id, None)
-        return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -19,7 +19,8 @@ import pytest
 from PIL import Image
 
 from gateway.errors import from_outcome
-from tests.conftest import wait_http, ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, serve_tiny_with_http
+from tests.conftest import (ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, serve_tiny_with_http,
+                            wait_http, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +185,7 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_metrics_exposes(tin
 def test_error_statuses_come_from_the_codes_not_the_text():
     from client import Outcome
     from transport.codes import ErrorCode as C
+    from transport.messages import GenerationParams
 
     def status(code, param=None, text="same words for all"):
         return from_outcome(Outcome("r", GenerationParams(prompt="p"), False, text, code=code, param=param))
@@ -205,8 +207,7 @@ def test_five_thousand_malformed_requests_get_4xx_and_the_gateway_keeps_serving(
     import psutil
 
     rng = random.Random(11)
-    pid = int(subprocess.run(["pgrep", "-f", f"gateway --endpoint {tiny.endpoint}"], capture_output=True,
-                             text=True).stdout.split()[0])
+    pid = gateway_pid(tiny)
     gw = psutil.Process(pid)
     rss0 = gw.memory_info().rss
     bodies = [b"", b"{", b"[]", b"null", b'{"prompt": 5}', b'{"prompt": "x", "n": "many"}', b'{"prompt": "x", "n": 0}',
@@ -240,9 +241,14 @@ def test_five_thousand_malformed_requests_get_4xx_and_the_gateway_keeps_serving(
     assert httpx.get(tiny.http + "/health", timeout=10).status_code == 200
 
 
-def test_zz_a_killed_gateway_is_restarted(tiny):
-    pid = int(subprocess.run(["pgrep", "-f", f"gateway --endpoint {tiny.endpoint}"], capture_output=True,
-                             text=True).stdout.split()[0])
+def gateway_pid(dep) -> int:
+    """The deployment's gateway process, as the orchestrator lists it (it beats every second)."""
+    return wait_until(lambda: dep.status().gateways, timeout=30)[0].pid
+
+
+@pytest.mark.ends_deployment
+def test_a_killed_gateway_is_restarted(tiny):
+    pid = gateway_pid(tiny)
     os.kill(pid, signal.SIGKILL)
     wait_http(tiny.http + "/liveness", timeout=30)
     assert not pid_alive(pid)

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from PIL import Image
 
-from gateway.app import PAGE
+from gateway.routes.operations import PAGE
 from tests.conftest import ROOT, launch_with_http
 from tools.check_demo import verdict
 from tests.test_gateway import wait_http

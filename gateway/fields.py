@@ -1,0 +1,63 @@
+"""Field helpers every route shares: request validation errors, sizes, our extension fields, uploads."""
+
+from __future__ import annotations
+
+import re
+
+from client.inputs import InputError, check_size, from_data_url
+from gateway.errors import ApiError
+from transport.messages import MAX_INPUT_BYTES
+
+def input_error(exc: InputError, field: str) -> ApiError:
+    """An unreadable input image as HTTP: 413 over the size limit, else 400, naming the field."""
+    too_big = "limit" in str(exc)
+    return ApiError(413 if too_big else 400, str(exc), param=field, code="too_large" if too_big else "invalid_value")
+
+
+async def upload(form, names: tuple[str, ...], field: str) -> bytes | None:
+    """The bytes of the one file (or data: URL field) sent under any of `names` (None if none was)."""
+    files = [f for name in names for f in form.getlist(name)]
+    if not files:
+        return None
+    if len(files) > 1:
+        raise ApiError(400, f"{field}: one image is taken, {len(files)} were sent", param=field, code="invalid_value")
+    item = files[0]
+    try:
+        if isinstance(item, str):
+            return from_data_url(item, field) if item.startswith("data:") else check_size(item.encode(), field)
+        return check_size(await item.read(MAX_INPUT_BYTES + 1), field)
+    except InputError as exc:
+        raise input_error(exc, field) from None
+
+
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def field_error(exc: Exception) -> ApiError:
+    message = str(exc)
+    m = _FIELD.search(message)
+    if "Object contains unknown field" in message:
+        field = message.split("`")[1] if "`" in message else None
+        return ApiError(400, f"unknown field {field!r}: {message}", param=field, code="unknown_parameter")
+    return ApiError(400, message, param=m.group(1) if m else None, code="invalid_value")
+
+
+def parse_size(size: str | None, example: str) -> dict[str, int]:
+    """{width, height} from "WxH" ({} for None or "auto"); a 400 naming `size` otherwise."""
+    if size in (None, "auto"):
+        return {}
+    m = SIZE.match(size)
+    if not m:
+        raise ApiError(400, f"size {size!r}: expected WIDTHxHEIGHT, e.g. {example}", param="size", code="invalid_value")
+    return {"width": int(m.group(1)), "height": int(m.group(2))}
+
+
+def extensions(req, names: tuple[str, ...]) -> dict:
+    """Our fields of `req`, top level or inside its `extra_body` (which wins); unknown ones are a 400."""
+    extra = req.extra_body or {}
+    unknown = sorted(set(extra) - set(names))
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body (known: {', '.join(names)})",
+                       param=f"extra_body.{unknown[0]}", code="unknown_parameter")
+    return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}

@@ -1,0 +1,101 @@
+"""OpenAI's images API: POST /v1/images/generations and /v1/images/edits, GET /v1/images/{id}/content."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import time
+import uuid
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.errors import ApiError, from_outcome
+from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_request, to_params
+from gateway.state import gateway_of
+
+router = APIRouter()
+
+#: the largest request body read (a prompt is at most 20,000 characters)
+MAX_BODY_BYTES = 1024 * 1024
+CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "mp4": "video/mp4"}
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+
+
+@router.post("/v1/images/generations")
+async def images_generations(request: Request):
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"a body of {len(body)} bytes is over the {MAX_BODY_BYTES}-byte limit", code="too_large")
+    req = parse_image_request(body)
+    return await answer_images(request, req, to_params(req))
+
+
+@router.post("/v1/images/edits")
+async def images_edits(request: Request):
+    """OpenAI's images.edit: multipart with `image` (or `image[]`), an optional `mask`, the fields of
+    generations and `strength`; the model's task follows from the inputs (edit, img2img, inpaint)."""
+    size = int(request.headers.get("content-length") or 0)
+    if size > MAX_EDIT_BODY_BYTES:
+        raise ApiError(413, f"a body of {size} bytes is over the {MAX_EDIT_BODY_BYTES}-byte limit", code="too_large")
+    req, params = await parse_edit_request(request)
+    return await answer_images(request, req, params)
+
+
+async def answer_images(request: Request, req, params):
+    """Run one image request (generations or edits) and answer as OpenAI's images API does."""
+    gw = gateway_of(request)
+    if req.model:
+        await gw.check_model(req.model)
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
+    if not REQUEST_ID.match(rid):
+        raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
+    headers = {"X-Request-Id": rid}
+    asked = hashlib.sha1(msgspec.msgpack.encode(params)).hexdigest()
+    answered = gw.recent.get(rid)
+    if answered is not None:  # a resubmission of a finished request: the same answer, not a second run
+        if answered[0] != asked:
+            raise ApiError(409, f"X-Request-Id {rid!r} was used for a request with other parameters; send new "
+                                "requests under new ids", param="X-Request-Id", code="duplicate_request_id",
+                           headers=headers)
+        return JSONResponse(answered[1], headers=headers)
+    outcome = await gw.submit_unless_gone(request, rid, params)
+    if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
+        return Response(status_code=499, headers=headers)
+    gw.metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
+    gw.activity.record(outcome.ok, outcome.latency_s)
+    if not outcome.ok:
+        err = from_outcome(outcome)
+        err.headers.update(headers)
+        raise err
+    fmt = outcome.image_format
+    data = []
+    for image in outcome.images:
+        if req.response_format == "url":
+            key = uuid.uuid4().hex
+            gw.store.put(key, (image, CONTENT_TYPES.get(fmt, "application/octet-stream")), len(image))
+            data.append({"url": f"{str(request.base_url).rstrip('/')}/v1/images/{key}/content",
+                         "revised_prompt": req.prompt})
+        else:
+            data.append({"b64_json": base64.b64encode(image).decode(), "revised_prompt": req.prompt})
+    width, height = outcome.resolved.get("width"), outcome.resolved.get("height")
+    doc = {"id": rid, "created": int(time.time()), "data": data, "output_format": fmt,
+           "size": f"{width}x{height}" if width and height else req.size,
+           "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
+                      "timings": outcome.timings, "model": outcome.resolved.get("model")}}
+    gw.recent.put(rid, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
+    if outcome.images:
+        gw.activity.show(rid, req.prompt, doc["size"], outcome.latency_s, outcome.images[0])
+    return JSONResponse(doc, headers=headers)
+
+
+@router.get("/v1/images/{image_id}/content")
+async def image_content(image_id: str, request: Request):
+    gw = gateway_of(request)
+    item = gw.store.get(image_id)
+    if item is None:
+        raise ApiError(404, f"no image {image_id!r} (unknown, or older than {gw.settings.image_ttl:g} s)",
+                       param="image_id", code="not_found")
+    return Response(item[0], media_type=item[1])

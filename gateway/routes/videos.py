@@ -1,0 +1,146 @@
+"""OpenAI's Videos API: POST /v1/videos makes a job, GET polls it (progress from the denoising steps its role
+reports), GET .../content downloads the MP4, DELETE cancels it for real. The jobs live in the gateway's state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from client import Unreachable
+from gateway.errors import ApiError, from_outcome
+from gateway.state import gateway_of
+from gateway.videos import (
+    DEFAULT_FPS,
+    MAX_JOBS,
+    MAX_VIDEO_BYTES,
+    POLL_AFTER_MS,
+    VideoJob,
+    parse_video_request,
+    progress_of,
+    refuse_what_cannot_be_made,
+    to_params,
+)
+from transport.messages import GenerationParams
+
+router = APIRouter()
+
+
+async def run(gw, job: VideoJob, params: GenerationParams) -> None:
+    outcome = await gw.client.submit(job.id, params)
+    if outcome.ok and outcome.images:
+        job.status, job.progress, job.data = "completed", 100, outcome.images[0]
+        keep_bytes_bounded(gw.video_jobs, job)
+        w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
+        if w and h:
+            job.size = f"{w}x{h}"
+    elif job.status != "deleted":
+        err = from_outcome(outcome)
+        job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
+    job.completed_at = int(time.time())
+
+
+def keep_bytes_bounded(jobs: dict, newest: VideoJob) -> None:
+    held = sum(len(j.data) for j in jobs.values() if j.data)
+    for old in [j for j in jobs.values() if j.data and j is not newest]:
+        if held <= MAX_VIDEO_BYTES:
+            break
+        held -= len(old.data)
+        jobs.pop(old.id, None)
+
+
+def get(request: Request, video_id: str) -> VideoJob:
+    job = gateway_of(request).video_jobs.get(video_id)
+    if job is None:
+        raise ApiError(404, f"no video job {video_id!r}", param="video_id", code="not_found")
+    return job
+
+
+def answer(job: VideoJob) -> JSONResponse:
+    return JSONResponse(job.doc(), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+
+@router.post("/v1/videos")
+
+async def create(request: Request):
+    gw = gateway_of(request)
+    jobs = gw.video_jobs
+    req = await parse_video_request(request)
+    params = to_params(req)
+    model = await gw.served_model()
+    try:
+        refuse_what_cannot_be_made(req, params, model, (await gw.client.status()).orchestrator)
+    except Unreachable:
+        pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
+    await gw.check_model(req.model)
+    seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
+    job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
+                   size=req.size or "auto", seconds=f"{seconds:g}")
+    while len(jobs) >= MAX_JOBS:  # the oldest job goes; one still running is cancelled
+        _, old = jobs.popitem(last=False)
+        if old.task is not None and not old.task.done():
+            await gw.client.cancel(old.id)
+    jobs[job.id] = job
+    job.task = asyncio.create_task(run(gw, job, params))
+    return answer(job)
+
+
+@router.get("/v1/videos")
+
+async def list_jobs(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
+    jobs = gateway_of(request).video_jobs
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit must be 1 ... 100", param="limit", code="invalid_value")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be asc or desc", param="order", code="invalid_value")
+    items = list(jobs.values()) if order == "asc" else list(reversed(jobs.values()))
+    if after is not None:
+        ids = [j.id for j in items]
+        if after not in ids:
+            raise ApiError(404, f"no video job {after!r}", param="after", code="not_found")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": [j.doc() for j in page], "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
+
+
+@router.get("/v1/videos/{video_id}")
+
+async def retrieve(video_id: str, request: Request):
+    job = get(request, video_id)
+    if job.status in ("queued", "in_progress"):
+        try:
+            states = await gateway_of(request).client.query([job.id])
+        except Unreachable:
+            return answer(job)
+        state = states.states.get(job.id)
+        if state is not None and state.state != "unknown" and job.status in ("queued", "in_progress"):
+            status, progress = progress_of(state)
+            job.status, job.progress = status, max(job.progress, progress)
+    return answer(job)
+
+
+@router.get("/v1/videos/{video_id}/content")
+
+async def content(video_id: str, request: Request, variant: str = "video"):
+    job = get(request, video_id)
+    if variant != "video":
+        raise ApiError(400, f"variant {variant!r}: only 'video' is served", param="variant", code="invalid_value")
+    if job.status != "completed" or job.data is None:
+        raise ApiError(404, f"video {video_id} is {job.status}, not ready", param="video_id", code="not_ready")
+    return Response(job.data, media_type="video/mp4")
+
+
+@router.delete("/v1/videos/{video_id}")
+
+async def delete(video_id: str, request: Request):
+    gw = gateway_of(request)
+    job = get(request, video_id)
+    if job.task is not None and not job.task.done():
+        job.status = "deleted"
+        await gw.client.cancel(job.id)
+    gw.video_jobs.pop(video_id, None)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
