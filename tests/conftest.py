@@ -18,6 +18,22 @@ from transport.shm import pid_alive  # noqa: F401 - likewise
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `ends_deployment` stop or kill the deployment their module shares: each runs after the
+    module's other tests (in their own order), wherever it is written."""
+    last = [item for item in items if item.get_closest_marker("ends_deployment")]
+    rest = [item for item in items if not item.get_closest_marker("ends_deployment")]
+    order = []
+    for item in rest:
+        order.append(item)
+        module = item.module
+        later = [x for x in last if x.module is module]
+        if later and item is [x for x in rest if x.module is module][-1]:
+            order += later
+    order += [x for x in last if x not in order]
+    items[:] = order
+
+
 def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run the disagg CLI as a user would."""
     return subprocess.run(

@@ -107,7 +107,8 @@ def test_role_without_the_key_cannot_register(deployment, tmp_path):
     assert other_keys
 
 
-def test_zz_drain_finishes_in_flight_work_then_exits(deployment, keys):
+@pytest.mark.ends_deployment
+def test_drain_finishes_in_flight_work_then_exits(deployment, keys):
     params = [GenerationParams(prompt=f"d{i}", width=2048, height=1024, seed=i) for i in range(300)]
     load = Load(deployment.endpoint, params, concurrency=20, curve=deployment.curve)
     with Client(deployment.endpoint, curve=deployment.curve) as c:

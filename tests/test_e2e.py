@@ -238,7 +238,8 @@ def test_all_slots_and_pools_free_after_the_runs(deployment):
         assert inst.free_slots == inst.capacity and inst.pool_used_bytes == 0, inst
 
 
-def test_zz_sigterm_stops_every_process_and_segment(deployment):
+@pytest.mark.ends_deployment
+def test_sigterm_stops_every_process_and_segment(deployment):
     """Last in the module: SIGTERM to `disagg launch` leaves no process and no shared memory."""
     with Client(deployment.endpoint) as client:
         report = client.status()

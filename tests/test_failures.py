@@ -170,7 +170,8 @@ def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment
     assert growth < 64 * 2**20, f"orchestrator grew by {growth / 2**20:.1f} MiB"
 
 
-def test_zz_kill_9_orchestrator(deployment):
+@pytest.mark.ends_deployment
+def test_kill_9_orchestrator(deployment):
     """Last: the orchestrator restarts, roles re-register without restarting, and every request in flight
     still finishes (tests/test_orchestrator_restart.py checks that no stage ran twice)."""
     report = status(deployment)

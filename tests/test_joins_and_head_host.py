@@ -117,7 +117,8 @@ def test_a_join_launcher_on_the_heads_machine_stops_only_what_it_started(head, m
     assert all(i.state == "dead" for i in report.instances if i.role == "denoiser")
 
 
-def test_zz_stop_host_of_the_heads_own_host_asks_for_yes_then_the_head_ends(head):
+@pytest.mark.ends_deployment
+def test_stop_host_of_the_heads_own_host_asks_for_yes_then_the_head_ends(head):
     """M7: `stop --host` of a single-host deployment stopped every role without a word, and the head's launcher
     then served nothing forever."""
     host = head.status().orchestrator["host_id"]

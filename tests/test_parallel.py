@@ -158,7 +158,8 @@ def rank_pids(dep) -> dict[str, int]:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_zz_killing_rank_1_under_load_loses_nothing_and_the_group_restarts(ulysses):
+@pytest.mark.ends_deployment
+def test_killing_rank_1_under_load_loses_nothing_and_the_group_restarts(ulysses):
     before = rank_pids(ulysses)
     assert set(before) == {"r0", "r1"}, before
     params = [GenerationParams(prompt=f"a cat {i}", seed=i, width=64, height=64, num_inference_steps=3) for i in range(24)]

@@ -195,7 +195,8 @@ def test_ctrl_c_on_submit_exits_130_with_a_summary(sim, tmp_path):
     assert "/8 requests succeeded" in out and "not run: interrupted" in out, out
 
 
-def test_zz_a_plain_stop_ends_every_pending_request_at_once(sim):
+@pytest.mark.ends_deployment
+def test_a_plain_stop_ends_every_pending_request_at_once(sim):
     """Before: clients waited ~15 s for "stopped answering; request lost", even for unsent requests."""
     params = [GenerationParams(prompt=f"long {k}", width=1024, height=1024, num_inference_steps=20) for k in range(8)]
     load = Load(sim.endpoint, params, concurrency=4, timeout_s=120)
