@@ -38,10 +38,11 @@ VARIANTS = {
     "zero cap 4,2,4": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4"], BENCHES),
     "zero cap 4,2,4 no busy-poll": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4", "--busy-poll", "0"],
                                     BENCHES),
-    "flux cap 1,1,1": (["--model", "sim:flux-h200", "-e", "1", "-d", "2", "-k", "1", "--capacity", "1,1,1"],
-                       FLUX_BENCHES),
-    "flux cap 4,2,4": (["--model", "sim:flux-h200", "-e", "1", "-d", "2", "-k", "1", "--capacity", "4,2,4"],
-                       FLUX_BENCHES),
+    # on simulated devices, one per instance: one instance's computes take turns on its device, as on a GPU
+    "flux cap 1,1,1": (["--model", "sim:flux-h200", "-e", "1", "-d", "2", "-k", "1", "--gpus", "0,1,2,3",
+                        "--capacity", "1,1,1"], FLUX_BENCHES),
+    "flux cap 4,2,4": (["--model", "sim:flux-h200", "-e", "1", "-d", "2", "-k", "1", "--gpus", "0,1,2,3",
+                        "--capacity", "4,2,4"], FLUX_BENCHES),
 }
 
 
@@ -55,11 +56,11 @@ def orchestrator_cpu_s(endpoint: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--only", default="", help="variants whose name contains this text (default: all), e.g. flux")
     ap.add_argument("--port", type=int, default=24600)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    names = [n for n in VARIANTS if args.only in n]
     procs, endpoints = {}, {}
     results: dict = {n: {b: [] for b in VARIANTS[n][1]} for n in names}
     try:

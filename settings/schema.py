@@ -75,7 +75,8 @@ class RolePool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("launcher", flag=None))] = 1
     capacity: Annotated[int, Meta(ge=1, le=1024, description=(
         "Requests each instance holds at once (their transfers overlap; a diffusers pipeline's computes take "
-        "turns, so a denoiser that should compute several at once batches them: max_batch)."),
+        "turns, so a denoiser that should compute several at once batches them: max_batch). Defaults: encoders "
+        "4, denoisers 2, decoders 4 (measured: BENCHMARKS.md, defaults)."),
         extra=use("launcher", flag=None))] = 1
     pool_mib: Annotated[Annotated[int, Meta(ge=1, le=1 << 20)] | None, Meta(description=(
         "MiB of each instance's buffer pool: staged outputs waiting for the next stage plus the inputs it pulled "
@@ -224,9 +225,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "here): a role process that dies is replaced by one, which loads only the model (well under a second "
         "for the tiny model). Each costs the memory of those imports (~400 MB), no GPU. 0 = none."),
         extra=use("launcher"))] = 1
-    encoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1))
-    denoisers: RolePool = msgspec.field(default_factory=lambda: RolePool(count=2))
-    decoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1))
+    # capacities 4, 2, 4: at concurrency 64 on sim:zero, 1.65x the throughput of 1, 1, 1 at 0.6x the p50, and the
+    # same at concurrency 1 (benchmarks/defaults_ab.py, BENCHMARKS.md); a denoiser holds the next request's
+    # inputs while it computes one
+    encoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1, capacity=4))
+    denoisers: RolePool = msgspec.field(default_factory=lambda: RolePool(count=2, capacity=2))
+    decoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1, capacity=4))
     colocated: Annotated[int, Meta(ge=0, le=256, description=(
         "> 0: the colocated baseline instead of the pools: this many monolithic instances, each running all "
         "three stages in one process (capacity from denoisers, devices from gpus)."),
