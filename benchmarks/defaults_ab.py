@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.sim_suite import disagg, summary, wait_ready  # noqa: E402
+from benchmarks.sim_suite import disagg, stop_all, summary, wait_ready  # noqa: E402
 
 SMALL = ["--width", "256", "--height", "256", "--steps", "4"]
 BENCHES = {
@@ -89,13 +88,7 @@ def main() -> None:
                     print(f"round {r + 1} {name:28s} {bench:4s} {s['throughput_rps']:9.1f} req/s  p50 "
                           f"{s['p50_ms']:9.2f} ms  orch CPU {s['orchestrator_cpu_ms_per_request']:.3f} ms/req", flush=True)
     finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs.values())
     print(f"\nmedians of {args.rounds} alternating rounds:")
     print(f"| variant | bench | req/s | p50 ms | orchestrator CPU ms/request |\n|---|---|---|---|---|")
     table = {}

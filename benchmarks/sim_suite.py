@@ -86,6 +86,17 @@ def wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 300) ->
     raise SystemExit(f"deployment at {endpoint} not ready in {timeout_s} s")
 
 
+def stop_all(procs) -> None:
+    """SIGTERM every launch, then wait for each (SIGKILL after 30 s)."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def summary(report: dict) -> dict:
     utils = [i["utilization"] for i in report["instances"] if i["role"] == "denoiser"]
     return {

@@ -1,0 +1,91 @@
+"""A same-run A/B of two checkouts on `sim:zero` 1:1:1: each launches its own deployment with its own defaults,
+and the rounds alternate between them (concurrency 1, then 64, per round).
+
+    git worktree add /tmp/before BASE_COMMIT
+    python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--out FILE]
+
+Each side runs its own `python -m launcher launch` and `python -m launcher bench` from its folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.sim_suite import stop_all  # noqa: E402
+
+BENCHES = {"c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20"],
+           "c64": ["--concurrency", "64", "--num-requests", "3000", "--warmup", "20"]}
+
+
+def cli(tree: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", *args]
+
+
+def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{tree}: launch exited {proc.returncode}")
+        res = subprocess.run(cli(tree, "status", "--endpoint", endpoint, "--json"), cwd=tree, capture_output=True,
+                             text=True)
+        if res.returncode == 0:
+            doc = json.loads(res.stdout)
+            if doc["instances"] and all(i["state"] == "ready" for i in doc["instances"]):
+                return
+        time.sleep(1)
+    raise SystemExit(f"{tree}: not ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--port", type=int, default=24800)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    sides = {"before": args.before.resolve(), "after": ROOT}
+    procs, endpoints, runs = {}, {}, {s: {b: [] for b in BENCHES} for s in sides}
+    try:
+        for i, (side, tree) in enumerate(sides.items()):
+            port = args.port + 2 * i
+            endpoints[side] = f"tcp://127.0.0.1:{port}"
+            procs[side] = subprocess.Popen(cli(tree, "launch", "--model", "sim:zero", "-d", "1", "--spares", "0",
+                                               "--no-dashboard", "--port", str(port)), cwd=tree,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        for side, tree in sides.items():
+            ready(tree, endpoints[side], procs[side])
+        for r in range(args.rounds):
+            for side, tree in sides.items():
+                for bench, bargs in BENCHES.items():
+                    res = subprocess.run(cli(tree, "bench", "--endpoint", endpoints[side], *bargs, "--json"), cwd=tree,
+                                         capture_output=True, text=True)
+                    if res.returncode != 0:
+                        raise SystemExit(f"{side}/{bench}: {res.stderr[-1500:]}")
+                    rep = json.loads(res.stdout)
+                    row = {"rps": rep["throughput_rps"], "p50_ms": round(rep["latency_s"]["p50"] * 1000, 3)}
+                    runs[side][bench].append(row)
+                    print(f"round {r + 1} {side:6s} {bench:3s} {row['rps']:9.1f} req/s  p50 {row['p50_ms']:7.3f} ms",
+                          flush=True)
+    finally:
+        stop_all(procs.values())
+    print(f"\n| side | bench | req/s (median of {args.rounds}) | p50 ms |\n|---|---|---|---|")
+    medians = {}
+    for side, benches in runs.items():
+        for bench, rows in benches.items():
+            m = {k: statistics.median(x[k] for x in rows) for k in ("rps", "p50_ms")}
+            medians[f"{side}/{bench}"] = m
+            print(f"| {side} | {bench} | {m['rps']:.1f} | {m['p50_ms']:.3f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"medians": medians, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
