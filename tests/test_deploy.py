@@ -247,7 +247,9 @@ def test_the_kubernetes_pods_become_ready_in_order_and_serve(tmp_path):
     try:
         cluster.start()
         head = next(p for p in cluster.pods if p.name.startswith("disagg-head"))
-        wait_until(lambda: cluster.endpoints("disagg-head"), timeout=240, step=1,
+        denoisers = [p for p in cluster.pods if p.name.startswith("disagg-denoiser")]
+        wait_until(lambda: cluster.endpoints("disagg-head") and all(p.ready_at is not None for p in denoisers),
+                   timeout=240, step=1,
                    why=lambda: "\n".join(f"{p.name} ready={p.ready} restarts={p.restarts}\n{cluster.log(p)[-800:]}"
                                          for p in cluster.pods))
         denoisers = [p for p in cluster.pods if p.name.startswith("disagg-denoiser")]

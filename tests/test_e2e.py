@@ -12,6 +12,9 @@ import time
 
 import numpy as np
 import pytest
+
+from settings import Settings
+
 import zmq
 from PIL import Image
 
@@ -47,7 +50,7 @@ def test_status_json_lists_every_instance_ready(deployment):
     for inst in insts:
         assert fields <= set(inst), inst
         assert inst["state"] == "ready" and inst["device"] == "cpu" and pid_alive(inst["pid"])
-        assert inst["free_slots"] == inst["capacity"] == 1
+        assert inst["free_slots"] == inst["capacity"] == Settings().role(inst["role"]).capacity  # the defaults
     assert set(doc["queues"]) == {"encoder", "denoiser", "decoder"}
     assert {"in_flight", "completed", "failed"} <= set(doc["requests"])
     assert pid_alive(doc["orchestrator"]["pid"])
