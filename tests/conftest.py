@@ -78,7 +78,9 @@ class Launched:
                     raise AssertionError(f"launch exited {self.proc.returncode}:\n{self.output()}")
                 try:
                     report = client.status(timeout_s=2)
-                    if sum(i.state == "ready" for i in report.instances) >= n_instances:
+                    # and the launcher says so: until then a child that dies stops the launch (boot error)
+                    # instead of being restarted
+                    if sum(i.state == "ready" for i in report.instances) >= n_instances and " ready: " in self.output():
                         return report
                 except Unreachable:
                     pass
