@@ -20,8 +20,7 @@ from launcher.supervisor import Child, Supervisor
 from launcher.topology import Placement, cuda_env, place
 from settings import Settings
 from roles.pipelines import model_identity
-from settings.fields import for_process
-from settings.process import GatewaySettings, OrchestratorSettings, encode
+from settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from settings.process import RoleSettings as WorkerSpec
 from transport.messages import ModelIdentity, StatusReport
 from transport.lane import lane_in_use, lane_path
@@ -105,7 +104,7 @@ class Deployment:
 
     def orchestrator_settings(self) -> OrchestratorSettings:
         c = self.config
-        fields = {leaf.path: getattr(c, leaf.path) for leaf in for_process("orchestrator") if "." not in leaf.path}
+        fields = schema_part(c, "orchestrator")
         fields["keys"] = self.keys_dir  # resolved: the orchestrator runs in another folder
         return OrchestratorSettings(
             **fields, deployment_id=self.run_id, host_id=self.host_id,
@@ -130,7 +129,7 @@ class Deployment:
     def spawn_role(self, p: Placement) -> Child:
         c = self.config
         spec = WorkerSpec(
-            **{leaf.path: getattr(c, leaf.path) for leaf in for_process("role") if "." not in leaf.path},
+            **schema_part(c, "role"),
             role=p.role, instance_id=p.instance_id, endpoint=self.role_endpoint, device=p.device,
             capacity=p.capacity, max_batch=p.max_batch, sim_slowdown=c.sim_slowdown.get(p.instance_id, 1.0),
             pool_bytes=p.pool_bytes, pool_name=f"{self.shm_prefix}{p.instance_id}", host_id=self.host_id,

@@ -95,6 +95,11 @@ def for_process(process: str) -> tuple[Leaf, ...]:
     return tuple(leaf for leaf in leaves() if process in leaf.processes)
 
 
+def top_level_for(process: str) -> tuple[str, ...]:
+    """The names of the top-level settings `process` reads (its settings object carries them as they are)."""
+    return tuple(leaf.path for leaf in for_process(process) if "." not in leaf.path)
+
+
 def type_name(t) -> str:
     """A short name of a leaf's type for documents: int, float, bool, str, list[int], one of a|b, map."""
     if isinstance(t, mi.UnionType):

@@ -14,8 +14,8 @@ from functools import cache
 
 import msgspec
 
-from settings.fields import for_process
-from settings.schema import HttpSettings, Settings
+from settings.fields import top_level_for
+from settings.schema import HttpSettings, Settings, world_of
 from transport.descriptors import ModelIdentity
 
 
@@ -28,8 +28,7 @@ def _with_schema_fields(process: str, base: type) -> type:
     """`base` (its launcher-made fields) plus every top-level schema field `process` reads, same name, type,
     bounds and default."""
     defaults = Settings()
-    fields = [(leaf.path, _hints()[leaf.path], getattr(defaults, leaf.path)) for leaf in for_process(process)
-              if "." not in leaf.path]
+    fields = [(name, _hints()[name], getattr(defaults, name)) for name in top_level_for(process)]
     return msgspec.defstruct(base.__name__.lstrip("_"), fields, bases=(base,), module=__name__, kw_only=True,
                              forbid_unknown_fields=True)
 
@@ -92,10 +91,7 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def world(self) -> int:
-        n = 1
-        for degree in self.parallel.values():
-            n *= degree
-        return n
+        return world_of(self.parallel)
 
     @property
     def identity(self) -> str:
@@ -106,6 +102,11 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 OrchestratorSettings = _with_schema_fields("orchestrator", _OrchestratorSettings)
 GatewaySettings = _with_schema_fields("gateway", _GatewaySettings)
 RoleSettings = _with_schema_fields("role", _RoleSettings)
+
+
+def schema_part(settings: Settings, process: str) -> dict:
+    """The values of the top-level settings `process` reads, from the deployment's settings."""
+    return {name: getattr(settings, name) for name in top_level_for(process)}
 
 
 def encode(settings: msgspec.Struct) -> str:

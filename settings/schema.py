@@ -35,6 +35,14 @@ SECTION_FLAGS = {
 }
 
 
+def world_of(layout: dict[str, int]) -> int:
+    """The ranks of an instance of this layout ({cfg, ulysses, ring} degrees, missing ones 1)."""
+    n = 1
+    for k in PARALLEL_KINDS:
+        n *= layout.get(k, 1)
+    return n
+
+
 def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str = "") -> dict:
     """A field's `extra`: the processes that read it; its flag ("" = --NAME, None = config file and environment
     only); an older key name that still works, with a warning."""
@@ -61,10 +69,7 @@ class ParallelLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def world(self) -> int:
-        n = 1
-        for k in PARALLEL_KINDS:
-            n *= getattr(self, k)
-        return n
+        return world_of(self.as_dict())
 
 
 class RolePool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

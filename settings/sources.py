@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -192,7 +191,3 @@ def _where(message: str, origins: dict[str, str], file) -> str:
     source = {"file": f"config {file}", "env": leaf.env, "flag": leaf.flag or "a flag", "default": "the default"}[origin]
     return f"{path} (from {source}): {message.split(' - at ')[0]}"
 
-
-def warn_legacy(resolved: Resolved) -> None:
-    for note in resolved.warnings:
-        warnings.warn(note, stacklevel=2)
