@@ -91,6 +91,7 @@ class Deployment:
     def start_processes(self) -> None:
         """Spawn the orchestrator, wait until it answers, then spawn every role."""
         c = self.config
+        self.start_fork_server()
         self.supervisor.spawn(
             "orchestrator",
             self.supervisor.python("orchestrator", encode(self.orchestrator_settings())),
@@ -101,6 +102,15 @@ class Deployment:
             self.spawn_gateway()
         for p in self.placements:
             self.spawn_role(p)
+
+    def forkable(self, p: Placement) -> bool:
+        """A role the fork server may start: one without a GPU (CUDA's state must not be inherited)."""
+        return self.config.fork_server and not self.visible_gpus(p) and not any(g is not None for g in p.rank_gpus or ())
+
+    def start_fork_server(self) -> None:
+        """Where it pays: one role forked from it costs as much as one started fresh."""
+        if sum(self.forkable(p) for p in self.placements) >= 2:
+            self.supervisor.start_fork_server(self.config.model, self._env())
 
     def orchestrator_settings(self) -> OrchestratorSettings:
         c = self.config
@@ -144,7 +154,7 @@ class Deployment:
         env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", encode(spec)), env=env, cpus=p.cpus,
-            spare_ok=True,
+            spare_ok=True, fork_ok=self.forkable(p),
         )
 
     def _spawn_group(self, p: Placement, spec: WorkerSpec) -> Child:
@@ -162,7 +172,8 @@ class Deployment:
             env["OMP_NUM_THREADS"] = str(p.threads)
             name = p.instance_id if rank == 0 else f"{p.instance_id}.r{rank}"
             child = self.supervisor.spawn(name, self.supervisor.python("roles", encode(rank_spec)),
-                                          env=env, cpus=p.cpus, spare_ok=True, group=p.instance_id)
+                                          env=env, cpus=p.cpus, spare_ok=True, group=p.instance_id,
+                                          fork_ok=self.forkable(p))
             first = first or child
         return first
 

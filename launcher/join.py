@@ -47,6 +47,7 @@ class JoinDeployment(Deployment):
                      "the roles this launcher started")
         log.info("joining deployment %s at %s as host %s (%s)", self.deployment_id, self.endpoint, self.host_id,
                  self.data_host)
+        self.start_fork_server()  # the model is the head's now
         for p in self.placements:
             self.spawn_role(p)
 

@@ -55,6 +55,8 @@ class Child:
     started_at: float = 0.0
     #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
     spare_ok: bool = False
+    #: a role without a GPU: the fork server (launcher/forks.py) may start it, when there is one
+    fork_ok: bool = False
     #: the ranks of one parallel instance share a group: when one dies, the others are stopped, and all
     #: start again together, meeting at a fresh rendezvous (DISAGG_DIST_INIT)
     group: str = ""
@@ -94,16 +96,25 @@ class Supervisor:
         self.spares_wanted = 0
         self.spare_argv: list[str] = []
         self.spare_env: dict[str, str] = {}
+        #: forks the CPU roles from one process that imported torch and diffusers (start_fork_server)
+        self.fork_server = None
         #: parallel instances: group -> (generation, members started in it)
         self._groups: dict[str, tuple[int, set[str]]] = {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None,
-              spare_ok: bool = False, group: str = "") -> Child:
+              spare_ok: bool = False, group: str = "", fork_ok: bool = False) -> Child:
         child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [], spare_ok=spare_ok,
-                      group=group)
+                      group=group, fork_ok=fork_ok)
         self._start(child)
         self.children[name] = child
         return child
+
+    def start_fork_server(self, model: str, env: dict[str, str]) -> None:
+        """From now on roles that may be forked (`fork_ok`) are, from a server importing `model`'s needs now."""
+        from launcher.forks import ForkServer
+
+        self.fork_server = ForkServer(self.python("roles", "--fork-server", model), {**os.environ, **env},
+                                      self.logs / "fork-server.log")
 
     def keep_spares(self, count: int, argv: list[str], env: dict[str, str]) -> None:
         """From now on keep `count` spare interpreters (`argv` waits on stdin to become a role)."""
@@ -161,6 +172,13 @@ class Supervisor:
             self._pin(child)
             log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
             return True
+        if child.fork_ok and self.fork_server is not None:
+            proc = self.fork_server.fork(child.name, child.argv[-1], child.env, child.log_path)
+            if proc is not None:
+                child.proc = proc
+                self._pin(child)
+                log.info("started %s (pid %d, forked)", child.name, proc.pid)
+                return False
         with open(child.log_path, "ab") as logf:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -308,6 +326,8 @@ class Supervisor:
                     child.returncode = child.proc.returncode
             # anything its group left behind (grandchildren) goes too
             self._kill_group(child)
+        if self.fork_server is not None:
+            self.fork_server.close()
 
     def _signal_all(self, sig: int) -> None:
         for child in self.running():

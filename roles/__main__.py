@@ -1,4 +1,5 @@
-"""`python -m roles SPEC_JSON`: one role process (the launcher starts it)."""
+"""`python -m roles SPEC_JSON`: one role process (the launcher starts it); `--spare` waits to become one,
+`--fork-server MODEL` forks them (roles/forks.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def wait_as_spare() -> list[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--fork-server"]:
+        from roles.forks import serve
+
+        return serve(argv[1])
     if argv[:1] == ["--spare"]:
         argv = wait_as_spare()
         if argv is None:

@@ -225,6 +225,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ready_timeout: Annotated[float, Meta(gt=0, description=(
         "Seconds `disagg launch` waits for every instance to load its model and report ready."),
         extra=use("launcher", legacy="ready_timeout_s"))] = 180.0
+    fork_server: Annotated[bool, Meta(description=(
+        "Roles without a GPU start (where there are two or more) as forks of one process that imported torch, diffusers and the model's "
+        "adapter once, instead of each importing them (~5 s of CPU for a diffusers model here): a role then "
+        "costs only its model's load, and the imports' memory is shared. Roles on a GPU always start a fresh "
+        "interpreter (CUDA's state must not be inherited). false (--no-fork-server): every role its own."),
+        extra=use("launcher", flag="--fork-server/--no-fork-server"))] = True
     spares: Annotated[int, Meta(ge=0, le=64, description=(
         "Spare interpreters kept with torch, diffusers and every adapter imported (about 4 s of a role's start "
         "here): a role process that dies is replaced by one, which loads only the model (well under a second "

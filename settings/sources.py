@@ -40,6 +40,8 @@ OTHER_VARIABLES = {
     "DISAGG_RESTARTS": "set by the launcher: how often this process was restarted",
     "DISAGG_DIST_INIT": "set by the launcher: a parallel instance's rendezvous",
     "DISAGG_LAUNCHER_PID": "set by the launcher: its pid (its processes exit when it is gone)",
+    "DISAGG_FORK_SERVER_PID": "set by the fork server for a role it forked: its pid (the role's parent)",
+    "DISAGG_TITLE_ROOM": "set by the launcher for its fork server: room for the forked roles' process titles",
     "DISAGG_SAVE_SHOT": "tests/test_web_page.py: keep the page's screenshot in benchmarks/results/",
 }
 

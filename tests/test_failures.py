@@ -73,6 +73,34 @@ def test_kill_9_under_load_loses_nothing(deployment, role):
     assert any(o.attempts > 1 for o in outcomes)  # the kill hit requests in flight, which were retried
 
 
+def fork_server(dep) -> psutil.Process:
+    [server] = [p for p in psutil.Process(dep.proc.pid).children() if "--fork-server" in " ".join(p.cmdline())]
+    return server
+
+
+def test_roles_are_forked_and_a_killed_fork_server_loses_nothing(deployment):
+    """The CPU roles are forks of one server (launcher/forks.py), each titled with its own command line; with
+    the server killed -9 under load they go on serving, and a role that dies later starts afresh."""
+    server = fork_server(deployment)
+    instances = status(deployment).instances
+    roles = {i.id: i.pid for i in instances}
+    forked = {p.pid: " ".join(p.cmdline()) for p in server.children()}
+    first = {i.id: i.pid for i in instances if i.restarts == 0}  # a restart took a spare interpreter
+    assert len(first) >= 2 and set(first.values()) <= set(forked), (first, forked)
+    for iid, pid in first.items():
+        assert f'"instance_id":"{iid}"' in forked[pid] and " -m roles " in forked[pid]
+    load = Load(deployment.endpoint, small(30, "fork server"))
+    wait_busy(deployment, "encoder-1")
+    server.kill()
+    outcomes = load.join()
+    assert [o.error for o in outcomes if not o.ok] == []
+    assert {i.id: i.pid for i in status(deployment).instances} == roles  # nobody restarted
+    os.kill(roles["decoder-1"], signal.SIGKILL)  # its status is lost with the server: still restarted
+    wait_until(lambda: (i := instance(deployment, "decoder-1")).state == "ready" and i.pid != roles["decoder-1"],
+               timeout=90)
+    assert all(o.ok for o in Load(deployment.endpoint, small(8, "after")).join())
+
+
 def test_sigstop_moves_work_elsewhere_and_sigcont_rejoins(deployment):
     iid = "denoiser-1"
     pid = instance(deployment, iid).pid

@@ -32,7 +32,7 @@ def test_readme_batch_command_writes_images(tmp_path):
     assert sizes == [(64, 64)] * 8  # the demo model's size
     # 1 encoder, 2 denoisers, 1 decoder, each with its own log
     logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
-    assert logs == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0", "orchestrator"]
+    assert logs == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0", "fork-server", "orchestrator"]
     assert set(list_segments("disagg-")) <= before
 
 

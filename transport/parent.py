@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 LAUNCHER_PID_ENV = "DISAGG_LAUNCHER_PID"
+#: a role forked by the launcher's fork server (roles/forks.py) has that server as its parent: the server
+#: ends as soon as the launcher does (EOF on its stdin), so the role's parent changes then too
+FORK_SERVER_PID_ENV = "DISAGG_FORK_SERVER_PID"
 
 
 class LauncherWatch:
@@ -17,6 +20,16 @@ class LauncherWatch:
         given = os.environ.get(LAUNCHER_PID_ENV, "")
         #: the launcher's pid; without the variable (started by hand), the parent at start
         self.pid = int(given) if given.isdigit() else os.getppid()
+        server = os.environ.get(FORK_SERVER_PID_ENV, "")
+        self.parents = {self.pid, int(server)} if server.isdigit() else {self.pid}
 
     def gone(self) -> bool:
-        return os.getppid() != self.pid
+        """Our parent is no longer the launcher (nor its fork server) and the launcher's pid is gone too (a
+        fork server that died alone leaves its roles to init, and they go on serving their launcher)."""
+        if os.getppid() in self.parents:
+            return False
+        if len(self.parents) == 1:  # started by the launcher itself: a new parent means it is gone
+            return True
+        from transport.shm import pid_alive
+
+        return not pid_alive(self.pid)

@@ -159,8 +159,18 @@ PRELOAD = ("roles.pipelines.tiny", "roles.pipelines.demo", "roles.pipelines.sim"
            *(module for module, _ in FAMILY_ADAPTERS.values()))
 
 
-def preload() -> None:
+def adapter_modules(model: str) -> tuple[str, ...]:
+    """The modules a role of `model` imports to load its adapter (the fork server imports them ahead)."""
+    if model.startswith("sim:"):
+        return ("roles.pipelines.sim",)
+    if model in ("tiny", "demo", "payload"):
+        return (f"roles.pipelines.{model}",)
+    return (FAMILY_ADAPTERS[model_spec(model).family][0],)
+
+
+def preload(model: str | None = None) -> None:
+    """Import every adapter (a spare may become a role of any model), or only `model`'s."""
     import importlib
 
-    for module in PRELOAD:
+    for module in PRELOAD if model is None else adapter_modules(model):
         importlib.import_module(module)
