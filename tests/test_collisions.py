@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, wait_until
 from transport.lane import lane_path
 from transport.messages import (
     ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
@@ -26,6 +26,20 @@ def pids(endpoint: str) -> dict[str, int]:
     with Client(endpoint) as client:
         report = client.status()
     return {"orchestrator": int(report.orchestrator["pid"]), **{i.id: i.pid for i in report.instances}}
+
+
+def heard_from_all(endpoint: str) -> None:
+    """Until every instance has sent the orchestrator a message since now: a role a second launch disturbed (its
+    port or lane taken, its registration replaced) would be silent and, a heartbeat timeout later, dead."""
+    t0 = time.monotonic()
+
+    def all_heard():
+        t_query = time.monotonic()
+        with Client(endpoint) as client:
+            report = client.status()
+        return all(i.state == "ready" and t_query - i.last_seen_s > t0 for i in report.instances)
+
+    wait_until(all_heard, timeout=10, step=0.1)
 
 
 def serves(endpoint: str) -> bool:
@@ -56,7 +70,7 @@ def test_a_second_launch_on_a_busy_port_exits_2_and_leaves_the_first_alone(runni
     busy = running.port + 1 if offset == 1 else running.port  # P-1's role port is P
     assert f"port {busy} on 127.0.0.1" in res.stderr and "disagg status --endpoint" in res.stderr, res.stderr
     assert not (tmp_path / "run").exists()  # nothing was spawned
-    time.sleep(3.5)  # longer than a heartbeat timeout: a disturbed deployment would show it by now
+    heard_from_all(running.endpoint)
     assert pids(running.endpoint) == before
     assert serves(running.endpoint)
 
@@ -83,7 +97,7 @@ def test_an_orchestrator_that_cannot_bind_fails_the_launch_with_its_reason(runni
     assert res.returncode == 1, res.stdout + res.stderr
     assert "orchestrator failed to start" in res.stdout and "Address already in use" in res.stdout, res.stdout
     assert "ready:" not in res.stdout
-    time.sleep(3.5)
+    heard_from_all(running.endpoint)
     assert pids(running.endpoint) == before
     assert serves(running.endpoint)
 
@@ -104,7 +118,7 @@ def test_a_role_of_another_deployment_is_refused_and_takes_over_nothing(running)
     assert isinstance(reply, Rejected)
     assert reply.code == ErrorCode.FOREIGN_DEPLOYMENT and "otherdeployment" in reply.reason
     sock.close()
-    time.sleep(1.5)
+    heard_from_all(running.endpoint)
     with Client(running.endpoint) as client:
         after = client.status()
     assert {i.id: (i.pid, i.state) for i in after.instances} == {i.id: (i.pid, "ready") for i in report.instances}
@@ -127,7 +141,7 @@ def test_stop_then_an_immediate_relaunch_five_times_keeps_each_new_deployment(tm
                 new.wait_ready(N)
                 mine = pids(new.endpoint)
                 assert old.proc.wait(timeout=20) == 0, old.output()  # the old launcher's cleanup is over
-                time.sleep(0.5)
+                heard_from_all(new.endpoint)
                 assert pids(new.endpoint) == mine, f"relaunch {k}: the old launcher disturbed the new deployment"
                 assert all(pid_alive(p) for p in mine.values())
                 with Client(new.endpoint) as client:
