@@ -57,7 +57,7 @@ class Deployment:
                     break
             except Unreachable:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.boot_s = boot_s - (deadline - time.monotonic())
 
     def run(self, params: list[GenerationParams], timeout_s: float = 600):

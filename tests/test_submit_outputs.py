@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from client import Client
-from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair
+from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, wait_until
 from transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
@@ -187,7 +187,8 @@ def test_ctrl_c_on_submit_exits_130_with_a_summary(sim, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", sim.endpoint,
                              "--out", str(tmp_path / "out"), "--concurrency", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    time.sleep(3.5)
+    # interrupted once the first image is written: the rest are running or not yet sent
+    wait_until(lambda: any((tmp_path / "out").glob("*.png")), timeout=60, step=0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, out + err
