@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 import msgspec
@@ -12,7 +13,7 @@ from gateway.fields import extensions, field_error, parse_size, upload
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: our fields, accepted at the top level of the body or inside `extra_body`
-EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height")
+EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height", "loras")
 
 
 class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -37,6 +38,8 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     width: int | None = None
     height: int | None = None
+    #: LoRA adapters: [{"name": ..., "scale": 1.0}] (registered names only)
+    loras: list | None = None
     extra_body: dict | None = None
 
 
@@ -64,6 +67,12 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
     if image is None:
         raise ApiError(400, "image: required (a file, as `image` or `image[]`)", param="image", code="missing_required_parameter")
     fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]", "mask") and isinstance(v, str)}
+    if "loras" in fields:  # a form field is a string: the adapters' list as JSON
+        try:
+            fields["loras"] = json.loads(fields["loras"])
+        except ValueError:
+            raise ApiError(400, 'loras: a JSON list, e.g. [{"name": "A", "scale": 0.7}]', param="loras",
+                           code="invalid_value") from None
     try:  # form fields are strings: convert them
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:

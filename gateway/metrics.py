@@ -74,6 +74,17 @@ class StatusCollector:
             for size, n in sorted(i.batch_steps.items()):
                 batch.add_metric([i.role, i.id, str(size)], n)
         yield batch
+        loads = CounterMetricFamily("disagg_lora_loads", "LoRA adapters the instance loaded (a request's adapter it "
+                                    "did not hold)", labels=["role", "instance"])
+        hits = CounterMetricFamily("disagg_lora_hits", "Requests' LoRA adapters the instance held already",
+                                   labels=["role", "instance"])
+        held = GaugeMetricFamily("disagg_lora_held", "LoRA adapters the instance holds now", labels=["role", "instance"])
+        for i in r.instances:
+            if i.lora_slots:
+                loads.add_metric([i.role, i.id], i.lora_loads)
+                hits.add_metric([i.role, i.id], i.lora_hits)
+                held.add_metric([i.role, i.id], len(i.loras))
+        yield from (loads, hits, held)
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
 

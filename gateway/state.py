@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import msgspec
 from fastapi import Request
 
 from client import Unreachable
@@ -15,6 +16,7 @@ from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
 from settings.process import GatewaySettings
+from transport.params import LoraRef
 
 MIB = 1024 * 1024
 #: how often a waiting request checks that its HTTP client is still there
@@ -50,13 +52,22 @@ class Gateway:
         report = await self.status_or_503()
         return next((i.model for i in report.instances if i.model), "")
 
-    async def check_model(self, asked: str | None) -> str:
-        """The served model; a 404 when the request names another."""
+    async def adapters(self) -> list[str]:
+        """The LoRA adapters requests may name (loras.dir, loras.adapters)."""
+        return list((await self.status_or_503()).loras)
+
+    async def check_model(self, asked: str | None, params=None):
+        """The served model; a 404 when the request names another. With `params`: (model, params), where a
+        `model` that names a registered LoRA adapter is shorthand for that adapter at scale 1."""
         model = await self.served_model()
+        if params is not None and asked and asked not in (model, model_name(model)) and asked in await self.adapters():
+            if not params.loras:
+                params = msgspec.structs.replace(params, loras=[LoraRef(name=asked)])
+            return model, params
         if asked and asked not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
             raise ApiError(404, f"model {asked!r} is not served here (this deployment serves {model!r})",
                            param="model", code="model_not_found")
-        return model
+        return model if params is None else (model, params)
 
     async def submit_unless_gone(self, request: Request, rid: str, params):
         """The request's Outcome; None when the HTTP client disconnected first (then it is cancelled)."""

@@ -46,10 +46,12 @@ class VideoRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     negative_prompt: str | None = None
     input_reference: object | None = None
+    #: LoRA adapters: [{"name": ..., "scale": 1.0}] (registered names only)
+    loras: list | None = None
     extra_body: dict | None = None
 
 
-EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt")
+EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", "loras")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from client import Client, Outcome
+from transport.codes import CLIENT_FAULT
 from transport.messages import GenerationParams
 
 
@@ -96,6 +97,8 @@ def outcome_record(outcome: Outcome, paths: list[Path], index: int | None = None
         "steps": resolved.get("num_inference_steps", outcome.params.num_inference_steps),
         "guidance_scale": resolved.get("guidance_scale", outcome.params.guidance_scale),
         "model": resolved.get("model", model) or None,
+        #: the LoRA adapters and scales it applied ("A:1,B:0.5"), as the PNG's text chunks record them too
+        "loras": resolved.get("loras") or None,
         "files": [str(p) for p in paths],
         "latency_s": round(outcome.latency_s, 6),
         "timings": outcome.timings,
@@ -115,8 +118,9 @@ def run_prompts(
 ) -> int:
     """Run every prompt; save images and a manifest line each; print a summary (or JSON).
 
-    Exit code 0 only if all succeeded, 1 if any failed, 130 on Ctrl-C (after the summary of what
-    finished). A failed write fails only its own request."""
+    Exit code 0 only if all succeeded, 2 if every failure was the request's own fault (an unknown LoRA
+    adapter, a size over the model's maximum: the request is wrong, not the deployment), else 1 if any failed,
+    130 on Ctrl-C (after the summary of what finished). A failed write fails only its own request."""
     records: list[dict] = []
     index_of: dict[str, int] = {}
     show_bar = len(params) > 1 and not as_json
@@ -153,9 +157,12 @@ def run_prompts(
             else:
                 line = Text.assemble(("failed", "red"), f" {outcome.request_id}: {outcome.error}")
             progress.console.print(line)
+        if not outcome.ok and outcome.code not in CLIENT_FAULT:
+            deployment_failed.append(outcome.request_id)
 
     from client import new_request_id
 
+    deployment_failed: list[str] = []  # failures that were not the request's own fault
     ids = [new_request_id() for _ in params]
     index_of.update({rid: i for i, rid in enumerate(ids)})
     code = None
@@ -182,4 +189,6 @@ def run_prompts(
             console.print(f"manifest: {out_dir / MANIFEST}", markup=False)
     if code is not None:
         return code
-    return 0 if ok == len(params) else 1
+    if ok == len(params):
+        return 0
+    return 1 if deployment_failed else 2

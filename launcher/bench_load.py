@@ -12,8 +12,10 @@ import random
 import statistics
 import time
 
+import msgspec
+
 from client import Client, Outcome
-from transport.messages import GenerationParams, StatusReport
+from transport.messages import GenerationParams, LoraRef, StatusReport
 
 ROLES = ("encoder", "denoiser", "decoder")
 
@@ -50,6 +52,36 @@ def utilization(before: StatusReport, after: StatusReport, duration_s: float) ->
     ]
 
 
+#: the adapters `--loras N` draws from: sim-lora-0 ... sim-lora-(N-1) (a sim model takes any name)
+LORA_PREFIX = "sim-lora-"
+#: the roles whose instances apply adapters in their model (orchestrator/dispatch.py AFFINITY_ROLES)
+LORA_ROLES = ("denoiser", "monolith")
+
+
+def zipf_names(n: int, s: float, count: int, rng: random.Random) -> list[str]:
+    """`count` adapter names drawn from `n` with Zipf(s): name k (0-based) with weight 1 / (k + 1)^s."""
+    weights = [1.0 / (k + 1) ** s for k in range(n)]
+    return [f"{LORA_PREFIX}{k}" for k in rng.choices(range(n), weights=weights, k=count)]
+
+
+def lora_report(before: StatusReport, after: StatusReport) -> dict:
+    """Adapter loads and hits on the instances that apply them, and each one's share of the requests, between
+    two status reports: cold_loads, hits, hit_rate, max_share (the busiest instance's requests / the mean)."""
+    start = {i.id: i for i in before.instances}
+    loads = hits = 0
+    served = {}
+    for i in after.instances:
+        if i.role not in LORA_ROLES:
+            continue
+        b = start.get(i.id)
+        loads += i.lora_loads - (b.lora_loads if b else 0)
+        hits += i.lora_hits - (b.lora_hits if b else 0)
+        served[i.id] = i.completed - (b.completed if b else 0)
+    mean = statistics.fmean(served.values()) if served else 0.0
+    return {"cold_loads": loads, "hits": hits, "hit_rate": round(hits / max(loads + hits, 1), 4),
+            "max_share": round(max(served.values()) / mean, 4) if mean else 0.0, "served": served}
+
+
 def run_load(
     client: Client,
     workload: list[GenerationParams],
@@ -59,10 +91,16 @@ def run_load(
     warmup: int = 3,
     slo_factor: float = 2.0,
     seed: int = 0,
+    loras: int = 0,
+    lora_zipf: float = 1.1,
 ) -> dict:
-    """Warm up (one at a time: the unloaded latency), then run the measured load; return the report."""
+    """Warm up (one at a time: the unloaded latency), then run the measured load; return the report. `loras`:
+    each measured request applies one adapter, drawn with Zipf(`lora_zipf`) from that many names."""
     rng = random.Random(seed)
     reqs = [workload[k % len(workload)] for k in range(num_requests)]
+    if loras:
+        reqs = [msgspec.structs.replace(p, loras=[LoraRef(name=name)])
+                for p, name in zip(reqs, zipf_names(loras, lora_zipf, len(reqs), rng))]
     warm = client.run_all([workload[k % len(workload)] for k in range(max(warmup, 1))], concurrency=1)
     unloaded = statistics.median([o.latency_s for o in warm if o.ok] or [0.0])
     before = client.status()
@@ -95,4 +133,5 @@ def run_load(
         "stages": stage_means(ok),
         "instances": utilization(before, after, duration),
         "mode": {"concurrency": concurrency} if not request_rate else {"request_rate": request_rate},
+        **({"lora": {**lora_report(before, after), "adapters": loras, "zipf": lora_zipf}} if loras else {}),
     }

@@ -1,6 +1,7 @@
 """The `disagg` command: launch, status, submit, stop, keys, serve-http (bench: launcher/cli_bench.py).
 
-Exit codes: 0 success, 1 a request failed, 2 usage error, 3 cannot reach the orchestrator.
+Exit codes: 0 success, 1 a request failed, 2 usage error (submit: every failure was the request's own fault),
+3 cannot reach the orchestrator.
 Heavy imports (torch, diffusers) never happen here: only role processes load them.
 """
 

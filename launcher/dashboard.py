@@ -20,7 +20,7 @@ def _mib(n: int) -> str:
 COLUMNS = (
     ("id", "left"), ("state", "left"), ("free/cap", "right"), ("in flight", "right"), ("done", "right"),
     ("failed", "right"), ("host", "left"), ("device", "left"), ("pid", "right"), ("restarts", "right"), ("engine", "left"),
-    ("pool MiB used/total", "right"), ("role", "left"),
+    ("pool MiB used/total", "right"), ("role", "left"), ("adapters", "left"),
 )
 #: what one column costs beside its text: Rich's padding and the border
 COLUMN_EXTRA = 3
@@ -34,18 +34,22 @@ def _cells(i) -> dict[str, str]:
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),
+        # LoRA adapters held / slots, then hits and loads: "2/8 A,B (hits 10, loads 2)"
+        "adapters": (f"{len(i.loras)}/{i.lora_slots} {','.join(i.loras[-3:])}{',..' if len(i.loras) > 3 else ''}"
+                     f" (hits {i.lora_hits}, loads {i.lora_loads})" if i.lora_slots and i.role != "encoder" else ""),
     }
 
 
-def fit_columns(rows: list[dict[str, str]], width: int | None) -> list[tuple[str, str]]:
-    """The columns that fit `width` characters whole, in table order (None: all of them)."""
-    keep = list(COLUMNS)
+def fit_columns(rows: list[dict[str, str]], width: int | None, adapters: bool = False) -> list[tuple[str, str]]:
+    """The columns that fit `width` characters whole, in table order (None: all of them). `adapters`: the
+    deployment serves LoRA adapters (else that column is left out)."""
+    keep = [c for c in COLUMNS if adapters or c[0] != "adapters"]
     if width is not None:
-        need = {name: max([len(name), *(len(r[name]) for r in rows)]) + COLUMN_EXTRA for name, _ in COLUMNS}
+        need = {name: max([len(name), *(len(r[name]) for r in rows)]) + COLUMN_EXTRA for name, _ in keep}
         while len(keep) > 2 and sum(need[name] for name, _ in keep) + 1 > width:
             keep.pop()
     order = ("role", "id", "host", "pid", "device", "state", "free/cap", "in flight", "done", "failed", "engine",
-             "pool MiB used/total", "restarts")
+             "pool MiB used/total", "restarts", "adapters")
     return sorted(keep, key=lambda col: order.index(col[0]))
 
 
@@ -53,7 +57,7 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
     """A Rich renderable of one snapshot: the instance table and a line of totals. With `width` (the
     terminal's), only the columns that fit whole are shown, the least important dropped first."""
     rows = [_cells(i) for i in report.instances]
-    columns = fit_columns(rows, width)
+    columns = fit_columns(rows, width, adapters=bool(report.loras) or any(i.loras for i in report.instances))
     table = Table(title=title, title_justify="left", expand=False)
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
@@ -127,6 +131,13 @@ def bench_view(doc: dict) -> Group:
     for i in doc["instances"]:
         inst.add_row(i["id"], i["role"], f"{i['utilization']:.1%}")
     parts = [head, stages, inst]
+    lora = doc.get("lora")
+    if lora:
+        served = lora.get("served", {})
+        parts.append(Text.assemble(
+            ("LoRA ", "bold"), f"{lora['adapters']} adapters, Zipf {lora['zipf']:g}: cold loads {lora['cold_loads']}  "
+            f"hits {lora['hits']} ({lora['hit_rate']:.1%})  busiest instance {lora['max_share']:.2f} x the mean share  ",
+            " ".join(f"{k} {v}" for k, v in served.items())))
     if doc.get("failures"):
         failures = Table(title="failures", title_justify="left")
         failures.add_column("count", justify="right")

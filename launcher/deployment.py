@@ -120,7 +120,18 @@ class Deployment:
             **fields, deployment_id=self.run_id, host_id=self.host_id,
             model_identity=msgspec.convert(model_identity(c.model, c.dtype), ModelIdentity),
             standby={role: c.role(role).standby for role in ("encoder", "denoiser", "decoder")},
+            loras=self.loras_resolved(), sim=c.model.startswith("sim:"),
         )
+
+    def loras_resolved(self):
+        """The loras section with its paths made absolute: the orchestrator and roles run in other folders."""
+        loras = self.config.loras
+        if not loras.dir and not loras.adapters:
+            return loras
+        def absolute(p: str) -> str:
+            return str(Path(p).expanduser().resolve()) if Path(p).expanduser().exists() else p  # else a hub id
+        return msgspec.structs.replace(loras, dir=absolute(loras.dir) if loras.dir else "",
+                                       adapters={k: absolute(v) for k, v in loras.adapters.items()})
 
     def spawn_gateway(self) -> Child:
         """The HTTP gateway: a client of our orchestrator, supervised like a role. Its API key travels in the
@@ -145,6 +156,7 @@ class Deployment:
             pool_bytes=p.pool_bytes, pool_name=f"{self.shm_prefix}{p.instance_id}", host_id=self.host_id,
             threads=p.threads, data_host=self.data_host, visible_gpus=self.visible_gpus(p),
             deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,
+            loras=c.loras,
         )
         spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
         if p.world > 1:

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from orchestrator.loras import pick_by_affinity
 from orchestrator.registry import Instance
+from transport.params import lora_key
+
+#: the roles whose instances hold a request's LoRA adapters in their model (encoders hold only the text
+#: encoders' part, cheap to load: affinity does not pay there)
+AFFINITY_ROLES = ("denoiser", "monolith")
 
 
 #: what least-work assumes a cross-host pull moves per second until one is measured (10 Gb/s)
@@ -135,24 +141,39 @@ class LeastWork(TieRotation):
 
 
 def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instance], req, requests: dict,
-                       prefer_host: str | None = None, batching: bool | None = None):
+                       prefer_host: str | None = None, batching: bool | None = None, affinity: str | None = None,
+                       rng=None):
     """The policy's pick, but where denoisers batch (max_batch > 1) an instance whose running batch `req`
-    can join (or that runs nothing) comes first: a batch holds one shape, others wait behind it.
-    `requests`: request id -> request, to read the shapes of what each instance runs."""
+    can join (or that runs nothing) comes first: a batch holds one shape and one set of LoRA adapters, others
+    wait behind it. With `affinity` (a load rule of orchestrator/loras.py) an instance that holds the request's
+    adapters comes first, within that rule. `requests`: request id -> request, to read what each instance runs."""
     nbytes = req.source.slot.nbytes if req.source is not None else 0
     if batching is None:
         batching = any(i.max_batch > 1 for i in instances)
+    names = [r.name for r in req.params.loras] if affinity and req.params.loras and role in AFFINITY_ROLES else ()
     if role == "denoiser" and batching:
-        key = (req.params.width, req.params.height)
+        key = (req.params.width, req.params.height, lora_key(req.params.loras))
 
         def joinable(inst: Instance) -> bool:
-            shapes = ((r.params.width, r.params.height) for r in map(requests.get, inst.running) if r is not None)
-            return all(shape == key for shape in shapes)
+            keys = ((r.params.width, r.params.height, lora_key(r.params.loras))
+                    for r in map(requests.get, inst.running) if r is not None)
+            return all(k == key for k in keys)
 
-        inst = policy.pick(role, [i for i in instances if joinable(i)], prefer_host, nbytes)
+        joining = [i for i in instances if joinable(i)]
+        inst = _pick(policy, role, joining, names, affinity, prefer_host, nbytes, rng)
         if inst is not None:
             return inst
+    if names:
+        return _pick(policy, role, _free(policy, role, instances, True), names, affinity, prefer_host, nbytes, rng)
     return policy.pick(role, instances, prefer_host, nbytes, indexed=True)
+
+
+def _pick(policy, role, instances, names, affinity, prefer_host, nbytes, rng):
+    if names:
+        chosen = pick_by_affinity([i for i in instances if i.dispatchable], names, affinity, rng)
+        if chosen:
+            return policy.pick(role, chosen, prefer_host, nbytes)
+    return policy.pick(role, instances, prefer_host, nbytes)
 
 
 POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}

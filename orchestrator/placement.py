@@ -8,7 +8,8 @@ import logging
 
 import msgspec
 
-from orchestrator.dispatch import pick_joining_batch
+from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
+from orchestrator.loras import AFFINITY_RULES, holds, note_assigned
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -16,6 +17,9 @@ from transport.messages import Run
 from transport.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
+
+#: requests with adapters that wait for their holder at most at once per role (the queue behind them moves on)
+MAX_DEFERRED = 256
 
 
 class InlineCache(dict):
@@ -33,10 +37,18 @@ class InlineCache(dict):
 class Placement:
     """Methods of Router; see orchestrator/router.py for the state they use."""
 
+    @property
+    def affinity_rule(self) -> str | None:
+        """The adapter-affinity load rule (orchestrator/loras.py), None when loras.affinity is off."""
+        return AFFINITY_RULES[self.config.loras.affinity]
+
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         for role in ROLES:
             queue = self.queues[role]
             candidates = None
+            #: requests with LoRA adapters that wait for a busy instance holding them (worth_waiting); the
+            #: requests behind them are placed meanwhile, and they go back to the queue's front in order
+            deferred: list[str] = []
             while queue:
                 req = self.requests.get(queue[0])
                 if req is None or req.ended or req.stage != role or req.state != "queued":
@@ -48,11 +60,36 @@ class Placement:
                             if req.source is not None and self.config.host_aware else None)
                 inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
                                           producer.host if producer is not None else None,
-                                          batching=self.registry.batching(role))
+                                          batching=self.registry.batching(role), affinity=self.affinity_rule,
+                                          rng=self.lora_rng)
                 if inst is None:
                     break
+                if self.worth_waiting(req, inst, candidates, now):
+                    deferred.append(queue.popleft())
+                    if len(deferred) >= MAX_DEFERRED:
+                        break
+                    continue
                 queue.popleft()
                 self.assign(req, inst, now, out)
+            queue.extendleft(reversed(deferred))
+
+    def note_lora_load(self, role: str, seconds: float) -> None:
+        avg = self.lora_load_s.get(role)
+        self.lora_load_s[role] = seconds if avg is None else 0.8 * avg + 0.2 * seconds
+
+    def worth_waiting(self, req: Request, inst: Instance, candidates: list[Instance], now: float) -> bool:
+        """Affinity's patience: `inst` lacks some of the request's adapters, and an instance that holds them all
+        is busy. Loading costs about what the role's loads took so far (their moving average), so the request
+        waits for the holder that long at most, then takes the cold instance (and the adapter spreads)."""
+        if not req.params.loras or self.affinity_rule is None or inst.role not in AFFINITY_ROLES:
+            return False
+        names = [r.name for r in req.params.loras]
+        if holds(inst, names):
+            return False
+        patience = self.lora_load_s.get(inst.role, 0.0)
+        if now - req.marks.get(f"queued_{inst.role}", now) >= patience:
+            return False
+        return any(i.state == "ready" and holds(i, names) for i in candidates)
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         req.stage, req.state, req.assigned = role, "queued", None
@@ -84,8 +121,12 @@ class Placement:
         req.state, req.assigned = "running", inst.id
         req.mark(f"run_{inst.role}", now)
         req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
+        if req.params.loras and not req.lora_sources:  # resumed by a restarted orchestrator
+            req.lora_sources = self.lora_catalog.resolve(req.params.loras)[0]
+        if req.params.loras and inst.role in AFFINITY_ROLES:
+            note_assigned(inst, [r.name for r in req.params.loras])
         run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
-                  inline_output=self.needs_inline(inst))
+                  inline_output=self.needs_inline(inst), lora_sources=req.lora_sources)
         out.append(to_instance(inst.id, run, frames))
 
     def needs_inline(self, producer: Instance) -> bool:

@@ -55,6 +55,12 @@ class Instance:
     vanished: dict[str, float] = field(default_factory=dict)
     #: stages the process finished since it started, by its own count (Heartbeat.computed)
     computed: int = 0
+    #: LoRA adapters it holds, least recently used first (its heartbeats, and what was just sent to it), of
+    #: lora_slots; its loads and hits as it counts them
+    loras: list[str] = field(default_factory=list)
+    lora_slots: int = 0
+    lora_loads: int = 0
+    lora_hits: int = 0
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
@@ -81,6 +87,8 @@ class Instance:
             launcher=msg.launcher,
             devices=list(msg.devices),
             parallel=msg.parallel,
+            loras=list(msg.loras),
+            lora_slots=msg.lora_slots,
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None) -> None:
@@ -138,6 +146,10 @@ class Instance:
             parallel=self.parallel,
             lane=self.lane,
             computed=self.computed,
+            loras=list(self.loras),
+            lora_slots=self.lora_slots,
+            lora_loads=self.lora_loads,
+            lora_hits=self.lora_hits,
         )
 
 

@@ -48,6 +48,8 @@ class Request:
     source_frames: list[bytes] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     marks: dict[str, float] = field(default_factory=dict)
+    #: where its LoRA adapters lie (name -> source), resolved at Submit; every Run carries it
+    lora_sources: dict[str, str] = field(default_factory=dict)
 
     def params_for(self, role: str) -> GenerationParams:
         """What a stage's Run carries: the input image and mask go to the first stage only."""

@@ -13,6 +13,7 @@ import uuid
 import msgspec
 
 from orchestrator.dispatch import make_policy
+from orchestrator.loras import LoraCatalog
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
@@ -66,6 +67,13 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         self.limits: dict[str, int] = {}
         #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
         self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
+        loras = self.config.loras
+        #: the adapters requests may name (orchestrator/loras.py)
+        self.lora_catalog = LoraCatalog(loras.dir, loras.adapters, any_name=self.config.sim,
+                                        max_per_request=loras.max_per_request)
+        self.lora_rng = random.Random(0)  # the two-choices rule's draws
+        #: role -> moving average of the seconds its adapter loads took (affinity's patience, worth_waiting)
+        self.lora_load_s: dict[str, float] = {}
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
         self._handlers = {
@@ -171,12 +179,18 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param=field,
                                                     code=ErrorCode.OVER_LIMIT)))
             return
+        sources, why = self.lora_catalog.resolve(msg.params.loras)
+        if why:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param="loras",
+                                                    code=ErrorCode.INVALID_REQUEST)))
+            return
         params = msg.params
         if params.seed is None:
             # fixed here, so a retry of any stage reproduces the same image
             params = msgspec.structs.replace(params, seed=random.randrange(2**31))
         timeout = msg.timeout_s or self.config.request_timeout
-        req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout)
+        req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
+                      lora_sources=sources)
         self.requests[req.id] = req
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
             req.state = "parked"
@@ -263,6 +277,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             self.settle_inherited(inst, set(msg.running), now, out)
         if msg.batch_steps:
             inst.batch_steps = msg.batch_steps
+        inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
+        inst.lora_slots = msg.lora_slots or inst.lora_slots
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
@@ -293,6 +309,9 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         req.mark(f"staged_{role}", now)
         req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
         req.timings[f"compute_{role}"] = msg.compute_s
+        if msg.lora_s:
+            req.timings[f"lora_{role}"] = msg.lora_s
+            self.note_lora_load(role, msg.lora_s)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
@@ -330,6 +349,9 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         req.mark("done", now)
         req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
         req.timings[f"compute_{inst.role}"] = msg.compute_s
+        if msg.lora_s:
+            req.timings[f"lora_{inst.role}"] = msg.lora_s
+            self.note_lora_load(inst.role, msg.lora_s)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(

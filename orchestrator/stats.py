@@ -106,6 +106,7 @@ def snapshot(router, now: float) -> StatusReport:
         transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
                    for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
         warnings=list(router.warnings),
+        loras=sorted(router.lora_catalog.names())[:4096], any_lora=router.lora_catalog.any_name,
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
     )

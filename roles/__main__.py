@@ -87,8 +87,13 @@ def main(argv: list[str] | None = None) -> int:
 
             group.apply(denoising_model(adapter))
         fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits and spec.rank == 0 else None
+        from roles.loras import make_bank
+
+        # an instance over several ranks applies no adapters (each rank would have to load them in lockstep)
+        loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown) \
+            if group is None else None
         return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
-                     sync=pool.compute_done if pool is not None else None, group=group)
+                     sync=pool.compute_done if pool is not None else None, group=group, loras=loras)
 
     if spec.rank > 0:  # a follower rank of a parallel instance: no pool, no orchestrator, rank 0's lead
         from roles.parallel import GroupBroken, serve_follower

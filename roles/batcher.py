@@ -22,6 +22,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from transport.params import lora_key
+
 
 @dataclass
 class _Entry:
@@ -38,8 +40,10 @@ class _Entry:
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int, sync=None):
+    def __init__(self, adapter, max_batch: int, sync=None, loras=None):
         self.adapter = adapter
+        #: the instance's LoRA adapters (roles/loras.py): each step's forward applies its batch's own
+        self.loras = loras
         #: waits for the device to finish what a step queued (a GPU's kernels are asynchronous), so each
         #: step's time, and every request's share of it, is the device's time and not the launch time
         self.sync = sync or (lambda: None)
@@ -52,7 +56,8 @@ class StepBatcher:
 
     def denoise(self, inputs: dict, params: dict, progress=None) -> tuple[dict, float]:
         """Blocks until this request is denoised; returns (output tensors, its share of device seconds)."""
-        entry = _Entry(inputs, params, self.adapter.batch_key(params), progress)
+        # a batch holds one shape and one set of adapters
+        entry = _Entry(inputs, params, (self.adapter.batch_key(params), lora_key(params.get("loras"))), progress)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drive, name="batcher", daemon=True)
@@ -89,6 +94,8 @@ class StepBatcher:
                 continue
             running = [e for e in active if not e.state.done]
             if running:
+                if self.loras is not None:
+                    self.loras.set_thread_key(running[0].key[1])
                 t0 = time.perf_counter()
                 try:
                     self.adapter.denoise_steps([e.state for e in running])

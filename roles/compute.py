@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from roles.errors import RequestError
+from roles.loras import LoraError
 from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
@@ -186,6 +187,7 @@ class StageRunner:
         self.tick()
         local_slot = None
         fetch_s = None
+        lora_s, pinned = 0.0, []
         busy_from = self.meter.enter()
         try:
             inputs = {}
@@ -202,6 +204,13 @@ class StageRunner:
                 if not self.fold_fetched:  # tell now, so the producer's slot is freed while we compute
                     self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
                     fetch_s = None
+            if run.params.loras and self.stage.role != "decoder":  # loaded while another request computes
+                bank = self.stage.loras
+                if bank is None:
+                    raise LoraError(f"model {self.stage.model!r} takes no LoRA adapters"
+                                    + (" on an instance over several ranks" if self.stage.group is not None else ""))
+                lora_s = bank.acquire(run.params.loras, run.lora_sources)
+                pinned = [r.name for r in run.params.loras]
             step = self._stepper(run)
             with self.stage.turn:  # one compute at a time where the pipeline keeps per-call state
                 self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
@@ -217,7 +226,7 @@ class StageRunner:
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                             image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
-                            resolved=out.resolved)
+                            resolved=out.resolved, lora_s=lora_s)
                 self.keep_result(done, out.images)
                 self.report(done, out.images)
             else:
@@ -228,7 +237,7 @@ class StageRunner:
                                                     slot=slot, seed=run.params.seed)
                 extra = [self.inline_bytes(slot)] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
-                                   fetch_s=fetch_s, device_s=device_s), extra)
+                                   fetch_s=fetch_s, device_s=device_s, lora_s=lora_s), extra)
         except Cancelled as exc:  # nobody waits for it: free the slot, no retry
             self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
                                code=ErrorCode.CANCELLED))
@@ -249,6 +258,8 @@ class StageRunner:
                                retryable=retryable, code=ErrorCode.INVALID_INPUT if invalid else ErrorCode.GENERATION_FAILED,
                                param=exc.param if invalid else None))
         finally:
+            if pinned:
+                self.stage.loras.release(pinned)
             if busy_from is not None:
                 self.meter.leave(busy_from)
             if local_slot is not None:

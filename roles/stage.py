@@ -12,6 +12,7 @@ import torch
 from roles.media import check_format, encode_image, encode_mp4
 from roles.pipelines.conditioned import LAYOUT
 from transport.messages import GenerationParams
+from transport.params import lora_label
 
 
 def one_forward_at_a_time(model) -> None:
@@ -56,7 +57,10 @@ RESOLVED = ("prompt", "negative_prompt", "seed", "width", "height", "num_inferen
 
 
 def resolved(p: dict, model: str) -> dict:
-    return {**{k: p[k] for k in RESOLVED if p.get(k) is not None}, "model": model}
+    out = {**{k: p[k] for k in RESOLVED if p.get(k) is not None}, "model": model}
+    if p.get("loras"):  # "A:1,B:0.5": the adapters and scales it applied
+        out["loras"] = lora_label(p["loras"])
+    return out
 
 
 class Stage:
@@ -67,10 +71,13 @@ class Stage:
     the adapter says it is safe to share (`thread_safe`). Their transfers still overlap; a denoiser that
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
-    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None):
+    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
+                 loras=None):
         self.role = role
         self.adapter = adapter
         self.model = model
+        #: the LoRA adapters this instance holds (roles/loras.py); None: it applies none
+        self.loras = loras
         #: the first stage checks that a request's tensors fit every pool (roles/limits.py PoolFit)
         self.fit = fit if role in ("encoder",) else None
         self.batcher = None
@@ -79,7 +86,7 @@ class Stage:
                 raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
             from roles.batcher import StepBatcher
 
-            self.batcher = StepBatcher(adapter, max_batch, sync=sync)
+            self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras)
             one_forward_at_a_time(getattr(getattr(adapter, "pipe", None), "transformer", None))
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
         #: an instance over several ranks (roles/parallel.py): they run one request at a time, in lockstep
@@ -119,6 +126,12 @@ class Stage:
         return step
 
     def _run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
+        if self.loras is None or self.role == "decoder":
+            return self._compute(params, inputs, progress)
+        with self.loras.use(params.loras):  # this thread's forwards apply the request's adapters only
+            return self._compute(params, inputs, progress)
+
+    def _compute(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
         given = params_dict(params)
         p = {**self.adapter.defaults(), **given}
         # every role checks, so a format the model cannot make fails before any compute

@@ -148,6 +148,7 @@ class Worker(Link):
                 parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
                 identity=self.identity,
                 launcher=self.spec.launcher_id,
+                **self.lora_state(register=True),
                 **self.limits,
             )
         )
@@ -165,8 +166,18 @@ class Worker(Link):
                 batch_steps=self.batch_steps(),
                 running=list(self.runner.busy),
                 computed=self.runner.computed,
+                **self.lora_state(),
             )
         )
+
+    def lora_state(self, register: bool = False) -> dict:
+        """The adapters it holds (and, registering, its slots; else its loads and hits so far)."""
+        bank = getattr(self.runner.stage, "loras", None)
+        if bank is None:
+            return {}
+        if register:
+            return {"loras": bank.names(), "lora_slots": bank.slots}
+        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits}
 
     def batch_steps(self) -> dict[int, int]:
         stage = self.runner.stage

@@ -15,7 +15,7 @@ from functools import cache
 import msgspec
 
 from settings.fields import top_level_for
-from settings.schema import HttpSettings, Settings, world_of
+from settings.schema import HttpSettings, LoraSettings, Settings, world_of
 from transport.descriptors import ModelIdentity
 
 
@@ -44,6 +44,10 @@ class _OrchestratorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     model_identity: ModelIdentity | None = None
     #: role -> warm standbys to keep (the roles' `standby` settings)
     standby: dict[str, int] = {}
+    #: the loras section (the registry of adapters, per-request limit, affinity)
+    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    #: a sim model: any adapter name is taken, with no file
+    sim: bool = False
 
 
 class _GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -88,6 +92,8 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rank: int = 0
     dist_init: str = ""
     group_devices: list[str] = []
+    #: the loras section (slots, max_mib)
+    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
     @property
     def world(self) -> int:

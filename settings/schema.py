@@ -129,6 +129,35 @@ class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                                     extra=use("gateway", flag=None))] = 128
 
 
+class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """LoRA adapters requests may apply (a request's `loras: [{name, scale}]`), loaded by the roles with diffusers'
+    own LoRA support and dispatched to the denoisers that already hold them."""
+
+    dir: Annotated[str, Meta(description=(
+        "A folder of adapters: each *.safetensors file or diffusers LoRA folder in it is one, named by its stem. "
+        "Adapters added later are picked up without a restart. The same path must hold them on every host."),
+        extra=use("orchestrator", flag="--lora-dir", metavar="DIR"))] = ""
+    adapters: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")],
+                             str], Meta(description=(
+        "More adapters by name: name -> a file, a folder or a Hugging Face id. A request names adapters only by "
+        "name, never by path."),
+        extra=use("orchestrator", flag=None))] = {}
+    max_per_request: Annotated[int, Meta(ge=1, le=16, description="The most adapters one request may apply.",
+                                         extra=use("orchestrator", flag=None))] = 4
+    slots: Annotated[int, Meta(ge=1, le=1024, description=(
+        "Adapters each instance keeps loaded at once; the least recently used one is unloaded for a new one."),
+        extra=use("role", flag="--lora-slots"))] = 8
+    max_mib: Annotated[int, Meta(ge=1, description=(
+        "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
+        extra=use("role", flag=None))] = 4096
+    affinity: Annotated[Literal["on", "off", "strict", "two-choices"], Meta(description=(
+        "on: of the free denoisers, one that holds all of a request's adapters gets it, unless the best other one "
+        "has more than one free slot more (the load rule, BENCHMARKS.md); off: adapters play no part in dispatch. "
+        "strict (a holder whenever one is free) and two-choices (the freer of two holders drawn at random) are "
+        "the rules it was measured against, kept to compare."),
+        extra=use("orchestrator", flag="--lora-affinity"))] = "on"
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything a deployment is: `disagg launch` merges flags over DISAGG_ variables over a config file over
     these defaults, checks the result once, and gives each process its own part (settings/process.py)."""
@@ -247,6 +276,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "three stages in one process (capacity from denoisers, devices from gpus)."),
         extra=use("launcher", "orchestrator"))] = 0
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
     sim_slowdown: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description=(
         "sim: models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for one denoiser "
         "three times slower than the others (dispatch experiments)."),

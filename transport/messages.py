@@ -16,7 +16,7 @@ from transport.codes import ErrorCode  # noqa: F401 - messages carry it; users i
 from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
     Count, CudaIpcHandle, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
 )
-from transport.params import MAX_INPUT_BYTES, GenerationParams  # noqa: F401 - likewise
+from transport.params import MAX_INPUT_BYTES, GenerationParams, LoraName, LoraRef  # noqa: F401 - likewise
 from transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
 )
@@ -106,6 +106,10 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     gateways: list[GatewayStatus] = []
     #: per role and phase (queue, compute, fetch): requests and their seconds summed, every client's
     stage_times: list[StageTime] = []
+    #: the LoRA adapters requests may name (loras.dir, loras.adapters), sorted; at most 4096. `any_lora`: a sim
+    #: model, which takes any adapter name
+    loras: list[str] = []
+    any_lora: bool = False
     #: the last warnings an operator should see (an inline transfer between hosts, ...), oldest first; a
     #: launcher prints each new one on its console
     warnings: list[str] = []
@@ -213,6 +217,9 @@ class Register(_Msg, tag="register", kw_only=True):
     identity: ModelIdentity | None = None
     #: the launcher that started it (host id and pid): what a join launcher's StopHost names
     launcher: Annotated[str, Meta(max_length=128)] = ""
+    #: LoRA adapters it keeps loaded at once (0: it applies none); adapters it still holds from before
+    lora_slots: Count = 0
+    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
 
 
 class Registered(_Msg, tag="registered", kw_only=True):
@@ -247,6 +254,12 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: stages this process finished since it started, by its own count (an orchestrator's count
     #: starts again when it restarts; this one shows whether work was done twice)
     computed: Count = 0
+    #: LoRA adapters loaded here now, least recently used first, of lora_slots; adapter loads (misses) and hits
+    #: since it started
+    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
+    lora_slots: Count = 0
+    lora_loads: Count = 0
+    lora_hits: Count = 0
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
@@ -264,6 +277,9 @@ class Run(_Msg, tag="run", kw_only=True):
     source: Source | None = None
     #: send the output's bytes along with Staged (a consumer may only be reachable inline)
     inline_output: bool = False
+    #: where each of the request's LoRA adapters lies (a file or folder on the role's host, or a hub id):
+    #: name -> source; empty for a sim model's adapters
+    lora_sources: dict[LoraName, Annotated[str, Meta(max_length=4096)]] = {}
 
 
 class Fetched(_Msg, tag="fetched", kw_only=True):
@@ -285,6 +301,8 @@ class Staged(_Msg, tag="staged", kw_only=True):
     fetch_s: Seconds | None = None
     #: its share of the instance's device time when it shared a batched forward; None = compute_s
     device_s: Seconds | None = None
+    #: seconds it waited for its LoRA adapters to load here (0: they were loaded, or it has none)
+    lora_s: Seconds = 0.0
 
 
 class Release(_Msg, tag="release", kw_only=True):
@@ -306,6 +324,7 @@ class Done(_Msg, tag="done", kw_only=True):
     fetch_s: Seconds | None = None
     #: as in Staged
     device_s: Seconds | None = None
+    lora_s: Seconds = 0.0
     #: as in Result
     resolved: dict[Annotated[str, Meta(max_length=64)], str | int | float] = {}
 

@@ -12,6 +12,30 @@ from msgspec import Meta
 MAX_INPUT_BYTES = 16 * 1024 * 1024
 
 
+#: an adapter's name: what `loras.dir`'s file stems and `loras.adapters`' keys may be, and what a request names
+LoraName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+#: the most adapters the wire takes in one request (the deployment's loras.max_per_request is at most this)
+MAX_LORAS = 16
+
+
+class LoraRef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One LoRA adapter a request applies: a registered adapter's name (never a path) and its scale."""
+
+    name: LoraName
+    scale: Annotated[float, Meta(ge=-8.0, le=8.0)] = 1.0
+
+
+def lora_key(loras) -> tuple:
+    """The adapters of a request as a hashable key, in its order: requests may share a batched forward only
+    when their keys are equal."""
+    return tuple((r.name, r.scale) for r in loras or ())
+
+
+def lora_label(loras) -> str:
+    """The adapters as a manifest and a PNG record them: "A:1,B:0.5"."""
+    return ",".join(f"{r.name}:{r.scale:g}" for r in loras or ())
+
+
 class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """One generation request, named as in diffusers; unset fields take the model's defaults.
 
@@ -42,3 +66,6 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     mask: Annotated[bytes, Meta(min_length=1, max_length=MAX_INPUT_BYTES)] | None = None
     #: img2img and inpainting: how far from the input image (0: keep it, 1: ignore it); None = the model's
     strength: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    #: LoRA adapters applied to this request's own compute turns, in order (registered names only: loras.dir,
+    #: loras.adapters); none = the base model
+    loras: Annotated[list[LoraRef], Meta(max_length=MAX_LORAS)] | None = None

@@ -48,6 +48,11 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: str = ""
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
+    #: LoRA adapters it holds (least recently used first) of its lora_slots; its adapter loads and hits so far
+    loras: list[str] = []
+    lora_slots: int = 0
+    lora_loads: int = 0
+    lora_hits: int = 0
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""

@@ -69,15 +69,25 @@ def model_card(model: str) -> dict:
     return {"id": model_name(model), "object": "model", "created": 0, "owned_by": "disagg"}
 
 
+def adapter_card(name: str, model: str) -> dict:
+    """A LoRA adapter, listed as vLLM lists one: its parent is the base model."""
+    return {**model_card(name), "id": name, "parent": model_name(model), "root": model_name(model)}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    model = await gateway_of(request).served_model()
-    return {"object": "list", "data": [model_card(model)] if model else []}
+    gw = gateway_of(request)
+    model = await gw.served_model()
+    if not model:
+        return {"object": "list", "data": []}
+    return {"object": "list", "data": [model_card(model), *(adapter_card(a, model) for a in await gw.adapters())]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     served = await gateway_of(request).served_model()
+    if model_id in await gateway_of(request).adapters():
+        return adapter_card(model_id, served)
     if model_id not in (served, model_name(served)):
         raise ApiError(404, f"model {model_id!r} is not served here (this deployment serves {served!r})",
                        param="model", code="model_not_found")

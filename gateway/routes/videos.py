@@ -75,7 +75,7 @@ async def create(request: Request):
         refuse_what_cannot_be_made(req, params, model, (await gw.client.status()).orchestrator)
     except Unreachable:
         pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
-    await gw.check_model(req.model)
+    _, params = await gw.check_model(req.model, params)  # an adapter's name is shorthand for it at scale 1
     seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
     job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
                    size=req.size or "auto", seconds=f"{seconds:g}")

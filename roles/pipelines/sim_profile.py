@@ -40,6 +40,14 @@ class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return f1 + (f1 - f0) / (b1 - b0) * (size - b1)
 
 
+class LoraCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A sim model's LoRA adapters: any name is one (no files); loading one takes load_ms; an instance holds
+    `slots` at once (0: loras.slots)."""
+
+    load_ms: float = 0.0
+    slots: int = 0
+
+
 class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One simulated model: a cost per stage."""
 
@@ -50,6 +58,7 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: latents and pixels moved on to the denoiser)
     image: StageCost = msgspec.field(default_factory=StageCost)
     reference_pixels: int = 1024 * 1024
+    lora: LoraCost = msgspec.field(default_factory=LoraCost)
 
     def payload(self, role: str, pixels: int, images: int = 1, with_image: bool = False) -> int:
         """Bytes `role` stages; the encoder's include the image's when the launcher sizes pools for it."""
@@ -68,8 +77,13 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cost.fixed_ms(pixels) + (steps * cost.step_ms(pixels) if role == "denoiser" else 0.0)
 
 
+def profile_path(name: str) -> Path:
+    """sim:NAME is configs/sim/NAME.yaml; sim:PATH.yaml (any path ending in .yaml) is that file."""
+    return Path(name).expanduser() if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
+
+
 def load_profile(name: str) -> SimProfile:
-    path = PROFILE_DIR / f"{name}.yaml"
+    path = profile_path(name)
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
         raise ValueError(f"no simulation profile {name!r} (looked for {path}; known: {known})")

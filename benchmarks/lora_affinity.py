@@ -1,0 +1,144 @@
+"""LoRA adapter affinity on `sim`: cold loads, p95 and the busiest denoiser's share, per load rule, in one run.
+
+    python benchmarks/lora_affinity.py                    # 3 runs of every setup (~15 min on 2 cores)
+    python benchmarks/lora_affinity.py --runs 1 --num-requests 120
+
+The issue's setup: 4 denoisers, each on its own simulated device with 4 adapter slots; 32 adapters drawn with
+Zipf 1.1; 800 ms per load; Flux.1 at 1024^2, 4 steps (sim:flux-h200's 680 ms per request), at a Poisson rate
+that keeps the denoisers about 70% busy. Setups, each a fresh deployment: no adapters; --lora-affinity off;
+on (the chosen rule: a holder unless another has more than one free slot more); strict (a holder whenever one
+is free); two-choices (the freer of two holders drawn at random). Writes benchmarks/results/lora-affinity.json,
+a table (stdout, .md) and a plot (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
+from launcher.ports import free_port_pair  # noqa: E402
+
+PROFILE = (ROOT / "configs" / "sim" / "flux-h200.yaml").read_text() + "\nlora: {load_ms: 800, slots: 4}\n"
+#: every role on its own simulated device, so a denoiser's requests take turns as on a GPU
+CONFIG = """model: sim:{profile}
+encoders: {{count: 1, capacity: 4, gpus: [4]}}
+denoisers: {{count: 4, capacity: {capacity}, gpus: [0, 1, 2, 3]}}
+decoders: {{count: 1, capacity: 4, gpus: [5]}}
+"""
+SETUPS = {"no adapters": [], "affinity off": ["--lora-affinity", "off"], "affinity on": ["--lora-affinity", "on"],
+          "strict": ["--lora-affinity", "strict"], "two-choices": ["--lora-affinity", "two-choices"]}
+REQUEST_S = 0.68  # 4 steps x 170 ms at 1024^2 on sim:flux-h200
+
+
+def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float) -> dict:
+    port = free_port_pair()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
+                                   "--spares", "0", *SETUPS[name]), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(endpoint, proc)
+        cmd = disagg("bench", "--endpoint", endpoint, "--request-rate", f"{rate:g}", "--num-requests", str(n),
+                     "--warmup", "2", "--width", "1024", "--height", "1024", "--steps", "4", "--json",
+                     *(["--loras", str(adapters), "--lora-zipf", f"{zipf:g}"] if name != "no adapters" else []))
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if res.returncode not in (0, 1):
+            raise SystemExit(f"bench failed: {res.stderr[-2000:]}")
+        doc = json.loads(res.stdout)
+    finally:
+        stop_all([proc])
+    util = [i["utilization"] for i in doc["instances"] if i["role"] == "denoiser"]
+    lora = doc.get("lora", {})
+    return {"p50_s": doc["latency_s"]["p50"], "p95_s": doc["latency_s"]["p95"], "failed": doc["failed"],
+            "denoiser_utilization": round(statistics.fmean(util), 3), "cold_loads": lora.get("cold_loads", 0),
+            "hit_rate": lora.get("hit_rate", 0.0), "max_share": lora.get("max_share", 0.0),
+            "command": " ".join(cmd[2:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--busy", type=float, default=0.7, help="target denoiser utilization (sets the request rate)")
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--capacity", type=int, default=4, help="requests each denoiser holds (computing one, the rest "
+                    "waiting their turn while their adapters load)")
+    ap.add_argument("--only", help="comma-separated setups")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora-affinity.json"))
+    args = ap.parse_args()
+    setups = [s for s in SETUPS if not args.only or s in args.only.split(",")]
+    rate = round(args.busy * 4 / REQUEST_S, 2)
+    tmp = Path(tempfile.mkdtemp(prefix="disagg-lora-bench-"))
+    (tmp / "profile.yaml").write_text(PROFILE)
+    config = tmp / "deploy.yaml"
+    config.write_text(CONFIG.format(profile=tmp / "profile.yaml", capacity=args.capacity))
+    runs: dict[str, list[dict]] = {s: [] for s in setups}
+    for k in range(args.runs):  # setups interleaved, so a slow minute of the machine hits all of them
+        for s in setups:
+            runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf))
+            print(f"run {k + 1} {s}: {runs[s][-1]}", flush=True)
+    keys = ("p50_s", "p95_s", "cold_loads", "hit_rate", "max_share", "denoiser_utilization", "failed")
+    medians = {s: {key: statistics.median(r[key] for r in runs[s]) for key in keys} for s in setups}
+    base_p95 = medians.get("no adapters", {}).get("p95_s")
+    off_loads = medians.get("affinity off", {}).get("cold_loads")
+    for s, m in medians.items():
+        m["p95_vs_no_adapters"] = round(m["p95_s"] / base_p95, 3) if base_p95 else None
+        m["cold_loads_vs_off"] = round(m["cold_loads"] / off_loads, 3) if off_loads else None
+    doc = {"setup": {"denoisers": 4, "capacity": args.capacity, "slots": 4, "adapters": args.adapters, "zipf": args.zipf, "load_ms": 800,
+                     "request_rate": rate, "num_requests": args.num_requests, "runs": args.runs,
+                     "profile": "sim:flux-h200 at 1024x1024, 4 steps"},
+           "medians": medians, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    lines = ["| setup | cold loads | vs off | hit rate | p50 s | p95 s | p95 vs no adapters | busiest share | denoisers busy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s, m in medians.items():
+        lines.append(f"| {s} | {m['cold_loads']:g} | {m['cold_loads_vs_off'] if m['cold_loads_vs_off'] is not None else '-'} "
+                     f"| {m['hit_rate']:.1%} | {m['p50_s']:.3f} | {m['p95_s']:.3f} | {m['p95_vs_no_adapters']} "
+                     f"| {m['max_share']:.2f} | {m['denoiser_utilization']:.0%} |")
+    table = "\n".join(lines)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    plot(medians, out.with_suffix(".png"))
+
+
+def plot(medians: dict, path: Path) -> None:
+    """Three bar charts side by side (cold loads, p95, busiest share), drawn with Pillow."""
+    from PIL import Image, ImageDraw
+
+    names = list(medians)
+    colors = ["#999999", "#d62728", "#2ca02c", "#1f77b4", "#9467bd"]
+    panels = (("cold_loads", "cold adapter loads"), ("p95_s", "p95 latency (s)"), ("max_share", "busiest / mean share"))
+    w, h, pad = 330, 300, 40
+    img = Image.new("RGB", (w * len(panels), h + 30), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 5), "LoRA affinity (sim: 4 denoisers x 4 slots, 32 adapters Zipf 1.1, 800 ms loads, ~70% busy)",
+           fill="black")
+    for k, (key, title) in enumerate(panels):
+        x0 = k * w
+        top = max(medians[n][key] for n in names) or 1
+        d.text((x0 + pad, 25), title, fill="black")
+        bar = (w - 2 * pad) / len(names)
+        for m, n in enumerate(names):
+            v = medians[n][key]
+            bh = (h - 100) * v / top
+            left = x0 + pad + m * bar + 4
+            d.rectangle([left, h - 40 - bh, left + bar - 8, h - 40], fill=colors[m % len(colors)])
+            d.text((left, h - 55 - bh), f"{v:.3g}", fill="black")
+            d.text((left, h - 35 + (m % 2) * 12), n[:12], fill="black")
+        d.line([x0 + pad, h - 40, x0 + w - pad, h - 40], fill="black")
+    img.save(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""LoRA adapters on the orchestrator's side: which names requests may use (the catalog), and which free
+denoiser gets a request with adapters (affinity, bounded by a load rule).
+
+The catalog is `loras.dir` (each *.safetensors file, or folder holding one, is an adapter named by its
+stem; read again whenever the folder changes, so adapters added later are picked up) plus
+`loras.adapters` (name -> file, folder or hub id). A sim model takes any name, with no file.
+
+Affinity: of the instances the policy may pick from, those that hold every adapter of the request are
+"warm". A warm one gets the request unless the best cold one has more than AFFINITY_SLACK more free
+slots (the load rule: a popular adapter's instances fill up before the request goes elsewhere, so no
+hotspot forms and the adapter spreads to a second instance). A cold pick prefers instances with an
+adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA affinity) measures
+this rule against the alternatives.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.registry import Instance
+from transport.params import LoraName
+
+import msgspec
+
+#: how many more free slots a cold instance must have than the best warm one to get the request instead
+AFFINITY_SLACK = 1
+#: loras.affinity -> the load rule: on (`slack`, the rule above), and the alternatives BENCHMARKS.md measured
+#: it against: strict (warm whenever one is free), two-choices (the freer of two warm ones drawn at random)
+AFFINITY_RULES = {"on": "slack", "off": None, "strict": "strict", "two-choices": "two-choices"}
+_NAME = msgspec.json.Decoder(LoraName)
+
+
+def valid_name(name: str) -> bool:
+    try:
+        _NAME.decode(msgspec.json.encode(name))
+        return True
+    except msgspec.ValidationError:
+        return False
+
+
+def scan(folder: str) -> dict[str, str]:
+    """name -> path of each adapter in `folder`: *.safetensors files and folders holding one."""
+    out: dict[str, str] = {}
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return out
+    for e in entries:
+        path = Path(e.path)
+        if e.is_file() and path.suffix == ".safetensors":
+            name = path.stem
+        elif e.is_dir() and any(path.glob("*.safetensors")):
+            name = path.name
+        else:
+            continue
+        if valid_name(name):
+            out.setdefault(name, str(path))
+    return out
+
+
+class LoraCatalog:
+    """The adapters a request may name, and where each lies."""
+
+    def __init__(self, folder: str = "", adapters: dict[str, str] | None = None, any_name: bool = False,
+                 max_per_request: int = 4):
+        self.folder = folder
+        self.fixed = dict(adapters or {})
+        self.any_name = any_name
+        self.max_per_request = max_per_request
+        self._stamp: int | None = None
+        self._found: dict[str, str] = {}
+
+    def names(self) -> dict[str, str]:
+        """name -> source; the folder is read again when its modification time changed."""
+        if self.folder:
+            try:
+                stamp = os.stat(self.folder).st_mtime_ns
+            except OSError:
+                stamp = -1
+            if stamp != self._stamp:
+                self._stamp, self._found = stamp, scan(self.folder)
+        return {**self._found, **self.fixed}
+
+    def resolve(self, loras) -> tuple[dict[str, str], str]:
+        """(name -> source for the request's adapters, why not: empty when every one is registered)."""
+        if not loras:
+            return {}, ""
+        if len(loras) > self.max_per_request:
+            return {}, f"loras: {len(loras)} adapters, more than loras.max_per_request ({self.max_per_request})"
+        names = [r.name for r in loras]
+        if len(set(names)) != len(names):
+            return {}, "loras: an adapter is named twice"
+        if self.any_name:
+            return {n: "" for n in names}, ""
+        known = self.names()
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            listed = ", ".join(sorted(known)[:20]) or "none: set loras.dir or loras.adapters"
+            return {}, f"loras: unknown adapter {unknown[0]!r} (registered: {listed})"
+        return {n: known[n] for n in names}, ""
+
+
+def holds(inst: Instance, names) -> bool:
+    return all(n in inst.loras for n in names)
+
+
+def note_assigned(inst: Instance, names) -> None:
+    """What the instance will hold once it loaded the request's adapters (its next heartbeat says for sure):
+    the names move to the most recently used end, the least recent fall off past its slots."""
+    if not names:
+        return
+    kept = [n for n in inst.loras if n not in names] + list(names)
+    if inst.lora_slots and len(kept) > inst.lora_slots:
+        kept = kept[len(kept) - inst.lora_slots:]
+    inst.loras = kept
+
+
+def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None) -> list[Instance] | None:
+    """The instances a request with adapters `names` should go to, among `ready` (dispatchable ones), for the
+    policy to choose from; None when adapters make no difference (then the policy picks among all)."""
+    if not names or not ready:
+        return None
+    warm = [i for i in ready if holds(i, names)]
+    if warm:
+        if rule == "strict":
+            return warm
+        if rule == "two-choices":
+            pair = rng.sample(warm, 2) if rng is not None and len(warm) > 2 else warm
+            best = max(i.free_slots for i in pair)
+            return [i for i in pair if i.free_slots == best]
+        cold_best = max((i.free_slots for i in ready if i not in warm), default=-1)
+        warm_best = max(i.free_slots for i in warm)
+        if cold_best - warm_best <= AFFINITY_SLACK:
+            return [i for i in warm if i.free_slots == warm_best]
+    # cold: where a load evicts nothing, if any instance has an adapter slot to spare
+    roomy = [i for i in ready if not holds(i, names) and (not i.lora_slots or len(i.loras) + len(names) <= i.lora_slots)]
+    return roomy or None

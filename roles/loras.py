@@ -1,0 +1,281 @@
+"""The LoRA adapters one role instance holds, loaded with diffusers' own LoRA support (peft).
+
+`LoraBank` keeps an LRU of loaded adapters, bounded by `loras.slots` and `loras.max_mib`. A request's
+adapters are loaded when its Run arrives (`acquire`), on its executor thread: while another request
+computes, so a load overlaps compute where capacity allows. They stay pinned until its compute ends.
+What the model applies is set per forward: every forward of the modules that hold adapters runs under
+one lock, after `set_adapters` with the adapters of the request whose thread calls it (`use`), so
+requests with different adapters on one instance never see each other's weights. A batching denoiser
+runs one batch's forwards on its driver thread; a batch holds one set of adapters (the batch key).
+
+Backends: `DiffusersLoras` (a pipeline's components: an adapter's text-encoder parts load where the
+text encoders are, its transformer / UNet parts where the denoiser is) and `SimLoras` (sim models: any
+name, `load_ms` per load, no files).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from contextlib import contextmanager
+
+from roles.errors import RequestError
+
+log = logging.getLogger("disagg.role")
+
+#: state-dict key prefixes of each pipeline component an adapter may carry parts for
+DENOISING = ("transformer", "transformer_2", "unet")
+TEXT = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+class LoraError(RequestError):
+    """An adapter that cannot be applied here (not found, corrupt, another architecture): the request fails
+    with the reason; the instance and its other adapters go on."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="loras")
+
+
+class DiffusersLoras:
+    """A diffusers pipeline's LoRA state: load, unload, and which adapters each forward applies."""
+
+    def __init__(self, pipe, role: str):
+        self.pipe = pipe
+        prefixes = {"denoiser": DENOISING, "encoder": TEXT}.get(role, DENOISING + TEXT)
+        #: the components this role holds that may carry an adapter's part
+        self.components = [c for c in getattr(pipe, "_lora_loadable_modules", ()) if c in prefixes
+                           and getattr(pipe, c, None) is not None]
+        if not self.components or not hasattr(pipe, "load_lora_weights"):
+            raise TypeError(f"{type(pipe).__name__} takes no LoRA adapters")
+        #: component -> adapters loaded into it
+        self.parts: dict[str, set[str]] = {c: set() for c in self.components}
+
+    def modules(self):
+        return [getattr(self.pipe, c) for c in self.components]
+
+    def read(self, name: str, source: str) -> tuple[dict, int]:
+        """The adapter's parts for this role's components, and their bytes (off the model's lock)."""
+        try:
+            got = self.pipe.lora_state_dict(source)
+        except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file: the reason goes back
+            raise LoraError(f"adapter {name!r} cannot be read from {source}: {type(exc).__name__}: {exc}") from None
+        state = got[0] if isinstance(got, tuple) else got
+        if not state:
+            raise LoraError(f"adapter {name!r} ({source}) holds no LoRA weights")
+        parts = {k.split(".", 1)[0] for k in state}
+        loadable = set(self.pipe._lora_loadable_modules)
+        if not parts & loadable:  # another architecture's (an SDXL UNet's adapter for Flux)
+            raise LoraError(f"adapter {name!r} does not fit this model: its parts are for {', '.join(sorted(parts))}; "
+                            f"{type(self.pipe).__name__} takes {', '.join(sorted(loadable))}")
+        mine = {k: v for k, v in state.items() if k.split(".", 1)[0] in self.components}
+        return mine, sum(v.numel() * v.element_size() for v in mine.values())
+
+    def install(self, name: str, state: dict) -> None:
+        if not state:
+            return  # no part of it is for this role
+        try:
+            self.pipe.load_lora_weights(dict(state), adapter_name=name)
+        except Exception as exc:  # noqa: BLE001 - another architecture's adapter, wrong shapes
+            self.forget(name)
+            raise LoraError(f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}") from None
+        for c, held in self.pipe.get_list_adapters().items():
+            if c in self.parts and name in held:
+                self.parts[c].add(name)
+
+    def forget(self, name: str) -> None:
+        if any(name in held for held in self.parts.values()) or name in {
+                n for held in self.pipe.get_list_adapters().values() for n in held}:
+            self.pipe.delete_adapters(name)
+        for held in self.parts.values():
+            held.discard(name)
+
+    def activate(self, key: tuple) -> None:
+        """Apply exactly the adapters of `key` ((name, scale), ...), on each component the ones it holds."""
+        from diffusers.loaders.lora_base import (
+            disable_lora_for_text_encoder, enable_lora_for_text_encoder, set_adapters_for_text_encoder)
+        from diffusers.models.modeling_utils import ModelMixin
+
+        for c, module in zip(self.components, self.modules()):
+            held = self.parts[c]
+            if not held:
+                continue
+            use = [(n, w) for n, w in key if n in held]
+            is_model = isinstance(module, ModelMixin)
+            if not use:
+                module.disable_lora() if is_model else disable_lora_for_text_encoder(module)
+                continue
+            names, weights = [n for n, _ in use], [w for _, w in use]
+            if is_model:
+                module.enable_lora()
+                module.set_adapters(names, weights)
+            else:
+                enable_lora_for_text_encoder(module)
+                set_adapters_for_text_encoder(names, module, weights)
+
+
+class SimLoras:
+    """A sim model's adapters: any name; each load takes the profile's `load_ms` (times the slowdown)."""
+
+    components = ()
+
+    def __init__(self, load_ms: float, slowdown: float = 1.0):
+        self.load_s = load_ms * slowdown / 1000
+
+    def modules(self):
+        return []
+
+    def read(self, name: str, source: str) -> tuple[dict, int]:
+        time.sleep(self.load_s)
+        return {}, 0
+
+    def install(self, name: str, state: dict) -> None:
+        pass
+
+    def forget(self, name: str) -> None:
+        pass
+
+    def activate(self, key: tuple) -> None:
+        pass
+
+
+class LoraBank:
+    """The adapters one instance holds, least recently used first, and the loads and hits so far."""
+
+    def __init__(self, backend, slots: int, max_bytes: int):
+        self.backend = backend
+        self.slots = slots
+        self.max_bytes = max_bytes
+        self.held: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> bytes
+        self.pins: collections.Counter[str] = collections.Counter()
+        self.loading: dict[str, threading.Event] = {}
+        self.loads = 0
+        self.hits = 0
+        self._state = threading.Lock()  # held, pins, loading, counters
+        self.model_lock = threading.Lock()  # the model's adapters: loads, unloads, set_adapters, forwards
+        self._active: tuple | None = None
+        self._local = threading.local()
+        for module in backend.modules():
+            self._guard(module)
+
+    def names(self) -> list[str]:
+        with self._state:
+            return list(self.held) + [n for n in self.loading if n not in self.held]
+
+    def acquire(self, loras, sources: dict[str, str]) -> float:
+        """Load what of `loras` is not held yet and pin them all; the seconds it waited for loads."""
+        names = [r.name for r in loras or ()]
+        if not names:
+            return 0.0
+        t0 = time.perf_counter()
+        pinned = []
+        try:
+            for name in names:
+                self._acquire_one(name, sources.get(name, ""))
+                pinned.append(name)
+        except BaseException:
+            self.release(pinned)
+            raise
+        return time.perf_counter() - t0
+
+    def _acquire_one(self, name: str, source: str) -> None:
+        while True:
+            with self._state:
+                if name in self.held:
+                    self.held.move_to_end(name)
+                    self.pins[name] += 1
+                    self.hits += 1
+                    return
+                wait = self.loading.get(name)
+                if wait is None:
+                    self.loading[name] = threading.Event()
+                    break
+            wait.wait()  # another request loads it: then it is held (or failed: then try ourselves)
+        try:
+            if not source and self.backend.components:
+                raise LoraError(f"adapter {name!r}: no source given (the orchestrator did not resolve it)")
+            state, nbytes = self.backend.read(name, source)
+            with self.model_lock:
+                self._make_room(nbytes)
+                self.backend.install(name, state)
+                self._active = None
+            with self._state:
+                self.held[name] = nbytes
+                self.pins[name] += 1
+                self.loads += 1
+            log.info("loaded adapter %s (%.1f MiB)", name, nbytes / 2**20)
+        finally:
+            with self._state:
+                self.loading.pop(name).set()
+
+    def _make_room(self, nbytes: int) -> None:
+        """Unload least recently used adapters no request uses, past slots or MiB (under the model lock)."""
+        with self._state:
+            victims = []
+            count, total = len(self.held), sum(self.held.values())
+            for name in list(self.held):
+                if count + 1 <= self.slots and total + nbytes <= self.max_bytes:
+                    break
+                if self.pins[name] == 0:
+                    victims.append(name)
+                    count, total = count - 1, total - self.held[name]
+            for name in victims:
+                del self.held[name]
+        for name in victims:
+            self.backend.forget(name)
+            log.info("unloaded adapter %s", name)
+
+    def release(self, names) -> None:
+        with self._state:
+            for name in names:
+                self.pins[name] -= 1
+                if self.pins[name] <= 0:
+                    del self.pins[name]
+
+    @contextmanager
+    def use(self, loras):
+        """This thread's forwards apply `loras` (none: the base model) until the block ends."""
+        before = getattr(self._local, "key", ())
+        self._local.key = tuple((r.name, r.scale) for r in loras or ())
+        try:
+            yield
+        finally:
+            self._local.key = before
+
+    def set_thread_key(self, key: tuple) -> None:
+        """A batching driver thread: its next forwards apply this batch's adapters."""
+        self._local.key = key
+
+    def _guard(self, module) -> None:
+        forward = module.forward
+
+        def guarded(*args, **kw):
+            key = getattr(self._local, "key", ())
+            with self.model_lock:
+                if key != self._active:
+                    self.backend.activate(key)
+                    self._active = key
+                return forward(*args, **kw)
+
+        module.forward = guarded
+
+
+def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.0) -> LoraBank | None:
+    """The bank of an adapter that takes LoRA adapters in `role`; None when it takes none (then a request with
+    adapters fails, naming the model)."""
+    if role == "decoder":
+        return None
+    profile = getattr(adapter, "profile", None)
+    if profile is not None and hasattr(profile, "lora"):  # sim: its adapters are the denoiser's weights
+        if role not in ("denoiser", "monolith"):
+            return LoraBank(SimLoras(0.0), 1 << 20, max_mib << 20)  # takes any name, at no cost
+        return LoraBank(SimLoras(profile.lora.load_ms, slowdown), profile.lora.slots or slots, max_mib << 20)
+    pipe = getattr(adapter, "pipe", None)
+    if pipe is None:
+        return None
+    try:
+        backend = DiffusersLoras(pipe, role)
+    except TypeError:
+        return None
+    return LoraBank(backend, slots, max_mib << 20)

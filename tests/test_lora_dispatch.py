@@ -1,0 +1,131 @@
+"""LoRA adapters on the orchestrator's side, on a fake clock: the catalog, validation at Submit, affinity and its
+load rule, the patience for a busy holder; and the pieces around them (sim profiles from a path, bench's draws)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from launcher.bench_load import zipf_names
+from orchestrator.loras import LoraCatalog, scan
+from roles.pipelines.sim_profile import load_profile
+from settings.schema import LoraSettings
+from tests.test_router import CLIENT, Harness, runs, staged
+from transport.messages import ErrorCode, Heartbeat, LoraRef, Rejected
+
+
+def lora_harness(tmp_path, affinity="on", **loras):
+    (tmp_path / "A.safetensors").write_bytes(b"x")
+    (tmp_path / "B").mkdir()
+    (tmp_path / "B" / "pytorch_lora_weights.safetensors").write_bytes(b"x")
+    return Harness(loras=LoraSettings(dir=str(tmp_path), affinity=affinity, **loras))
+
+
+def test_the_catalog_is_the_folders_adapters_and_the_named_ones_and_sees_new_files(tmp_path):
+    (tmp_path / "A.safetensors").write_bytes(b"x")
+    (tmp_path / "B").mkdir()
+    (tmp_path / "B" / "weights.safetensors").write_bytes(b"x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "bad name!.safetensors").write_bytes(b"x")
+    assert sorted(scan(str(tmp_path))) == ["A", "B"]
+    cat = LoraCatalog(str(tmp_path), {"hub": "someone/some-lora"})
+    assert cat.resolve([LoraRef(name="A"), LoraRef(name="hub")])[0] == {"A": str(tmp_path / "A.safetensors"),
+                                                                          "hub": "someone/some-lora"}
+    _, why = cat.resolve([LoraRef(name="C")])
+    assert "unknown adapter 'C'" in why and "A, B, hub" in why
+    (tmp_path / "C.safetensors").write_bytes(b"x")  # added while it runs: the folder changed, it is read again
+    assert cat.resolve([LoraRef(name="C")])[1] == ""
+    assert "named twice" in cat.resolve([LoraRef(name="A"), LoraRef(name="A", scale=0.5)])[1]
+    assert "max_per_request (1)" in LoraCatalog(str(tmp_path), max_per_request=1).resolve(
+        [LoraRef(name="A"), LoraRef(name="B")])[1]
+    assert LoraCatalog(any_name=True).resolve([LoraRef(name="sim-lora-7")]) == ({"sim-lora-7": ""}, "")
+
+
+def test_an_unknown_adapter_is_refused_at_submit_naming_it(tmp_path):
+    h = lora_harness(tmp_path)
+    h.add("encoder"), h.add("denoiser"), h.add("decoder")
+    [out] = h.submit("r1", loras=[LoraRef(name="nope")])
+    assert isinstance(out.msg, Rejected) and out.msg.param == "loras" and out.msg.code == ErrorCode.INVALID_REQUEST
+    assert "'nope'" in out.msg.reason and h.router.requests == {}
+    [(enc, run)] = runs(h.submit("r2", loras=[LoraRef(name="B", scale=0.5)]))
+    assert run.lora_sources == {"B": str(tmp_path / "B")}
+
+
+def to_denoiser(h, rid, names=("A",), **params):
+    """Submit `rid` with adapters and let the encoder finish it: the Run that places it on a denoiser (or None)."""
+    [(enc, _)] = runs(h.submit(rid, loras=[LoraRef(name=n) for n in names], **params))
+    out = runs(h.role(enc, staged(enc, rid)))
+    return out[0] if out else None
+
+
+def holding(h, iid, names):
+    h.role(iid, Heartbeat(instance_id=iid, loras=list(names), lora_slots=4))
+
+
+def test_a_denoiser_that_holds_the_adapter_gets_it_within_the_load_rule(tmp_path):
+    h = lora_harness(tmp_path)
+    h.add("encoder", capacity=8), h.add("denoiser", 3, capacity=2), h.add("decoder")
+    holding(h, "denoiser-2", ["A"])
+    assert to_denoiser(h, "r1")[0] == "denoiser-2"  # all have 2 free: the holder
+    assert to_denoiser(h, "r2")[0] == "denoiser-2"  # it has 1 free, others 2: within the slack, still it
+    # now it is full: none holds A and is free, but it will be soon: r3 waits for it (a load takes longer)
+    h.router.lora_load_s["denoiser"] = 0.8
+    assert to_denoiser(h, "r3") is None
+    # a request for B is placed meanwhile (the queue behind a waiting one moves on); it goes cold where a load
+    # evicts nothing: denoiser-0 and -1 hold no adapter
+    assert to_denoiser(h, "r4", names=("B",))[0] in ("denoiser-0", "denoiser-1")
+    # after a load's time, r3 takes a cold instance (and A spreads)
+    [(den, run)] = runs(h.tick(0.9))
+    assert run.request_id == "r3" and den != "denoiser-2"
+
+
+def test_the_slack_sends_a_request_elsewhere_when_the_holder_is_much_busier(tmp_path):
+    h = lora_harness(tmp_path)
+    h.add("encoder", capacity=8), h.add("denoiser", 2, capacity=4), h.add("decoder")
+    holding(h, "denoiser-1", ["A"])
+    for k in range(2):
+        assert to_denoiser(h, f"w{k}")[0] == "denoiser-1"  # 4 free vs 4, then 3 vs 4: the holder
+    # 2 free against 4: more than one slot more elsewhere, so the cold one
+    assert to_denoiser(h, "w2")[0] == "denoiser-0"
+
+
+@pytest.mark.parametrize("affinity", ["off", "strict", "two-choices"])
+def test_the_other_rules(tmp_path, affinity):
+    h = lora_harness(tmp_path, affinity=affinity)
+    h.add("encoder", capacity=8), h.add("denoiser", 2, capacity=4), h.add("decoder")
+    holding(h, "denoiser-1", ["A"])
+    picks = [to_denoiser(h, f"r{k}")[0] for k in range(4)]
+    if affinity == "off":  # adapters play no part: the most free slots, in turn
+        assert set(picks) == {"denoiser-0", "denoiser-1"}
+    else:  # a holder whenever one is free, however busy (two-choices: of the two, both holders here)
+        assert set(picks) == {"denoiser-1"}
+
+
+def test_batching_joins_only_a_batch_with_the_same_adapters_and_scales(tmp_path):
+    h = lora_harness(tmp_path, affinity="off")
+    h.add("encoder", capacity=8), h.add("decoder")
+    [d0, d1] = h.add("denoiser", 2, capacity=4)
+    for iid in (d0, d1):
+        h.router.registry.get(iid).max_batch = 4
+    first = to_denoiser(h, "a1", width=64, height=64)[0]
+    other = to_denoiser(h, "b1", names=("B",), width=64, height=64)[0]
+    assert other != first  # its adapters differ: it cannot join that batch
+    assert to_denoiser(h, "a2", width=64, height=64)[0] == first
+
+
+def test_sim_profiles_load_from_a_path_and_take_a_lora_cost(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("denoiser: {per_step_ms: 10}\nlora: {load_ms: 800, slots: 4}\n")
+    profile = load_profile(str(path))
+    assert profile.lora.load_ms == 800 and profile.lora.slots == 4 and profile.denoiser.per_step_ms == 10
+    with pytest.raises(ValueError, match="no simulation profile"):
+        load_profile(str(tmp_path / "missing.yaml"))
+
+
+def test_bench_draws_adapters_with_zipf():
+    names = zipf_names(32, 1.1, 5000, random.Random(0))
+    counts = [names.count(f"sim-lora-{k}") for k in range(32)]
+    assert counts[0] > counts[1] > counts[3] > counts[15] > 0 and abs(counts[0] / counts[1] - 2 ** 1.1) < 0.4
+    assert set(zipf_names(4, 0.0, 400, random.Random(1))) == {f"sim-lora-{k}" for k in range(4)}

@@ -1,0 +1,187 @@
+"""Per-request LoRA adapters end to end: real adapters made with peft and saved with the pipeline's
+save_lora_weights, loaded by the roles with diffusers' load_lora_weights + set_adapters, compared pixel by pixel
+with diffusers' own pipeline loading the same adapters in this process (tiny Flux and tiny SDXL)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from client import Client
+from tests.checkpoints import save_tiny
+from tests.conftest import Launched, disagg, launch_with_http, wait_http, wait_until
+from tests.loras import make_lora, reference
+from transport.messages import GenerationParams, LoraRef
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
+
+PROMPT = "a red cat on a beach"
+#: the issue's three requests: adapter A at scale 1; A + B at 0.7 / 0.5; no adapter
+CASES = {"A": [("A", 1.0)], "A+B": [("A", 0.7), ("B", 0.5)], "none": []}
+
+
+def params(loras, seed: int = 3) -> GenerationParams:
+    return GenerationParams(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5, seed=seed,
+                            loras=[LoraRef(name=n, scale=s) for n, s in loras] or None)
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def expected(folder, lora_dir, loras, seed: int = 3) -> np.ndarray:
+    pipe = reference(folder, [(n, lora_dir / n, s) for n, s in loras])
+    image = pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
+                 generator=torch.Generator("cpu").manual_seed(seed)).images[0]
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def family_setup(tmp, family: str):
+    folder, lora_dir = tmp / family, tmp / f"{family}-loras"
+    save_tiny(family, folder)
+    make_lora(folder, lora_dir / "A", seed=1)
+    make_lora(folder, lora_dir / "B", seed=2)
+    return folder, lora_dir
+
+
+@pytest.fixture(scope="module")
+def flux_files(module_tmp):
+    folder, lora_dir = family_setup(module_tmp, "flux")
+    sdxl = module_tmp / "sdxl-for-foreign"
+    save_tiny("sdxl", sdxl)
+    make_lora(sdxl, lora_dir / "foreign", seed=4)  # an SDXL UNet's adapter: it does not fit Flux
+    (lora_dir / "corrupt.safetensors").write_bytes(b"not a safetensors file at all")
+    refs = {name: expected(folder, lora_dir, loras) for name, loras in CASES.items()}
+    return folder, lora_dir, refs
+
+
+@pytest.fixture(scope="module")
+def flux(flux_files, module_tmp):
+    folder, lora_dir, _ = flux_files
+    (module_tmp / "flux-run").mkdir()
+    dep = launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--capacity", "1,3,1",
+                            "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "flux-run")
+    for dep in dep.serve(3):
+        wait_http(dep.http + "/health")
+        yield dep
+
+
+def run(dep, cases: list, concurrency: int = 4):
+    with Client(dep.endpoint) as client:
+        return client.run_all(cases, concurrency=concurrency, timeout_s=120)
+
+
+def test_flux_adapters_in_flight_together_on_one_denoiser_match_diffusers(flux, flux_files):
+    _, _, refs = flux_files
+    outcomes = run(flux, [params(loras) for loras in CASES.values()])
+    for name, o in zip(CASES, outcomes):
+        assert o.ok, o.error
+        diff = int(np.abs(pixels(o.images[0]) - refs[name]).max())
+        assert diff <= 1, f"{name}: worst pixel {diff}"
+    # the adapters change the image (else parity would prove nothing), and each request saw only its own
+    assert np.abs(refs["A"] - refs["none"]).max() > 20 and np.abs(refs["A"] - refs["A+B"]).max() > 20
+    def denoiser():
+        [den] = [i for i in flux.status().instances if i.role == "denoiser"]
+        return den if den.lora_loads >= 2 else None
+
+    den = wait_until(denoiser, timeout=10)  # its next heartbeat tells
+    assert set(den.loras) >= {"A", "B"} and den.lora_slots == 8 and den.lora_hits >= 1
+    # the first request to name an adapter waited for its load: its timings say so
+    assert any("lora_denoiser" in o.timings for o in outcomes)
+    assert outcomes[1].resolved.get("loras") == "A:0.7,B:0.5"
+
+
+def test_the_openai_client_gives_the_pixels_of_disagg_submit(flux, flux_files, tmp_path):
+    from openai import OpenAI
+
+    _, _, refs = flux_files
+    api = OpenAI(base_url=flux.http + "/v1", api_key="unused")
+    loras = [{"name": "A", "scale": 0.7}, {"name": "B", "scale": 0.5}]
+    img = api.images.generate(prompt=PROMPT, size="64x64", extra_body={
+        "loras": loras, "seed": 3, "num_inference_steps": 2, "guidance_scale": 3.5})
+    http_pixels = pixels(base64.b64decode(img.data[0].b64_json))
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "width": 64, "height": 64, "num_inference_steps": 2,
+                                   "guidance_scale": 3.5, "seed": 3, "loras": loras}))
+    res = disagg("submit", str(prompts), "--endpoint", flux.endpoint, "--out", str(tmp_path / "out"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").glob("*.png")
+    assert np.array_equal(http_pixels, pixels(png.read_bytes()))
+    assert np.abs(http_pixels - refs["A+B"]).max() <= 1
+    # the manifest and the PNG's text chunks record the adapters and scales
+    [line] = (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()
+    assert json.loads(line)["loras"] == "A:0.7,B:0.5"
+    assert Image.open(png).text.get("loras") == "A:0.7,B:0.5"
+    # model: "<adapter>" is shorthand for that adapter at scale 1
+    img = api.images.generate(model="A", prompt=PROMPT, size="64x64",
+                              extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 3.5})
+    assert np.abs(pixels(base64.b64decode(img.data[0].b64_json)) - refs["A"]).max() <= 1
+    models = {m.id: m for m in api.models.list().data}
+    assert {"A", "B", "foreign", "flux"} <= set(models), models
+    assert getattr(models["A"], "parent", None) == "flux"
+
+
+def test_bad_adapters_get_clear_errors_and_the_deployment_keeps_serving(flux, flux_files, tmp_path):
+    _, lora_dir, refs = flux_files
+    body = {"prompt": PROMPT, "size": "64x64"}
+    r = httpx.post(flux.http + "/v1/images/generations", json={**body, "loras": [{"name": "nope"}]}, timeout=30)
+    assert r.status_code == 400 and "'nope'" in r.text and r.json()["error"]["param"] == "loras", r.text
+    r = httpx.post(flux.http + "/v1/images/generations",
+                   json={**body, "extra_body": {"loras": [{"name": n} for n in ("A", "B", "foreign", "corrupt", "x")]}},
+                   timeout=30)
+    assert r.status_code == 400 and "max_per_request" in r.text and r.json()["error"]["param"] == "loras", r.text
+    r = httpx.post(flux.http + "/v1/images/generations", json={**body, "loras": [{"name": "A", "scale": 9}]}, timeout=30)
+    assert r.status_code == 400 and "scale" in r.text, r.text
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "loras": [{"name": "nope"}]}))
+    res = disagg("submit", str(prompts), "--endpoint", flux.endpoint, "--out", str(tmp_path / "out"), timeout=60)
+    assert res.returncode == 2 and "nope" in res.stdout + res.stderr, res.stdout + res.stderr
+    # refused when loaded, with the role's reason; the instance and the other adapters go on
+    corrupt, foreign, good = run(flux, [params([("corrupt", 1.0)]), params([("foreign", 1.0)]), params(CASES["A"])])
+    assert not corrupt.ok and "corrupt" in corrupt.error and "cannot be read" in corrupt.error, corrupt.error
+    assert not foreign.ok and "foreign" in foreign.error and "does not fit" in foreign.error, foreign.error
+    assert good.ok and np.abs(pixels(good.images[0]) - refs["A"]).max() <= 1
+    # an adapter added to the folder is picked up without a restart
+    shutil.copytree(lora_dir / "A", lora_dir / "C")
+    [c] = run(flux, [params([("C", 1.0)])])
+    assert c.ok and np.abs(pixels(c.images[0]) - refs["A"]).max() <= 1, c.error
+    metrics = httpx.get(flux.http + "/metrics", timeout=10).text
+    assert 'disagg_lora_loads_total{instance="denoiser-0",role="denoiser"}' in metrics, metrics[-2000:]
+    assert 'disagg_lora_hits_total{instance="denoiser-0",role="denoiser"}' in metrics
+
+
+def test_flux_with_batching_a_batch_holds_one_set_of_adapters(flux_files, module_tmp):
+    folder, lora_dir, refs = flux_files
+    (module_tmp / "batch-run").mkdir()
+    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--max-batch", "4",
+                    "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "batch-run")
+    for dep in dep.serve(3):
+        # two requests with adapter A may share forwards; the others each run with their own
+        cases = [params(loras) for loras in CASES.values()] + [params(CASES["A"], seed=8)]
+        outcomes = run(dep, cases)
+        extra = expected(folder, lora_dir, CASES["A"], seed=8)
+        for name, o, ref in zip([*CASES, "A seed 8"], outcomes, [*refs.values(), extra]):
+            assert o.ok, o.error
+            diff = int(np.abs(pixels(o.images[0]) - ref).max())
+            assert diff <= 1, f"{name}: worst pixel {diff}"
+
+
+def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
+    folder, lora_dir = family_setup(module_tmp, "sdxl")
+    (module_tmp / "sdxl-run").mkdir()
+    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--capacity", "1,3,1",
+                    "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "sdxl-run")
+    for dep in dep.serve(3):
+        outcomes = run(dep, [params(loras) for loras in CASES.values()])
+        for (name, loras), o in zip(CASES.items(), outcomes):
+            assert o.ok, o.error
+            diff = int(np.abs(pixels(o.images[0]) - expected(folder, lora_dir, loras)).max())
+            assert diff <= 1, f"{name}: worst pixel {diff}"
