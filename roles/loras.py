@@ -51,12 +51,18 @@ class DiffusersLoras:
             raise TypeError(f"{type(pipe).__name__} takes no LoRA adapters")
         #: component -> adapters loaded into it
         self.parts: dict[str, set[str]] = {c: set() for c in self.components}
+        import importlib.util
+
+        self.peft = importlib.util.find_spec("peft") is not None
 
     def modules(self):
         return [getattr(self.pipe, c) for c in self.components]
 
     def read(self, name: str, source: str) -> tuple[dict, int]:
         """The adapter's parts for this role's components, and their bytes (off the model's lock)."""
+        if not self.peft:
+            raise LoraError("LoRA adapters need peft on the role's host: pip install 'disagg[lora]' (with torch pinned "
+                            "in the same command)")
         try:
             got = self.pipe.lora_state_dict(source)
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file: the reason goes back
