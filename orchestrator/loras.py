@@ -6,11 +6,13 @@ stem; read again whenever the folder changes, so adapters added later are picked
 `loras.adapters` (name -> file, folder or hub id). A sim model takes any name, with no file.
 
 Affinity: of the instances the policy may pick from, those that hold every adapter of the request are
-"warm". A warm one gets the request unless the best cold one has more than AFFINITY_SLACK more free
-slots (the load rule: a popular adapter's instances fill up before the request goes elsewhere, so no
-hotspot forms and the adapter spreads to a second instance). A cold pick prefers instances with an
-adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA affinity) measures
-this rule against the alternatives.
+"warm"; a warm one gets the request whenever one is free (`on`). The load rule that keeps a popular
+adapter from making a hotspot is the instance's capacity (a full holder takes nothing more) and the
+patience (orchestrator/placement.py worth_waiting): a request waits for a busy holder at most as long
+as a load takes, then goes cold, so the adapter spreads to a second instance. A cold pick prefers
+instances with an adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA
+affinity) measures this against `slack` (a holder unless the best other one has more than
+AFFINITY_SLACK more free slots) and `two-choices`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import msgspec
 
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1
-#: loras.affinity -> the load rule: on (`slack`, the rule above), and the alternatives BENCHMARKS.md measured
-#: it against: strict (warm whenever one is free), two-choices (the freer of two warm ones drawn at random)
-AFFINITY_RULES = {"on": "slack", "off": None, "strict": "strict", "two-choices": "two-choices"}
+#: loras.affinity -> the load rule: on (`strict`: warm whenever one is free; its bound is the instance's capacity
+#: and the patience of orchestrator/placement.py worth_waiting), and the alternatives BENCHMARKS.md measured it
+#: against: slack (the rule above), two-choices (the freer of two warm ones drawn at random)
+AFFINITY_RULES = {"on": "strict", "off": None, "slack": "slack", "two-choices": "two-choices"}
 _NAME = msgspec.json.Decoder(LoraName)
 
 

@@ -150,11 +150,12 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
         extra=use("role", flag=None))] = 4096
-    affinity: Annotated[Literal["on", "off", "strict", "two-choices"], Meta(description=(
-        "on: of the free denoisers, one that holds all of a request's adapters gets it, unless the best other one "
-        "has more than one free slot more (the load rule, BENCHMARKS.md); off: adapters play no part in dispatch. "
-        "strict (a holder whenever one is free) and two-choices (the freer of two holders drawn at random) are "
-        "the rules it was measured against, kept to compare."),
+    affinity: Annotated[Literal["on", "off", "slack", "two-choices"], Meta(description=(
+        "on: of the free denoisers, one that holds all of a request's adapters gets it; when only busy ones hold "
+        "them, the request waits for one at most as long as a load takes, then goes elsewhere (the load rule, "
+        "BENCHMARKS.md). off: adapters play no part in dispatch. slack (a holder unless another has more than "
+        "one free slot more) and two-choices (the freer of two holders drawn at random) are the rules it was "
+        "measured against, kept to compare."),
         extra=use("orchestrator", flag="--lora-affinity"))] = "on"
 
 

@@ -65,7 +65,7 @@ def holding(h, iid, names):
 
 
 def test_a_denoiser_that_holds_the_adapter_gets_it_within_the_load_rule(tmp_path):
-    h = lora_harness(tmp_path)
+    h = lora_harness(tmp_path, affinity="slack")
     h.add("encoder", capacity=8), h.add("denoiser", 3, capacity=2), h.add("decoder")
     holding(h, "denoiser-2", ["A"])
     assert to_denoiser(h, "r1")[0] == "denoiser-2"  # all have 2 free: the holder
@@ -81,8 +81,8 @@ def test_a_denoiser_that_holds_the_adapter_gets_it_within_the_load_rule(tmp_path
     assert run.request_id == "r3" and den != "denoiser-2"
 
 
-def test_the_slack_sends_a_request_elsewhere_when_the_holder_is_much_busier(tmp_path):
-    h = lora_harness(tmp_path)
+def test_the_slack_rule_sends_a_request_elsewhere_when_the_holder_is_much_busier(tmp_path):
+    h = lora_harness(tmp_path, affinity="slack")
     h.add("encoder", capacity=8), h.add("denoiser", 2, capacity=4), h.add("decoder")
     holding(h, "denoiser-1", ["A"])
     for k in range(2):
@@ -91,7 +91,7 @@ def test_the_slack_sends_a_request_elsewhere_when_the_holder_is_much_busier(tmp_
     assert to_denoiser(h, "w2")[0] == "denoiser-0"
 
 
-@pytest.mark.parametrize("affinity", ["off", "strict", "two-choices"])
+@pytest.mark.parametrize("affinity", ["off", "on", "two-choices"])
 def test_the_other_rules(tmp_path, affinity):
     h = lora_harness(tmp_path, affinity=affinity)
     h.add("encoder", capacity=8), h.add("denoiser", 2, capacity=4), h.add("decoder")

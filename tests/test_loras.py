@@ -63,13 +63,18 @@ def flux_files(module_tmp):
     return folder, lora_dir, refs
 
 
+def served(tmp, name: str, folder, lora_dir, *flags: str, http: bool = False):
+    """`disagg launch` 1:1:1 of the checkpoint with the adapters' folder, for `for dep in served(...)`."""
+    (tmp / name).mkdir()
+    args = ["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", *flags, "--lora-dir", str(lora_dir),
+            "--no-dashboard"]
+    return (launch_with_http(args, tmp / name) if http else Launched(args, tmp / name)).serve(3)
+
+
 @pytest.fixture(scope="module")
 def flux(flux_files, module_tmp):
     folder, lora_dir, _ = flux_files
-    (module_tmp / "flux-run").mkdir()
-    dep = launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--capacity", "1,3,1",
-                            "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "flux-run")
-    for dep in dep.serve(3):
+    for dep in served(module_tmp, "flux-run", folder, lora_dir, "--capacity", "1,3,1", http=True):
         wait_http(dep.http + "/health")
         yield dep
 
@@ -160,10 +165,7 @@ def test_bad_adapters_get_clear_errors_and_the_deployment_keeps_serving(flux, fl
 
 def test_flux_with_batching_a_batch_holds_one_set_of_adapters(flux_files, module_tmp):
     folder, lora_dir, refs = flux_files
-    (module_tmp / "batch-run").mkdir()
-    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--max-batch", "4",
-                    "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "batch-run")
-    for dep in dep.serve(3):
+    for dep in served(module_tmp, "batch-run", folder, lora_dir, "--max-batch", "4"):
         # two requests with adapter A may share forwards; the others each run with their own
         cases = [params(loras) for loras in CASES.values()] + [params(CASES["A"], seed=8)]
         outcomes = run(dep, cases)
@@ -176,10 +178,7 @@ def test_flux_with_batching_a_batch_holds_one_set_of_adapters(flux_files, module
 
 def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
     folder, lora_dir = family_setup(module_tmp, "sdxl")
-    (module_tmp / "sdxl-run").mkdir()
-    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--capacity", "1,3,1",
-                    "--lora-dir", str(lora_dir), "--no-dashboard"], module_tmp / "sdxl-run")
-    for dep in dep.serve(3):
+    for dep in served(module_tmp, "sdxl-run", folder, lora_dir, "--capacity", "1,3,1"):
         outcomes = run(dep, [params(loras) for loras in CASES.values()])
         for (name, loras), o in zip(CASES.items(), outcomes):
             assert o.ok, o.error
