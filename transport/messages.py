@@ -16,7 +16,11 @@ from transport.codes import ErrorCode  # noqa: F401 - messages carry it; users i
 from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
     Count, CudaIpcHandle, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
 )
+from transport.wire import Seconds, _Msg  # noqa: F401 - the base of every message
 from transport.params import MAX_INPUT_BYTES, GenerationParams, LoraName, LoraRef  # noqa: F401 - likewise
+from transport.role_messages import (  # noqa: F401 - role <-> orchestrator messages, imported from here too
+    Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Release, Done, Failed, Shutdown, Dead,
+)
 from transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
 )
@@ -33,11 +37,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: `standby`: loaded and registered, given no work until an instance of its role dies (--standby)
 STATES = ("starting", "ready", "standby", "draining", "dead")
 
-Seconds = Annotated[float, Meta(ge=0)]
-
-
-class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
-    """Base of all wire messages."""
 
 
 # --- client <-> orchestrator ----------------------------------------------------------------
@@ -177,182 +176,6 @@ class StopHost(_Msg, tag="stop_host", kw_only=True):
 
 class Stopping(_Msg, tag="stopping", kw_only=True):
     """Orchestrator acknowledges a Stop."""
-
-
-# --- role <-> orchestrator ----------------------------------------------------------------
-
-
-class Register(_Msg, tag="register", kw_only=True):
-    """A role instance introduces itself (again, after a restart)."""
-
-    role: Role
-    instance_id: Id
-    pid: Count
-    host_id: Annotated[str, Meta(max_length=256)]
-    device: Annotated[str, Meta(max_length=64)]
-    capacity: Annotated[int, Meta(ge=1, le=4096)]
-    #: requests that may share one batched forward (denoisers with continuous batching)
-    max_batch: Annotated[int, Meta(ge=1, le=4096)] = 1
-    pool: PoolInfo
-    ready: bool = False
-    #: work still computing from before this registration: request id -> attempt
-    busy: dict[Id, Count] = {}
-    #: outputs staged in its pool and not yet released (a decoder sends its recent Done messages again
-    #: right after registering with an orchestrator that restarted)
-    held: Annotated[list[Held], Meta(max_length=65_536)] = []
-    #: how often the launcher restarted this instance
-    restarts: Count = 0
-    #: the deployment this instance belongs to; an orchestrator refuses instances of another one
-    deployment_id: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")] = ""
-    #: what the model can make, so the orchestrator refuses larger requests at Submit (0 = no limit)
-    max_width: Count = 0
-    max_height: Count = 0
-    max_frames: Count = 0
-    #: the model it serves (`--model`): what the HTTP gateway lists under /v1/models
-    model: Annotated[str, Meta(max_length=1024)] = ""
-    #: an instance over several devices (ranks): their devices, and its layout ("ulysses 2", "cfg 2")
-    devices: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=64)] = []
-    parallel: Annotated[str, Meta(max_length=64)] = ""
-    #: the model it serves, as an orchestrator compares it with the deployment's (a different one is refused)
-    identity: ModelIdentity | None = None
-    #: the launcher that started it (host id and pid): what a join launcher's StopHost names
-    launcher: Annotated[str, Meta(max_length=128)] = ""
-    #: LoRA adapters it keeps loaded at once (0: it applies none); adapters it still holds from before
-    lora_slots: Count = 0
-    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
-
-
-class Registered(_Msg, tag="registered", kw_only=True):
-    """Orchestrator accepts a registration."""
-
-    session: Count
-    heartbeat_interval_s: Seconds
-    #: changes when the orchestrator restarts: staged outputs from before are nobody's
-    orchestrator_id: str = ""
-    #: the orchestrator's same-host fast lane (transport/lane.py); empty = none, use ZeroMQ only
-    lane: str = ""
-
-
-class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
-    """A role is alive; `ready` turns true once its model is loaded."""
-
-    instance_id: Id
-    ready: bool = True
-    in_flight: Count = 0
-    pool_free_bytes: Count = 0
-    #: grows while the role makes progress (stages started and finished, denoising steps)
-    progress: Count = 0
-    #: once loaded: parameters held per model component (the role loads only its own)
-    components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
-    #: denoising steps of each request it runs: request id -> [done, total]
-    steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
-    #: continuous batching: batch size -> denoising steps run at that size since it started
-    batch_steps: dict[Annotated[int, Meta(ge=1, le=4096)], Count] = {}
-    #: requests computing here now (the orchestrator frees slots it inherited from a Register's
-    #: `busy` once their request is no longer among them: their report may have been lost)
-    running: Annotated[list[Id], Meta(max_length=4096)] = []
-    #: stages this process finished since it started, by its own count (an orchestrator's count
-    #: starts again when it restarts; this one shows whether work was done twice)
-    computed: Count = 0
-    #: LoRA adapters loaded here now, least recently used first, of lora_slots; adapter loads (misses) and hits
-    #: since it started
-    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
-    lora_slots: Count = 0
-    lora_loads: Count = 0
-    lora_hits: Count = 0
-
-
-class Alive(_Msg, tag="alive", kw_only=True):
-    """Orchestrator answers a Heartbeat, so roles can tell when the orchestrator is gone."""
-
-    orchestrator_id: str
-
-
-class Run(_Msg, tag="run", kw_only=True):
-    """Orchestrator gives a role one stage of one request."""
-
-    request_id: Id
-    attempt: Count
-    params: GenerationParams
-    source: Source | None = None
-    #: send the output's bytes along with Staged (a consumer may only be reachable inline)
-    inline_output: bool = False
-    #: where each of the request's LoRA adapters lies (a file or folder on the role's host, or a hub id):
-    #: name -> source; empty for a sim model's adapters
-    lora_sources: dict[LoraName, Annotated[str, Meta(max_length=4096)]] = {}
-
-
-class Fetched(_Msg, tag="fetched", kw_only=True):
-    """The consumer has copied its inputs; the producer's slot may be released."""
-
-    request_id: Id
-    attempt: Count
-    fetch_s: Seconds = 0.0
-
-
-class Staged(_Msg, tag="staged", kw_only=True):
-    """A role's outputs for a request lie in a slot of its pool (raw frame follows if inline)."""
-
-    request_id: Id
-    attempt: Count
-    slot: SlotRef
-    compute_s: Seconds = 0.0
-    #: set when the role pulled its input and sent no Fetched for it (short computes fold it in here)
-    fetch_s: Seconds | None = None
-    #: its share of the instance's device time when it shared a batched forward; None = compute_s
-    device_s: Seconds | None = None
-    #: seconds it waited for its LoRA adapters to load here (0: they were loaded, or it has none)
-    lora_s: Seconds = 0.0
-
-
-class Release(_Msg, tag="release", kw_only=True):
-    """Orchestrator tells a producer that a slot of its pool may be reused."""
-
-    request_id: Id
-    offset: Count
-
-
-class Done(_Msg, tag="done", kw_only=True):
-    """The decoder finished a request; one raw frame per encoded image follows."""
-
-    request_id: Id
-    attempt: Count
-    num_images: Count
-    image_format: str = "png"
-    compute_s: Seconds = 0.0
-    #: as in Staged
-    fetch_s: Seconds | None = None
-    #: as in Staged
-    device_s: Seconds | None = None
-    lora_s: Seconds = 0.0
-    #: as in Result
-    resolved: dict[Annotated[str, Meta(max_length=64)], str | int | float] = {}
-
-
-class Failed(_Msg, tag="failed", kw_only=True):
-    """A stage of a request failed on a role; the role keeps serving."""
-
-    request_id: Id
-    attempt: Count
-    error: Annotated[str, Meta(max_length=65_536)]
-    #: the failure may not repeat on another try (a transfer from a dead peer, a full pool)
-    retryable: bool = False
-    #: GENERATION_FAILED, or INVALID_INPUT when the request is at fault, not the instance (an input or format the
-    #: model cannot take, tensors too large for a pool): a client error, not retried, not counted against the
-    #: instance; `param`: the request field at fault
-    code: ErrorCode = ErrorCode.GENERATION_FAILED
-    param: str | None = None
-
-
-class Shutdown(_Msg, tag="shutdown", kw_only=True):
-    """Orchestrator tells a role to exit."""
-
-
-class Dead(_Msg, tag="dead", kw_only=True):
-    """A role reports, best effort, that it is exiting on an error."""
-
-    instance_id: Id
-    reason: Annotated[str, Meta(max_length=65_536)]
 
 
 class Bundle(_Msg, tag="bundle", kw_only=True):
