@@ -22,6 +22,8 @@ def image_body(p: GenerationParams) -> dict:
     for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
         if getattr(p, name) is not None:
             body[name] = getattr(p, name)
+    if p.loras:  # `disagg bench --http URL --loras N`
+        body["loras"] = [{"name": r.name, "scale": r.scale} for r in p.loras]
     return body
 
 

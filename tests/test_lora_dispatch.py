@@ -12,7 +12,7 @@ from orchestrator.loras import LoraCatalog, scan
 from roles.pipelines.sim_profile import load_profile
 from settings.schema import LoraSettings
 from tests.test_router import CLIENT, Harness, runs, staged
-from transport.messages import ErrorCode, Heartbeat, LoraRef, Rejected
+from transport.messages import ErrorCode, GenerationParams, Heartbeat, LoraRef, Rejected
 
 
 def lora_harness(tmp_path, affinity="on", **loras):
@@ -129,3 +129,11 @@ def test_bench_draws_adapters_with_zipf():
     counts = [names.count(f"sim-lora-{k}") for k in range(32)]
     assert counts[0] > counts[1] > counts[3] > counts[15] > 0 and abs(counts[0] / counts[1] - 2 ** 1.1) < 0.4
     assert set(zipf_names(4, 0.0, 400, random.Random(1))) == {f"sim-lora-{k}" for k in range(4)}
+
+
+def test_bench_over_http_sends_the_adapters():
+    from launcher.bench_http import image_body
+
+    body = image_body(GenerationParams(prompt="x", loras=[LoraRef(name="sim-lora-3", scale=0.5)]))
+    assert body["loras"] == [{"name": "sim-lora-3", "scale": 0.5}]
+    assert "loras" not in image_body(GenerationParams(prompt="x"))
