@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from transport.params import LoraName  # one adapter-name rule: requests' and the registry's
+
 #: the processes a setting may be for
 PROCESSES = ("launcher", "orchestrator", "role", "gateway")
 #: how one instance may span devices, in mesh order (roles/layout.py re-exports it)
@@ -137,8 +139,7 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A folder of adapters: each *.safetensors file or diffusers LoRA folder in it is one, named by its stem. "
         "Adapters added later are picked up without a restart. The same path must hold them on every host."),
         extra=use("orchestrator", flag="--lora-dir", metavar="DIR"))] = ""
-    adapters: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")],
-                             str], Meta(description=(
+    adapters: Annotated[dict[LoraName, str], Meta(description=(
         "More adapters by name: name -> a file, a folder or a Hugging Face id. A request names adapters only by "
         "name, never by path."),
         extra=use("orchestrator", flag=None))] = {}
