@@ -60,6 +60,8 @@ class Child:
     #: the ranks of one parallel instance share a group: when one dies, the others are stopped, and all
     #: start again together, meeting at a fresh rendezvous (DISAGG_DIST_INIT)
     group: str = ""
+    #: stopped because another rank of its group died: its own death is not a new failure of the group
+    stopped_with_group: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -209,6 +211,11 @@ class Supervisor:
             if self.stopping:
                 return
             for child in self.reap_children():
+                if child.stopped_with_group:  # we stopped it: it starts again with its group, nothing more
+                    child.stopped_with_group = False
+                    if not child.gave_up:
+                        child.restart_at = now
+                    continue
                 self._schedule(child, now)
                 if child.group:  # one rank down: the whole instance is (its ranks run in lockstep)
                     self._stop_group(child)
@@ -226,6 +233,7 @@ class Supervisor:
         for other in self.children.values():
             if other.group == dead.group and other is not dead and other.proc is not None and other.proc.poll() is None:
                 self.events.put(f"{other.name} stops with {dead.name}: the ranks of {dead.group} run together")
+                other.stopped_with_group = True
                 self._kill_group(other)
 
     def _schedule(self, child: Child, now: float) -> None:

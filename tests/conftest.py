@@ -204,3 +204,22 @@ def wait_http(url: str, timeout: float = 30.0, expect: int = 200):
             pass
         assert time.monotonic() < deadline, f"{url} did not answer {expect} in {timeout} s"
         time.sleep(0.2)
+
+
+def deployment_id(run_dir: Path) -> str:
+    """The deployment id of the launch whose run folder is `run_dir` (its orchestrator logs its settings)."""
+    import re
+
+    log = Path(run_dir) / "logs" / "orchestrator.log"
+    found = re.search(r'"deployment_id":"([A-Za-z0-9_.-]+)"', log.read_text()) if log.exists() else None
+    assert found, f"no deployment id in {log}"
+    return found.group(1)
+
+
+def segments_of(dep_id: str) -> list[str]:
+    """The shared-memory segments of one deployment (its pools are named disagg-ID-INSTANCE-PID): tests look only
+    at their own deployment's, since other tests' deployments may run beside them (pytest-xdist)."""
+    from transport.shm import list_segments
+
+    assert dep_id
+    return list_segments(f"disagg-{dep_id}-")

@@ -18,7 +18,7 @@ from launcher.batch import OutDirError, check_out_dir
 from launcher.dashboard import bench_view, status_view
 from launcher.prompts import PromptError, parse_prompts
 from launcher.run import EventLog
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, wait_until
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, segments_of, wait_until
 from transport.messages import InstanceStatus, RequestCounts, StatusReport
 from transport.shm import list_segments
 
@@ -128,7 +128,6 @@ def test_a_stop_during_startup_is_one_line_not_a_traceback(tmp_path):
 
 
 def test_a_killed_role_then_a_killed_launcher_leave_no_segment(tmp_path):
-    before = set(list_segments("disagg-"))
     dep = Launched(["--model", "payload", "-d", "1", "--no-dashboard"], tmp_path)
     try:
         report = dep.wait_ready(3)
@@ -142,12 +141,14 @@ def test_a_killed_role_then_a_killed_launcher_leave_no_segment(tmp_path):
             time.sleep(0.1)
         assert not [p for p in pids if pid_alive(p)]
         # a denoiser restarted in the moment between the two kills exits too (it sees its launcher gone)
+        ours = report.orchestrator["deployment_id"]
+
         def owners_alive():
-            return [n for n in set(list_segments("disagg-")) - before if pid_alive(int(n.rsplit("-", 1)[1]))]
+            return [n for n in segments_of(ours) if pid_alive(int(n.rsplit("-", 1)[1]))]
         while owners_alive() and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         time.sleep(0.3)
-        assert set(list_segments("disagg-")) <= before, set(list_segments("disagg-")) - before
+        assert not segments_of(ours)
     finally:
         dep.stop()
 

@@ -19,9 +19,8 @@ import zmq
 from PIL import Image
 
 from client import Client
-from tests.conftest import Launched, disagg, pid_alive
+from tests.conftest import Launched, disagg, pid_alive, segments_of
 from transport.messages import GenerationParams, Heartbeat, Register, encode
-from transport.shm import list_segments
 
 pytestmark = pytest.mark.e2e
 
@@ -30,9 +29,7 @@ N_INSTANCES = 7  # 2 encoders, 4 denoisers, the default single decoder
 
 @pytest.fixture(scope="module")
 def deployment(module_tmp):
-    before = set(list_segments("disagg-"))
     dep = Launched(["-e", "2", "-d", "4", "--no-dashboard"], module_tmp)
-    dep.shm_before = before
     try:
         dep.report = dep.wait_ready(N_INSTANCES)
         yield dep
@@ -247,12 +244,13 @@ def test_sigterm_stops_every_process_and_segment(deployment):
     with Client(deployment.endpoint) as client:
         report = client.status()
     pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"]), deployment.proc.pid]
-    assert len(list_segments("disagg-")) >= N_INSTANCES
+    ours = report.orchestrator["deployment_id"]
+    assert len(segments_of(ours)) >= N_INSTANCES
     t0 = time.monotonic()
     deployment.proc.send_signal(signal.SIGTERM)
     while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
     assert not [p for p in pids if pid_alive(p)], "processes left after 10 s"
     assert deployment.proc.wait(timeout=5) is not None
-    assert set(list_segments("disagg-")) <= deployment.shm_before
+    assert not segments_of(ours)
     assert not os.path.exists(report.orchestrator["lane"])  # nor the lane's socket file

@@ -7,7 +7,6 @@ import base64
 import io
 import time
 
-import numpy as np
 import pytest
 from PIL import Image
 

@@ -12,8 +12,7 @@ from PIL import Image
 from rich.console import Console
 
 from launcher.dashboard import events_between, status_view
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive
-from transport.shm import list_segments
+from tests.conftest import ROOT, Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.e2e
 def test_readme_batch_command_writes_images(tmp_path):
     """The README's first command (on a free port): 1:2:1, the example prompts, PNGs, exit 0."""
     out = tmp_path / "out"
-    before = set(list_segments("disagg-"))
     res = disagg(
         "launch", "--submit", str(ROOT / "examples" / "prompts.json"), "--out", str(out),
         "--port", str(free_port_pair()), "--run-dir", str(tmp_path / "run"), timeout=300,
@@ -33,11 +31,10 @@ def test_readme_batch_command_writes_images(tmp_path):
     # 1 encoder, 2 denoisers, 1 decoder, each with its own log
     logs = sorted(p.stem for p in (tmp_path / "run" / "logs").glob("*.log"))
     assert logs == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0", "fork-server", "orchestrator"]
-    assert set(list_segments("disagg-")) <= before
+    assert not segments_of(deployment_id(tmp_path / "run"))
 
 
 def test_ctrl_c_stops_everything_within_10s(tmp_path):
-    before = set(list_segments("disagg-"))
     dep = Launched(["--model", "payload", "-d", "1", "--no-dashboard"], tmp_path)
     try:
         report = dep.wait_ready(3)
@@ -48,7 +45,7 @@ def test_ctrl_c_stops_everything_within_10s(tmp_path):
             time.sleep(0.1)
         assert not [p for p in pids if pid_alive(p)]
         assert dep.proc.wait(timeout=5) is not None
-        assert set(list_segments("disagg-")) <= before
+        assert not segments_of(report.orchestrator["deployment_id"])
         assert "stopped" in dep.output()
     finally:
         dep.stop()
@@ -184,7 +181,6 @@ def test_killed_launcher_leaves_nothing_running(tmp_path):
     """kill -9 of `disagg launch` itself: the orchestrator and roles notice and exit on their own."""
     import os
 
-    before = set(list_segments("disagg-"))
     dep = Launched(["--model", "payload", "-d", "1", "--no-dashboard"], tmp_path)
     try:
         report = dep.wait_ready(3)
@@ -194,6 +190,6 @@ def test_killed_launcher_leaves_nothing_running(tmp_path):
         while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 15:
             time.sleep(0.1)
         assert not [p for p in pids if pid_alive(p)]
-        assert set(list_segments("disagg-")) <= before
+        assert not segments_of(report.orchestrator["deployment_id"])
     finally:
         dep.stop()

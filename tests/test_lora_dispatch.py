@@ -11,7 +11,7 @@ from launcher.bench_load import zipf_names
 from orchestrator.loras import LoraCatalog, scan
 from roles.pipelines.sim_profile import load_profile
 from settings.schema import LoraSettings
-from tests.test_router import CLIENT, Harness, runs, staged
+from tests.test_router import Harness, runs, staged
 from transport.messages import ErrorCode, GenerationParams, Heartbeat, LoraRef, Rejected
 
 

@@ -1,0 +1,47 @@
+"""The launcher's Supervisor on real processes: the ranks of one parallel instance restart together, once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from launcher.supervisor import RestartPolicy, Supervisor
+from tests.conftest import wait_until
+
+#: a rank that runs until it is killed, or exits 1 a moment after SIGTERM as a torch.distributed rank does
+#: when its peer is gone (gloo raises, the role exits 1)
+RANK = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(1))\ntime.sleep(600)\n"
+
+
+def test_one_rank_killed_restarts_the_group_once_and_the_new_ranks_are_left_alone(tmp_path):
+    # ranks that ran long enough to count as healthy restart at once (as after a long run under load)
+    sup = Supervisor(tmp_path, RestartPolicy(initial_delay_s=0.05, healthy_s=0.0))
+    ranks = [sup.spawn(name, [sys.executable, "-c", RANK], group="denoiser-0")
+             for name in ("denoiser-0", "denoiser-0.r1")]
+    sup.spawn("other", [sys.executable, "-c", RANK])
+    try:
+        first = {c.name: c.pid for c in ranks}
+        os.kill(first["denoiser-0.r1"], signal.SIGKILL)
+        # turns until both ranks run again as new processes, then more turns: nothing more may happen
+        wait_until(lambda: sup.supervise() or all(c.pid != first[c.name] and c.proc.poll() is None for c in ranks),
+                   timeout=30, step=0.02, why=lambda: [(c.name, c.pid, c.returncode) for c in ranks])
+        second = {c.name: c.pid for c in ranks}
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            sup.supervise()
+            time.sleep(0.02)
+        events = []
+        while not sup.events.empty():
+            events.append(sup.events.get())
+        # the rank stopped with the group is restarted with it, not taken for a new failure of the group
+        # (which stopped the freshly restarted rank, and so on until the group was given up)
+        assert {c.name: c.pid for c in ranks} == second, events
+        assert all(c.proc.poll() is None and c.restarts == 1 and not c.gave_up for c in ranks), events
+        assert sum("stops with" in e for e in events) == 1, events
+        assert sup.children["other"].restarts == 0
+        # the group's two ranks meet at the same new rendezvous
+        assert ranks[0].env["DISAGG_DIST_INIT"] == ranks[1].env["DISAGG_DIST_INIT"], events
+    finally:
+        sup.stop_all(grace_s=1)
