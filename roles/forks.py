@@ -6,7 +6,8 @@ The protocol is JSON lines (no pickle): the launcher writes one order per line o
     {"name": ..., "spec": SETTINGS_JSON, "env": {...}, "log": PATH}
 and we answer on stdout `{"ready": true}` once imported, `{"name": ..., "pid": PID}` per fork, and
 `{"exited": PID, "rc": CODE}` when a forked role ends (it is our child: we reap it and pass its status on).
-EOF on stdin ends us; the forked roles go on (each watches its launcher itself, transport/parent.py).
+EOF on stdin ends us at once (os._exit: no interpreter finalisation); the forked roles go on (each watches its
+launcher itself, transport/parent.py).
 
 The server stays single-threaded (a fork copies only the calling thread) and never initialises CUDA:
 only roles without a GPU are forked."""
@@ -107,7 +108,11 @@ def serve(model: str) -> int:
             continue
         chunk = os.read(0, 1 << 16)
         if not chunk:
-            return 0
+            # nothing of ours to clean up (the forked roles go on alone, their own sessions): skip the seconds an
+            # interpreter that imported torch and diffusers takes to finalise them
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
