@@ -169,8 +169,22 @@ def adapter_modules(model: str) -> tuple[str, ...]:
 
 
 def preload(model: str | None = None) -> None:
-    """Import every adapter (a spare may become a role of any model), or only `model`'s."""
+    """Import every adapter (a spare may become a role of any model), or only `model`'s: for a checkpoint also
+    the classes its roles will load it with (its pipeline's and its task pipelines', its components' from
+    model_index.json), so each forked role does not import diffusers' and transformers' models again."""
     import importlib
 
     for module in PRELOAD if model is None else adapter_modules(model):
         importlib.import_module(module)
+    if model is None or model.startswith("sim:") or model in SPECS:
+        return
+    from roles.pipelines.checkpoint import TASKS, load_checkpoint
+
+    ck = load_checkpoint(model)
+    wanted = [("diffusers", name) for name in {ck.pipeline_class, *filter(None, TASKS.get(ck.pipeline_class, {}).values())}]
+    wanted += [tuple(entry) for name in ck.components if len(entry := ck.index[name]) == 2]
+    for library, name in wanted:
+        try:
+            getattr(importlib.import_module(library), name)
+        except (ImportError, AttributeError):  # the role that loads it says what is missing
+            pass
