@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -18,7 +19,48 @@ from transport.shm import pid_alive  # noqa: F401 - likewise
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: the xdist group of the tests that take a shared tiny-checkpoint deployment (`checkpoint`): one worker runs
+#: them all, so each checkpoint is launched once per run, whichever modules its tests are in
+CHECKPOINTS_GROUP = "checkpoints"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (`--dist loadgroup`, pyproject's addopts): a module's tests stay on one worker, as they
+    share its deployment (group = the module), but for the tests of shared checkpoint deployments (group
+    `checkpoints`), which cross modules. Before xdist reads the groups: this hook runs first."""
+    for item in items:
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            group = CHECKPOINTS_GROUP if "checkpoint" in item.fixturenames else item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+#: the groups that take longest, handed out first (xdist gives groups out in collection order)
+FIRST = (CHECKPOINTS_GROUP, "tests.test_gpu_check", "tests.test_parallel")
+
+
+class _Order:
+    """The order of the tests, after pytest's own (which groups tests by their higher-scoped fixtures' parameters)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        order_ends_deployment(items)
+
+        kinds: dict[str, int] = {}  # each checkpoint's tests together, whichever module: one launch of each
+
+        def rank(item):
+            group = item.get_closest_marker("xdist_group").args[0]
+            kind = item.callspec.params.get("checkpoint", "") if hasattr(item, "callspec") else ""
+            return FIRST.index(group) if group in FIRST else len(FIRST), kinds.setdefault(kind, len(kinds))
+
+        items.sort(key=rank)  # stable: each group keeps its own order
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_Order(), "disagg-test-order")
+
+
+def order_ends_deployment(items):
     """Tests marked `ends_deployment` stop or kill the deployment their module shares: each runs after the
     module's other tests (in their own order), wherever it is written."""
     last = [item for item in items if item.get_closest_marker("ends_deployment")]
@@ -159,18 +201,36 @@ class Load:
         return self.outcomes
 
 
-def serve_tiny_with_http(kind: str, tmp: Path):
-    """For a module fixture (`yield from`): tiny checkpoint `kind` (tests/checkpoints.py) served 1:1:1 behind
-    a gateway that answers /health; stopped afterwards."""
+@pytest.fixture(scope="session")
+def checkpoint(request, tmp_path_factory):
+    """A tiny checkpoint (tests/checkpoints.py; the parameter names its kind) served 1:1:1 with capacity 4,4,4
+    behind a gateway that answers /health. Tests take it with
+    `@pytest.mark.parametrize("checkpoint", [KIND, ...], indirect=True)`: pytest runs the tests of one kind
+    together, across modules, so each kind is launched once and one at a time (the previous one stops)."""
     from tests.checkpoints import save_tiny
 
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f"ckpt-{kind}")
     folder = tmp / kind
     save_tiny(kind, folder)
-    (tmp / f"{kind}-run").mkdir()
-    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
-                                tmp / f"{kind}-run").serve(3):
+    (tmp / "run").mkdir()
+    for dep in launch_with_http(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--capacity", "4,4,4",
+                                 "--no-dashboard"], tmp / "run").serve(3):
         wait_http(dep.http + "/health")
+        dep.kind, dep.folder = kind, folder
         yield dep
+
+
+@functools.lru_cache(maxsize=2)
+def reference_pipeline(folder: Path, cls_name: str = "DiffusionPipeline"):
+    """diffusers' own pipeline `cls_name` from a checkpoint folder, loaded once for the tests comparing with it
+    (float32, no progress bars). Calls must pass their own generator."""
+    import diffusers
+    import torch
+
+    pipe = getattr(diffusers, cls_name).from_pretrained(folder, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @pytest.fixture(scope="module")

@@ -238,6 +238,17 @@ def test_all_slots_and_pools_free_after_the_runs(deployment):
         assert inst.free_slots == inst.capacity and inst.pool_used_bytes == 0, inst
 
 
+def test_an_image_for_a_text_only_model_is_refused_naming_the_model(deployment):
+    image = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(image, format="PNG")
+    with Client(deployment.endpoint) as client:
+        bad, good = client.run_all([GenerationParams(prompt="a", image=image.getvalue(), width=32, height=32),
+                                    GenerationParams(prompt="b", width=32, height=32)])
+    assert not bad.ok and "model 'tiny' takes text-to-image (a prompt) only" in bad.error, bad.error
+    assert bad.attempts == 1  # the request's fault: no retry
+    assert good.ok, good.error
+
+
 @pytest.mark.ends_deployment
 def test_sigterm_stops_every_process_and_segment(deployment):
     """Last in the module: SIGTERM to `disagg launch` leaves no process and no shared memory."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -15,7 +16,7 @@ from PIL import Image
 
 from client import Client
 from tests.checkpoints import save_tiny
-from tests.conftest import Launched, disagg, free_port_pair
+from tests.conftest import disagg, free_port_pair, reference_pipeline
 from transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
@@ -54,10 +55,7 @@ def requests(family: str) -> list[GenerationParams]:
 
 def reference(folder, family: str, p: GenerationParams) -> list[np.ndarray]:
     """The same request through diffusers in one process: a list of HxWx3 uint8 arrays (frames for video)."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = reference_pipeline(Path(folder))
     kw = dict(prompt=p.prompt, height=p.height, width=p.width, num_inference_steps=p.num_inference_steps,
               guidance_scale=p.guidance_scale, generator=torch.Generator("cpu").manual_seed(p.seed))
     if not family.startswith("flux"):  # Flux has no negative prompt (it is guidance-distilled)
@@ -68,28 +66,22 @@ def reference(folder, family: str, p: GenerationParams) -> list[np.ndarray]:
     return [np.asarray(im) for im in pipe(**kw, num_images_per_prompt=p.num_images_per_prompt).images]
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "sdxl", "wan21", "wan22"])
-def test_family_matches_diffusers_through_disagg(family, tmp_path):
-    folder = tmp_path / family
-    save_tiny(family, folder)
-    # capacity 4: a pipeline keeps per-call state (scheduler step index, Wan's VAE cache), so this is the
-    # check that requests computed side by side on one instance stay each its own
-    dep = Launched(["--model", str(folder), "--no-dashboard", "-e", "1", "-d", "1", "-k", "1", "--capacity", "4,4,4"],
-                   tmp_path)
-    try:
-        status = dep.wait_ready(3)
-        for inst in status.instances:  # each role loaded its own components, and only those
-            assert inst.components, inst.id
-            allowed = ROLE_PREFIXES[inst.role]
-            if inst.role == "encoder" and not family.startswith("wan"):  # it takes images: their VAE encoder too
-                allowed += IMAGE_PREFIXES
-            assert all(name.startswith(allowed) for name in inst.components), (inst.id, inst.components)
-            assert sum(inst.components.values()) > 0
-        params = requests(family)
-        with Client(dep.endpoint) as client:
-            outcomes = client.run_all(params, concurrency=len(params), timeout_s=300)
-    finally:
-        dep.stop()
+@pytest.mark.parametrize("checkpoint", ["flux", "sd3", "sdxl", "wan21", "wan22"], indirect=True)
+def test_family_matches_diffusers_through_disagg(checkpoint):
+    family, folder = checkpoint.kind, checkpoint.folder
+    # capacity 4 (the shared checkpoint deployments'): a pipeline keeps per-call state (scheduler step index,
+    # Wan's VAE cache), so this is the check that requests computed side by side on one instance stay each its own
+    for inst in checkpoint.status().instances:  # each role loaded its own components, and only those
+        assert inst.components, inst.id
+        assert inst.capacity == 4, inst.id
+        allowed = ROLE_PREFIXES[inst.role]
+        if inst.role == "encoder" and not family.startswith("wan"):  # it takes images: their VAE encoder too
+            allowed += IMAGE_PREFIXES
+        assert all(name.startswith(allowed) for name in inst.components), (inst.id, inst.components)
+        assert sum(inst.components.values()) > 0
+    params = requests(family)
+    with Client(checkpoint.endpoint) as client:
+        outcomes = client.run_all(params, concurrency=len(params), timeout_s=300)
     worst = 0
     for outcome in outcomes:
         assert outcome.ok, outcome.error
@@ -103,32 +95,30 @@ def test_family_matches_diffusers_through_disagg(family, tmp_path):
     assert worst <= 1, f"{family}: max pixel difference {worst}/255"
 
 
-def test_outputs_in_every_format_and_video_as_mp4(tmp_path):
-    """JPEG / WebP for an image model, MP4 for a video model; the client saves the right extension."""
+@pytest.mark.parametrize("checkpoint,formats", [("flux", ("jpeg", "webp", "png")), ("wan21", (None,))],
+                         indirect=["checkpoint"])
+def test_outputs_in_every_format_and_video_as_mp4(checkpoint, formats, tmp_path):
+    """JPEG / WebP for an image model, MP4 for a video model; `disagg submit` saves the right extension."""
     import imageio.v3 as iio
 
-    for family, items, exts in (
-        ("flux", [{"prompt": "a cat", "width": 32, "height": 32, "num_inference_steps": 1, "response_format": f}
-                  for f in ("jpeg", "webp", "png")], {".jpg", ".webp", ".png"}),
-        ("wan21", [{"prompt": "a cat", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 1}], {".mp4"}),
-    ):
-        folder = tmp_path / family
-        save_tiny(family, folder)
-        prompts = tmp_path / f"{family}.json"
-        prompts.write_text(json.dumps(items))
-        out = tmp_path / f"out-{family}"
-        res = disagg("launch", "--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard",
-                     "--submit", str(prompts), "--out", str(out), "--port", str(free_port_pair()), timeout=240)
-        assert res.returncode == 0, res.stdout + res.stderr
-        files = sorted(f for f in out.iterdir() if f.name != "manifest.jsonl")
-        assert {f.suffix for f in files} == exts
-        assert len((out / "manifest.jsonl").read_text().splitlines()) == len(items)
-        for f in files:
-            if f.suffix == ".mp4":
-                frames = iio.imread(f, extension=".mp4")
-                assert frames.shape == (5, 32, 32, 3)
-            else:
-                assert Image.open(f).size == (32, 32)
+    video = checkpoint.kind == "wan21"
+    items = [{"prompt": "a cat", "width": 32, "height": 32, "num_inference_steps": 1,
+              **({"num_frames": 5} if video else {"response_format": f})} for f in formats]
+    exts = {".mp4"} if video else {".jpg", ".webp", ".png"}
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(items))
+    out = tmp_path / "out"
+    res = disagg("submit", str(prompts), "--endpoint", checkpoint.endpoint, "--out", str(out), timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    files = sorted(f for f in out.iterdir() if f.name != "manifest.jsonl")
+    assert {f.suffix for f in files} == exts
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == len(items)
+    for f in files:
+        if f.suffix == ".mp4":
+            frames = iio.imread(f, extension=".mp4")
+            assert frames.shape == (5, 32, 32, 3)
+        else:
+            assert Image.open(f).size == (32, 32)
 
 
 def test_an_unsupported_family_fails_at_launch_naming_its_pipeline(tmp_path):

@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 from gateway.errors import from_outcome
-from tests.conftest import (ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, serve_tiny_with_http,
-                            wait_http, wait_until)
+from tests.conftest import (ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, wait_http,
+                            wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -298,11 +298,16 @@ def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
 # --- videos, on the tiny Wan checkpoint --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def wan(module_tmp):
-    yield from serve_tiny_with_http("wan21", module_tmp)
+#: the video tests run on the shared deployment of the tiny Wan 2.1 checkpoint (conftest.checkpoint)
+ON_WAN = pytest.mark.parametrize("checkpoint", ["wan21"], indirect=True)
 
 
+@pytest.fixture
+def wan(checkpoint):
+    return checkpoint
+
+
+@ON_WAN
 def test_videos_create_retrieve_download_with_the_openai_client(wan):
     import imageio.v3 as iio
 
@@ -329,6 +334,7 @@ def test_videos_create_retrieve_download_with_the_openai_client(wan):
     assert r.headers["openai-poll-after-ms"] == "1000"
 
 
+@ON_WAN
 def test_video_progress_comes_from_the_denoising_steps(wan):
     """A job long enough for heartbeats to report its steps mid-way (once a second)."""
     # ~7 s here (tiny Wan at 256x256, 33 frames, 60 steps): several heartbeats report its steps
@@ -350,6 +356,7 @@ def test_video_progress_comes_from_the_denoising_steps(wan):
     assert middle and middle == sorted(middle), middle
 
 
+@ON_WAN
 def test_deleting_a_running_video_job_cancels_it(wan):
     r = httpx.post(wan.http + "/v1/videos", json={"prompt": "never mind", "size": "256x256", "num_frames": 33,
                                                   "num_inference_steps": 400}, timeout=10)  # ~45 s if not cancelled
@@ -375,6 +382,7 @@ def test_deleting_a_running_video_job_cancels_it(wan):
     assert httpx.get(f"{wan.http}/v1/videos/{vid}", timeout=10).status_code == 404
 
 
+@ON_WAN
 def test_bad_video_requests_are_400_naming_the_field(wan):
     api = openai.OpenAI(base_url=wan.http + "/v1", api_key="unused", max_retries=0)
     for kwargs, param in ((dict(size="tall"), "size"), (dict(extra_body={"num_frames": 0}), "num_frames"),
@@ -385,9 +393,10 @@ def test_bad_video_requests_are_400_naming_the_field(wan):
     assert httpx.get(wan.http + "/v1/videos/nope", timeout=10).status_code == 404
 
 
-def test_video_jobs_that_would_certainly_fail_are_refused_at_create(wan, api):
+@ON_WAN
+def test_video_jobs_that_would_certainly_fail_are_refused_at_create(wan):
     """Issue 22 M6: OpenAI's seconds 8 and 12 (beyond the 81 frames Wan makes), sizes over the limit and videos
-    asked of an image model were accepted as queued, then failed."""
+    asked of an image model (next test) were accepted as queued, then failed."""
     videos = openai.OpenAI(base_url=wan.http + "/v1", api_key="unused", max_retries=0).videos
     for kwargs, param, words in ((dict(size="32x32", seconds="8"), "seconds", "129 frames"),
                                  (dict(size="32x32", seconds="12"), "seconds", "at most 81"),
@@ -396,6 +405,9 @@ def test_video_jobs_that_would_certainly_fail_are_refused_at_create(wan, api):
         with pytest.raises(openai.BadRequestError) as info:
             videos.create(prompt="a cat", **kwargs)
         assert info.value.body["param"] == param and words in info.value.body["message"], info.value.body
+
+
+def test_a_video_asked_of_an_image_model_is_refused_at_create(api):
     with pytest.raises(openai.BadRequestError) as info:  # the tiny Flux makes images
         api.videos.create(prompt="a cat", size="32x32", seconds="4")
     assert info.value.body["param"] == "model" and "makes images" in info.value.body["message"], info.value.body

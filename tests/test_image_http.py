@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from client import Client
-from tests.conftest import Launched, disagg, serve_tiny_with_http
+from tests.conftest import disagg
 from transport.messages import MAX_INPUT_BYTES, GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -35,12 +35,16 @@ def pixels(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
 
 
-@pytest.fixture(scope="module")
-def flux(module_tmp):
+#: the tests on the shared deployments of tiny checkpoints (conftest.checkpoint)
+ON_FLUX = pytest.mark.parametrize("checkpoint", ["flux"], indirect=True)
+ON_WAN_I2V = pytest.mark.parametrize("checkpoint", ["wan21-i2v"], indirect=True)
+
+
+@pytest.fixture
+def flux(checkpoint):
     """A FluxPipeline checkpoint (text, img2img, inpainting) behind a gateway."""
-    for dep in serve_tiny_with_http("flux", module_tmp):
-        dep.api = openai.OpenAI(base_url=dep.http + "/v1", api_key="unused", max_retries=0)
-        yield dep
+    checkpoint.api = openai.OpenAI(base_url=checkpoint.http + "/v1", api_key="unused", max_retries=0)
+    return checkpoint
 
 
 def edit(dep, files: dict, **fields) -> httpx.Response:
@@ -53,6 +57,7 @@ def still_serves(dep) -> None:
     assert r.status_code == 200, r.text
 
 
+@ON_FLUX
 def test_openai_images_edit_equals_disagg_submit(flux, tmp_path):
     (tmp_path / "in.png").write_bytes(png(IMAGE))
     with open(tmp_path / "in.png", "rb") as f:
@@ -73,6 +78,7 @@ def test_openai_images_edit_equals_disagg_submit(flux, tmp_path):
     assert not np.array_equal(got, pixels(base64.b64decode(t2i.data[0].b64_json)))
 
 
+@ON_FLUX
 def test_inpainting_over_http_with_image_array_and_mask(flux):
     mask = Image.fromarray(np.where(np.arange(64)[None, :] >= 32, 255, 0).astype(np.uint8).repeat(48, 0))
     r = edit(flux, [("image[]", ("a.png", png(IMAGE), "image/png")), ("mask", ("m.png", png(mask), "image/png"))],
@@ -93,6 +99,7 @@ def test_inpainting_over_http_with_image_array_and_mask(flux):
     ({}, {}, 400, "image", "required"),
     ({"mask": ("m.png", png(IMAGE), "image/png")}, {}, 400, "image", "required"),
 ])
+@ON_FLUX
 def test_bad_edits_are_clear_errors_and_the_deployment_keeps_serving(flux, files, fields, status, param, says):
     r = edit(flux, files, **fields)
     assert r.status_code == status, r.text
@@ -101,6 +108,7 @@ def test_bad_edits_are_clear_errors_and_the_deployment_keeps_serving(flux, files
     still_serves(flux)
 
 
+@ON_FLUX
 def test_an_image_over_the_size_limit_is_413_before_any_work(flux, tmp_path):
     big = b"\x89PNG" + bytes(MAX_INPUT_BYTES)
     r = edit(flux, {"image": ("big.png", big, "image/png")})
@@ -113,6 +121,7 @@ def test_an_image_over_the_size_limit_is_413_before_any_work(flux, tmp_path):
     still_serves(flux)
 
 
+@ON_FLUX
 def test_a_prompts_file_with_a_data_url_and_a_missing_file(flux, tmp_path):
     url = "data:image/png;base64," + base64.b64encode(png(IMAGE)).decode()
     prompts = tmp_path / "p.jsonl"
@@ -125,6 +134,7 @@ def test_a_prompts_file_with_a_data_url_and_a_missing_file(flux, tmp_path):
     assert res.returncode == 2 and "image: cannot read" in res.stderr and "nowhere.png" in res.stderr, res.stderr
 
 
+@ON_FLUX
 def test_the_orchestrator_forwards_the_image_to_the_encoder_only(flux):
     """The denoiser's and decoder's Runs carry no image: their roles never see its bytes (nor need them)."""
     with Client(flux.endpoint) as client:
@@ -142,9 +152,9 @@ def test_the_orchestrator_forwards_the_image_to_the_encoder_only(flux):
 # --- image-to-video over /v1/videos, and a text-only model ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def wan_i2v(module_tmp):
-    yield from serve_tiny_with_http("wan21-i2v", module_tmp)
+@pytest.fixture
+def wan_i2v(checkpoint):
+    return checkpoint
 
 
 def wait_video(dep, vid: str) -> dict:
@@ -157,6 +167,7 @@ def wait_video(dep, vid: str) -> dict:
         time.sleep(0.2)
 
 
+@ON_WAN_I2V
 def test_videos_with_input_reference_equal_disagg_submit(wan_i2v, tmp_path):
     small = Image.fromarray(RNG.integers(0, 255, (32, 32, 3), dtype=np.uint8))
     url = "data:image/png;base64," + base64.b64encode(png(small)).decode()
@@ -180,6 +191,7 @@ def test_videos_with_input_reference_equal_disagg_submit(wan_i2v, tmp_path):
     assert mp4.read_bytes() == mp4s[0]
 
 
+@ON_WAN_I2V
 def test_image_to_video_without_an_image_names_what_the_model_takes(wan_i2v):
     job = httpx.post(wan_i2v.http + "/v1/videos", json={"prompt": "a cat", "size": "32x32", "num_frames": 9},
                      timeout=30).json()
@@ -188,16 +200,7 @@ def test_image_to_video_without_an_image_names_what_the_model_takes(wan_i2v):
     assert "image-to-video (an image)" in doc["error"]["message"], doc
 
 
-def test_an_image_for_a_text_only_model_is_refused_naming_the_model(tmp_path):
-    dep = Launched(["--model", "tiny", "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"], tmp_path)
-    for d in dep.serve(3):
-        with Client(d.endpoint) as client:
-            bad, good = client.run_all([GenerationParams(prompt="a", image=png(IMAGE)), GenerationParams(prompt="b")])
-        assert not bad.ok and "model 'tiny' takes text-to-image (a prompt) only" in bad.error, bad.error
-        assert bad.attempts == 1  # the request's fault: no retry
-        assert good.ok, good.error
-
-
+@ON_FLUX
 def test_a_folder_checkpoint_is_listed_by_its_folder_name_not_the_servers_path(flux):
     """Issue 22 L1: /v1/models listed the server's absolute path, and clients had to send it."""
     [card] = httpx.get(f"{flux.http}/v1/models", timeout=10).json()["data"]
@@ -205,6 +208,7 @@ def test_a_folder_checkpoint_is_listed_by_its_folder_name_not_the_servers_path(f
     assert httpx.get(f"{flux.http}/v1/models/flux", timeout=10).status_code == 200
 
 
+@ON_FLUX
 def test_an_edit_without_size_keeps_the_input_images_size(flux):
     """Issue 22 L18: Flux img2img without `size` made 1024² from a 64x48 input; OpenAI's edits keep its size."""
     r = httpx.post(flux.http + "/v1/images/edits", data={"prompt": "a red cat", "seed": "3", "num_inference_steps": "2"},

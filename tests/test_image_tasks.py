@@ -1,6 +1,7 @@
 """Image inputs through real 1:1:1 deployments: every image pipeline equals diffusers' own, called directly.
 
-One deployment per tiny checkpoint (Flux, Flux Kontext, Flux Fill, SD3, SDXL, Wan 2.1 I2V, Qwen-Image); each
+One deployment per tiny checkpoint (Flux, Flux Kontext, Flux Fill, SD3, SDXL, Wan 2.1 I2V, Qwen-Image), shared with
+the other modules' tests of that checkpoint (conftest.checkpoint); each
 request goes through `client.Client` as `disagg submit` sends it (the image's bytes inside the request), and
 its output is compared with the diffusers pipeline object called in this process on the same inputs, with
 `generator=torch.Generator("cpu").manual_seed(seed)`: within 1/255 per pixel (and frame).
@@ -11,8 +12,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import time
+from pathlib import Path
 
-import diffusers
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ from PIL import Image
 
 from client import Client
 from tests.checkpoints import save_tiny
-from tests.conftest import Launched
+from tests.conftest import Launched, reference_pipeline
 from transport.messages import GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
@@ -94,17 +95,8 @@ DENOISER_ONLY = {"transformer", "transformer_2", "unet", "scheduler"}
 
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def deployment(request, tmp_path_factory):
-    family = request.param
-    folder = tmp_path_factory.mktemp(f"ckpt-{family}")
-    save_tiny(family, folder)
-    dep = Launched(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"],
-                   tmp_path_factory.mktemp(f"run-{family}"))
-    started = time.monotonic()
-    for d in dep.serve(3):
-        d.family, d.folder, d.boot_s = family, folder, time.monotonic() - started
-        yield d
+#: every test here that takes a checkpoint runs on each of these shared deployments (conftest.checkpoint)
+ON_EACH = pytest.mark.parametrize("checkpoint", list(CASES), indirect=True)
 
 
 def frames_of(outcome) -> list[np.ndarray]:
@@ -112,40 +104,40 @@ def frames_of(outcome) -> list[np.ndarray]:
 
 
 def reference(folder, cls_name: str, kwargs: dict, seed: int) -> list[np.ndarray]:
-    pipe = getattr(diffusers, cls_name).from_pretrained(folder, torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = reference_pipeline(Path(folder), cls_name)
     out = pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kwargs)
     images = out.frames[0] if hasattr(out, "frames") else out.images
     return [np.asarray(im.convert("RGB"), dtype=np.int16) for im in images]
 
 
-def test_every_pipeline_equals_diffusers_called_directly(deployment):
+@ON_EACH
+def test_every_pipeline_equals_diffusers_called_directly(checkpoint):
     worst = {}
-    with Client(deployment.endpoint) as client:
+    with Client(checkpoint.endpoint) as client:
         params = [GenerationParams(prompt=PROMPT, seed=11 + i, **fields)
-                  for i, (_, fields, _) in enumerate(CASES[deployment.family])]
+                  for i, (_, fields, _) in enumerate(CASES[checkpoint.kind])]
         t0 = time.monotonic()
         outcomes = client.run_all(params, concurrency=1, timeout_s=300)
         took = time.monotonic() - t0
-    for (cls_name, _, ref_kwargs), p, outcome in zip(CASES[deployment.family], params, outcomes):
+    for (cls_name, _, ref_kwargs), p, outcome in zip(CASES[checkpoint.kind], params, outcomes):
         assert outcome.ok, f"{cls_name}: {outcome.error}"
-        got, want = frames_of(outcome), reference(deployment.folder, cls_name, ref_kwargs, p.seed)
+        got, want = frames_of(outcome), reference(checkpoint.folder, cls_name, ref_kwargs, p.seed)
         assert len(got) == len(want), cls_name
         assert got[0].shape == want[0].shape, (cls_name, got[0].shape, want[0].shape)
         worst[cls_name] = max(int(np.abs(a - b).max()) for a, b in zip(got, want))
         h, w = want[0].shape[:2]
         assert (outcome.resolved.get("width"), outcome.resolved.get("height")) == (w, h), cls_name
-    print(f"\n{deployment.family}: worst pixel difference {worst}, {took:.2f} s for {len(params)} requests, "
-          f"boot {deployment.boot_s:.1f} s")
+    print(f"\n{checkpoint.kind}: worst pixel difference {worst}, {took:.2f} s for {len(params)} requests")
     assert all(d <= 1 for d in worst.values()), worst
 
 
-def test_the_denoiser_loads_only_the_dit_and_the_encoder_the_image_encoders(deployment):
-    loaded = {i.role: set(i.components) for i in deployment.status().instances}
+@ON_EACH
+def test_the_denoiser_loads_only_the_dit_and_the_encoder_the_image_encoders(checkpoint):
+    loaded = {i.role: set(i.components) for i in checkpoint.status().instances}
     assert loaded["denoiser"] <= DENOISER_ONLY, loaded["denoiser"]
     assert "vae" in loaded["encoder"] and "vae" in loaded["decoder"]
     assert not loaded["decoder"] & {"text_encoder", "transformer", "unet", "image_encoder"}
-    if deployment.family == "wan21-i2v":
+    if checkpoint.kind == "wan21-i2v":
         assert "image_encoder" in loaded["encoder"]
 
 
@@ -187,10 +179,11 @@ REFUSED = {
 }
 
 
-def test_a_task_the_checkpoint_does_not_serve_is_refused_naming_it(deployment):
-    fields, says = REFUSED.get(deployment.family, (dict(mask=png(MASK)), "a mask needs an image"))
-    with Client(deployment.endpoint) as client:
+@ON_EACH
+def test_a_task_the_checkpoint_does_not_serve_is_refused_naming_it(checkpoint):
+    fields, says = REFUSED.get(checkpoint.kind, (dict(mask=png(MASK)), "a mask needs an image"))
+    with Client(checkpoint.endpoint) as client:
         bad, good = client.run_all([GenerationParams(prompt=PROMPT, num_inference_steps=1, **fields),
-                                    GenerationParams(prompt=PROMPT, seed=1, **CASES[deployment.family][0][1])])
+                                    GenerationParams(prompt=PROMPT, seed=1, **CASES[checkpoint.kind][0][1])])
     assert not bad.ok and says in bad.error and bad.attempts == 1, bad.error
     assert good.ok, good.error  # and it keeps serving
