@@ -86,14 +86,14 @@ step install 90 bash -c "$(declare -f do_install); do_install"
 
 if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   step env 20 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-  step pytest_gpu 60 python3 -m pytest -q -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
+  step pytest_gpu 60 python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
   step transfer 120 python3 -m launcher bench transfer --engines shm,inline --sizes 16384,4194304 --repeats 3 --warmup 1 --json
   step parity 150 python3 benchmarks/gpu_e2e.py parity --device cpu --out "$OUT"
   step flux 150 python3 benchmarks/gpu_e2e.py flux --device cpu --size 128 --steps 2 --runs 1 --out "$OUT"
   step wan 150 python3 benchmarks/gpu_e2e.py wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --out "$OUT"
 else
   step env 30 bash -c "nvidia-smi; python3 -c \"import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))\""
-  step pytest_gpu 90 python3 -m pytest -q -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
+  step pytest_gpu 90 python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
   step transfer 100 python3 -m launcher bench transfer --gpus 0 --engines cuda-ipc,shm \
     --sizes 16384,65536,262144,1048576,4194304,10485760,31457280 --repeats 20 --warmup 3 --json
   step parity 100 python3 benchmarks/gpu_e2e.py parity --device cuda:0 --out "$OUT"

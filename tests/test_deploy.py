@@ -66,7 +66,8 @@ def run_sbatch(tmp_path: Path, n_nodes: int, roles: list[str]) -> None:
         port, http_port = free_port_pair(), free_port_pair()
         env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
                "SLURM_JOB_NODELIST": "ignored", "STUB_NODES": ",".join(hosts.names), "DISAGG_PORT": str(port),
-               "DISAGG_HTTP_PORT": str(http_port), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42"}
+               "DISAGG_HTTP_PORT": str(http_port), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42",
+               "DISAGG_MODEL": "payload"}  # the recipe's logic, not a model's: the compute-free one starts fastest
         env.pop("CUDA_VISIBLE_DEVICES", None)
         log = open(tmp_path / "sbatch.log", "w")
         proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/disagg.sbatch")], env=env, cwd=ROOT, stdout=log,
