@@ -6,9 +6,9 @@
 The issue's setup: 4 denoisers, each on its own simulated device with 4 adapter slots; 32 adapters drawn with
 Zipf 1.1; 800 ms per load; Flux.1 at 1024^2, 4 steps (sim:flux-h200's 680 ms per request), at a Poisson rate
 that keeps the denoisers about 70% busy. Setups, each a fresh deployment: no adapters; --lora-affinity off;
-on (the chosen rule: a holder whenever one is free, a busy holder waited for at most a load's time); slack (a
-holder unless another has more than one free slot more); two-choices (the freer of two holders drawn at
-random). Writes benchmarks/results/lora-affinity.json,
+on (a holder whenever one is free, a busy holder waited for at most a load's time); cost (the earliest expected
+finish, a load and an eviction counted); slack (a holder unless another has more than one free slot more);
+two-choices (the freer of two holders drawn at random). Writes benchmarks/results/lora-affinity.json,
 a table (stdout, .md) and a plot (.png).
 """
 
@@ -36,7 +36,8 @@ denoisers: {{count: 4, capacity: {capacity}, gpus: [0, 1, 2, 3]}}
 decoders: {{count: 1, capacity: 4, gpus: [5]}}
 """
 SETUPS = {"no adapters": [], "off": ["--lora-affinity", "off"], "on (strict)": ["--lora-affinity", "on"],
-          "slack": ["--lora-affinity", "slack"], "two-choices": ["--lora-affinity", "two-choices"]}
+          "cost": ["--lora-affinity", "cost"], "slack": ["--lora-affinity", "slack"],
+          "two-choices": ["--lora-affinity", "two-choices"]}
 REQUEST_S = 0.68  # 4 steps x 170 ms at 1024^2 on sim:flux-h200
 
 
@@ -118,9 +119,9 @@ def plot(medians: dict, path: Path) -> None:
     from PIL import Image, ImageDraw
 
     names = list(medians)
-    colors = ["#999999", "#d62728", "#2ca02c", "#1f77b4", "#9467bd"]
+    colors = ["#999999", "#d62728", "#2ca02c", "#ff7f0e", "#1f77b4", "#9467bd"]
     panels = (("cold_loads", "cold adapter loads"), ("p95_s", "p95 latency (s)"), ("max_share", "busiest / mean share"))
-    w, h, pad = 330, 300, 40
+    w, h, pad = 380, 300, 40
     img = Image.new("RGB", (w * len(panels), h + 30), "white")
     d = ImageDraw.Draw(img)
     d.text((10, 5), "LoRA affinity (sim: 4 denoisers x 4 slots, 32 adapters Zipf 1.1, 800 ms loads, ~70% busy)",

@@ -142,11 +142,12 @@ class LeastWork(TieRotation):
 
 def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instance], req, requests: dict,
                        prefer_host: str | None = None, batching: bool | None = None, affinity: str | None = None,
-                       rng=None):
+                       rng=None, cost=None):
     """The policy's pick, but where denoisers batch (max_batch > 1) an instance whose running batch `req`
     can join (or that runs nothing) comes first: a batch holds one shape and one set of LoRA adapters, others
     wait behind it. With `affinity` (a load rule of orchestrator/loras.py) an instance that holds the request's
-    adapters comes first, within that rule. `requests`: request id -> request, to read what each instance runs."""
+    adapters comes first, within that rule (`cost`: the `cost` rule's estimate, instance, warm -> seconds).
+    `requests`: request id -> request, to read what each instance runs."""
     nbytes = req.source.slot.nbytes if req.source is not None else 0
     if batching is None:
         batching = any(i.max_batch > 1 for i in instances)
@@ -160,17 +161,18 @@ def pick_joining_batch(policy: DispatchPolicy, role: str, instances: list[Instan
             return all(k == key for k in keys)
 
         joining = [i for i in instances if joinable(i)]
-        inst = _pick(policy, role, joining, names, affinity, prefer_host, nbytes, rng)
+        inst = _pick(policy, role, joining, names, affinity, prefer_host, nbytes, rng, cost)
         if inst is not None:
             return inst
     if names:
-        return _pick(policy, role, _free(policy, role, instances, True), names, affinity, prefer_host, nbytes, rng)
+        return _pick(policy, role, _free(policy, role, instances, True), names, affinity, prefer_host, nbytes, rng,
+                     cost)
     return policy.pick(role, instances, prefer_host, nbytes, indexed=True)
 
 
-def _pick(policy, role, instances, names, affinity, prefer_host, nbytes, rng):
+def _pick(policy, role, instances, names, affinity, prefer_host, nbytes, rng, cost=None):
     if names:
-        chosen = pick_by_affinity([i for i in instances if i.dispatchable], names, affinity, rng)
+        chosen = pick_by_affinity([i for i in instances if i.dispatchable], names, affinity, rng, cost)
         if chosen:
             return policy.pick(role, chosen, prefer_host, nbytes)
     return policy.pick(role, instances, prefer_host, nbytes)

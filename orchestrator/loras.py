@@ -28,9 +28,13 @@ import msgspec
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1
 #: loras.affinity -> the load rule: on (`strict`: warm whenever one is free; its bound is the instance's capacity
-#: and the patience of orchestrator/placement.py worth_waiting), and the alternatives BENCHMARKS.md measured it
-#: against: slack (the rule above), two-choices (the freer of two warm ones drawn at random)
-AFFINITY_RULES = {"on": "strict", "off": None, "slack": "slack", "two-choices": "two-choices"}
+#: and the patience of orchestrator/placement.py worth_waiting), cost (the earliest expected finish, a load and
+#: what it evicts counted: expected_finish), and the alternatives BENCHMARKS.md measured them against: slack
+#: (the rule above), two-choices (the freer of two warm ones drawn at random)
+AFFINITY_RULES = {"on": "strict", "off": None, "cost": "cost", "slack": "slack", "two-choices": "two-choices"}
+#: the `cost` rule's price of evicting an adapter to load another, in loads: a later request for the evicted one
+#: may have to load it again (BENCHMARKS.md, LoRA affinity: 0 loads more, 1 gives fewer loads and a longer tail)
+EVICTION_COST = 0.5
 _NAME = msgspec.json.Decoder(LoraName)
 
 
@@ -119,11 +123,31 @@ def note_assigned(inst: Instance, names) -> None:
     inst.loras = kept
 
 
-def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None) -> list[Instance] | None:
+def expected_finish(inst: Instance, warm: bool, load_s: float) -> float:
+    """When a request would finish on `inst`, from now, in seconds (the `cost` rule): the work it already holds
+    (each request's remaining share of its steps, as its heartbeats said, times what one request alone costs
+    it) or, when the request's adapters must be loaded first, that load if longer (a load overlaps the device's
+    other work); then its own compute; and, when the load evicts an adapter, EVICTION_COST loads more."""
+    unit = inst.solo_s or inst.stage_s_avg
+    held = 0.0
+    for rid in inst.running:
+        done, total = inst.steps.get(rid, (0, 0))
+        held += 1.0 - done / total if total else 1.0
+    evicts = not warm and inst.lora_slots and len(inst.loras) >= inst.lora_slots
+    return max(0.0 if warm else load_s, held * unit) + unit + (EVICTION_COST * load_s if evicts else 0.0)
+
+
+def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None,
+                     cost=None) -> list[Instance] | None:
     """The instances a request with adapters `names` should go to, among `ready` (dispatchable ones), for the
-    policy to choose from; None when adapters make no difference (then the policy picks among all)."""
+    policy to choose from; None when adapters make no difference (then the policy picks among all). `cost`:
+    the `cost` rule's estimate (instance, warm -> seconds; Placement.lora_cost)."""
     if not names or not ready:
         return None
+    if rule == "cost" and cost is not None:
+        scored = [(cost(i, holds(i, names)), not holds(i, names), i) for i in ready]
+        best = min(s[:2] for s in scored)
+        return [i for c, cold, i in scored if (c, cold) <= (best[0] + 1e-9, best[1])]
     warm = [i for i in ready if holds(i, names)]
     if warm:
         if rule == "strict":

@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from orchestrator.loras import AFFINITY_RULES, holds, note_assigned
+from orchestrator.loras import AFFINITY_RULES, expected_finish, holds, note_assigned
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -61,7 +61,7 @@ class Placement:
                 inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
                                           producer.host if producer is not None else None,
                                           batching=self.registry.batching(role), affinity=self.affinity_rule,
-                                          rng=self.lora_rng)
+                                          rng=self.lora_rng, cost=self.lora_cost)
                 if inst is None:
                     break
                 if self.worth_waiting(req, inst, candidates, now):
@@ -73,6 +73,10 @@ class Placement:
                 self.assign(req, inst, now, out)
             queue.extendleft(reversed(deferred))
 
+    def lora_cost(self, inst: Instance, warm: bool) -> float:
+        """The `cost` rule's estimate (orchestrator/loras.py) of when a request would finish on `inst`."""
+        return expected_finish(inst, warm, self.lora_load_s.get(inst.role, 0.0))
+
     def note_lora_load(self, role: str, seconds: float) -> None:
         avg = self.lora_load_s.get(role)
         self.lora_load_s[role] = seconds if avg is None else 0.8 * avg + 0.2 * seconds
@@ -81,7 +85,7 @@ class Placement:
         """Affinity's patience: `inst` lacks some of the request's adapters, and an instance that holds them all
         is busy. Loading costs about what the role's loads took so far (their moving average), so the request
         waits for the holder that long at most, then takes the cold instance (and the adapter spreads)."""
-        if not req.params.loras or self.affinity_rule is None or inst.role not in AFFINITY_ROLES:
+        if not req.params.loras or self.affinity_rule in (None, "cost") or inst.role not in AFFINITY_ROLES:
             return False
         names = [r.name for r in req.params.loras]
         if holds(inst, names):
@@ -116,6 +120,7 @@ class Placement:
             frames = req.source_frames if engine == "inline" else []
         if not inst.running:
             inst.progress_at = now  # an idle instance's progress clock starts with its work
+        inst.alone = req.id if not inst.running else None  # a request that runs alone measures solo_s
         inst.free_slots -= 1
         inst.running[req.id] = req.attempt
         req.state, req.assigned = "running", inst.id

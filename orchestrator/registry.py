@@ -37,6 +37,11 @@ class Instance:
     busy_s: float = 0.0
     #: moving average of its stage time (the least-work policy's estimate)
     stage_s_avg: float = 0.0
+    #: moving average of the stage time of requests it ran alone (nothing else assigned to it meanwhile): what
+    #: one request costs its device, the LoRA cost rule's unit (orchestrator/loras.py); `alone` is the request
+    #: it runs alone now, if any
+    solo_s: float = 0.0
+    alone: str | None = None
     restarts: int = 0
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
@@ -91,9 +96,12 @@ class Instance:
             lora_slots=msg.lora_slots,
         )
 
-    def record_stage_time(self, seconds: float, device_s: float | None = None) -> None:
+    def record_stage_time(self, seconds: float, device_s: float | None = None, request_id: str = "") -> None:
         """`device_s`: the request's share of a batched forward; it then counts as busy time, and
         x capacity as the stage time, since requests in a batch finish together rather than side by side."""
+        if request_id and request_id == self.alone:
+            self.solo_s = seconds if not self.solo_s else 0.8 * self.solo_s + 0.2 * seconds
+            self.alone = None
         if device_s is not None:
             self.busy_s += device_s
             seconds = device_s * self.capacity

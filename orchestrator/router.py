@@ -312,7 +312,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if msg.lora_s:
             req.timings[f"lora_{role}"] = msg.lora_s
             self.note_lora_load(role, msg.lora_s)
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s)
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -352,7 +352,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if msg.lora_s:
             req.timings[f"lora_{inst.role}"] = msg.lora_s
             self.note_lora_load(inst.role, msg.lora_s)
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s)
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,

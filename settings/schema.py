@@ -151,12 +151,14 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
         extra=use("role", flag=None))] = 4096
-    affinity: Annotated[Literal["on", "off", "slack", "two-choices"], Meta(description=(
+    affinity: Annotated[Literal["on", "off", "cost", "slack", "two-choices"], Meta(description=(
         "on: of the free denoisers, one that holds all of a request's adapters gets it; when only busy ones hold "
         "them, the request waits for one at most as long as a load takes, then goes elsewhere (the load rule, "
-        "BENCHMARKS.md). off: adapters play no part in dispatch. slack (a holder unless another has more than "
-        "one free slot more) and two-choices (the freer of two holders drawn at random) are the rules it was "
-        "measured against, kept to compare."),
+        "BENCHMARKS.md). cost: the free denoiser where the request is expected to finish first, counting the "
+        "work each holds, a load where its adapters are not held (and half a load more when it evicts one). "
+        "off: adapters play no part in dispatch. slack (a holder unless another has more than one free slot "
+        "more) and two-choices (the freer of two holders drawn at random) are rules it was measured against, "
+        "kept to compare."),
         extra=use("orchestrator", flag="--lora-affinity"))] = "on"
 
 

@@ -91,6 +91,29 @@ def test_the_slack_rule_sends_a_request_elsewhere_when_the_holder_is_much_busier
     assert to_denoiser(h, "w2")[0] == "denoiser-0"
 
 
+def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_path):
+    h = lora_harness(tmp_path, affinity="cost")
+    h.add("encoder", capacity=8), h.add("decoder")
+    d0, d1 = h.add("denoiser", 2, capacity=4)
+    for iid in (d0, d1):
+        h.router.registry.get(iid).solo_s = 0.7  # one request alone costs 0.7 s; a load 0.8 s
+    h.router.lora_load_s["denoiser"] = 0.8
+    holding(h, d1, ["A"])
+    assert to_denoiser(h, "r1")[0] == d1  # warm and idle: 0.7 s, against 0.8 + 0.7 cold
+    assert to_denoiser(h, "r2")[0] == d1  # warm behind one: 1.4 s, against 1.5 cold
+    assert to_denoiser(h, "r3")[0] == d0  # warm behind two: 2.1 s; the cold one loads while idle: 1.5 s
+    # d1's two are nearly done (its heartbeat says so) and d0 holds A now too: both warm, d1 finishes first
+    h.role(d1, Heartbeat(instance_id=d1, loras=["A"], lora_slots=4, steps={"r1": [3, 4], "r2": [3, 4]}))
+    assert to_denoiser(h, "r4")[0] == d1
+    # a load that evicts an adapter costs half a load more: with B cold everywhere, the instance with a free
+    # adapter slot gets it even with more work
+    h.role(d0, Heartbeat(instance_id=d0, loras=["A", "C", "D", "E"], lora_slots=4, steps={"r3": [3, 4]}))
+    assert to_denoiser(h, "r5", names=("B",))[0] == d1
+    # it never waits for a busy holder: with both full, the request queues for whichever frees first
+    assert not any(h.router.worth_waiting(h.router.requests["r5"], h.router.registry.get(i), [], 0.0)
+                   for i in (d0, d1))
+
+
 @pytest.mark.parametrize("affinity", ["off", "on", "two-choices"])
 def test_the_other_rules(tmp_path, affinity):
     h = lora_harness(tmp_path, affinity=affinity)
