@@ -145,7 +145,7 @@ def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None
     if not names or not ready:
         return None
     if rule == "cost" and cost is not None:
-        scored = [(cost(i, holds(i, names)), not holds(i, names), i) for i in ready]
+        scored = [(cost(i, warm), not warm, i) for i in ready for warm in (holds(i, names),)]
         best = min(s[:2] for s in scored)
         return [i for c, cold, i in scored if (c, cold) <= (best[0] + 1e-9, best[1])]
     warm = [i for i in ready if holds(i, names)]

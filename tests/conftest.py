@@ -283,7 +283,7 @@ def deployment_id(run_dir: Path) -> str:
 def segments_of(dep_id: str) -> list[str]:
     """The shared-memory segments of one deployment (its pools are named disagg-ID-INSTANCE-PID): tests look only
     at their own deployment's, since other tests' deployments may run beside them (pytest-xdist)."""
-    from transport.shm import list_segments
+    from transport.shm import SHM_PREFIX, list_segments
 
     assert dep_id
-    return list_segments(f"disagg-{dep_id}-")
+    return list_segments(f"{SHM_PREFIX}{dep_id}-")
