@@ -29,6 +29,7 @@ class ApiError(Exception):
 #: ErrorCode -> (HTTP status, the OpenAI error's `code`, headers); a code not here is a 500
 HTTP = {
     ErrorCode.OVERLOADED: (429, "overloaded", {"Retry-After": "1"}),
+    ErrorCode.DEADLINE: (429, "deadline_unmeetable", {"Retry-After": "1"}),
     ErrorCode.NOT_READY: (503, "not_ready", {"Retry-After": "5"}),
     ErrorCode.UNAVAILABLE: (503, "unavailable", {"Retry-After": "5"}),
     ErrorCode.UNREACHABLE: (503, "orchestrator_unreachable", {"Retry-After": "5"}),

@@ -238,6 +238,23 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Admission control: while this many requests wait in a role's queue, Submit is refused at once as "
         "overloaded (HTTP 429)."),
         extra=use("orchestrator"))] = 4096
+    schedule: Annotated[Literal["fifo", "slo"], Meta(description=(
+        "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
+        "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
+        "less now and less the predicted remaining time, from measured stage times); a denoiser holding several "
+        "requests picks after every step which one steps next, least slack first, so a long request yields at "
+        "step boundaries to a short one (its latents stay in memory). Aging (schedule_aging_s) bounds how long "
+        "any request waits."),
+        extra=use("orchestrator", "role"))] = "slo"
+    schedule_aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
+        "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
+        "one priority higher, so no request starves."),
+        extra=use("orchestrator", "role"))] = 10.0
+    admission: Annotated[Literal["off", "slo"], Meta(description=(
+        "slo: a request whose deadline (slo_ms) cannot be met even if it ran at once, by the measured stage "
+        "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "
+        "measurements nothing is refused. off: every request is taken."),
+        extra=use("orchestrator"))] = "off"
     busy_poll: Annotated[float, Meta(ge=0, le=0.01, description=(
         "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
         "(busy_poll_max_in_flight): the next message is taken without a thread wake-up, for about a core's "

@@ -18,6 +18,8 @@ class ErrorCode(str, enum.Enum):
     NOT_READY = "not_ready"
     #: the deployment is draining or stopping
     UNAVAILABLE = "unavailable"
+    #: `admission: slo`: its deadline (slo_ms) cannot be met even if it ran at once, by the measured stage times
+    DEADLINE = "deadline_unmeetable"
     # --- the request is at fault: sending it again as it is fails again -------------------------------------
     #: larger than what the deployment's model makes (`param`: width, height or num_frames)
     OVER_LIMIT = "over_limit"
@@ -47,7 +49,7 @@ class ErrorCode(str, enum.Enum):
 
 
 #: codes under which the same request may succeed if sent again later
-RETRY_LATER = frozenset({ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.UNAVAILABLE, ErrorCode.UNREACHABLE})
+RETRY_LATER = frozenset({ErrorCode.OVERLOADED, ErrorCode.DEADLINE, ErrorCode.NOT_READY, ErrorCode.UNAVAILABLE, ErrorCode.UNREACHABLE})
 #: codes that blame the request, not the deployment
 CLIENT_FAULT = frozenset({ErrorCode.OVER_LIMIT, ErrorCode.DUPLICATE_REQUEST_ID, ErrorCode.INVALID_INPUT,
                           ErrorCode.INVALID_REQUEST})

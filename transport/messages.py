@@ -22,7 +22,7 @@ from transport.role_messages import (  # noqa: F401 - role <-> orchestrator mess
     Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Release, Done, Failed, Shutdown, Dead,
 )
 from transport.status import (  # noqa: F401
-    GatewayStatus, InstanceStatus, PairEngine, RequestCounts, StageTime, TransferCount,
+    GatewayStatus, InstanceStatus, PairEngine, RequestCounts, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
 )
 
 #: Largest control message we decode; anything bigger is refused before parsing (a Submit with an image
@@ -109,6 +109,11 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     #: model, which takes any adapter name
     loras: list[str] = []
     any_lora: bool = False
+    #: `schedule`: fifo or slo; per role, the least slack (seconds) of the requests waiting in its queue that
+    #: have a deadline; per priority, deadlines met and missed (SloCount)
+    schedule: str = "fifo"
+    queue_slack: dict[str, float] = {}
+    slo: list[SloCount] = []
     #: the last warnings an operator should see (an inline transfer between hosts, ...), oldest first; a
     #: launcher prints each new one on its console
     warnings: list[str] = []
@@ -137,6 +142,10 @@ class RequestState(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stage: str = ""
     step: Count = 0
     steps: Count = 0
+    #: seconds from now until it is predicted to finish (from measured stage times); None: no estimate yet
+    finish_in_s: float | None = None
+    #: its deadline (slo_ms after arrival) less now and less that prediction; None: no deadline
+    slack_s: float | None = None
 
 
 class RequestStates(_Msg, tag="request_states", kw_only=True):

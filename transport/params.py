@@ -69,3 +69,8 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     #: LoRA adapters applied to this request's own compute turns, in order (registered names only: loras.dir,
     #: loras.adapters); none = the base model
     loras: Annotated[list[LoraRef], Meta(max_length=MAX_LORAS)] | None = None
+    #: scheduling (`schedule: slo`): higher goes first; None = 0. Under overload the lowest is shed first
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None
+    #: a deadline, in milliseconds from the request's arrival: `schedule: slo` orders queues and denoising steps
+    #: by the slack it leaves, and `admission: slo` refuses a request that cannot meet it
+    slo_ms: Annotated[float, Meta(gt=0, le=86_400_000)] | None = None

@@ -114,6 +114,10 @@ class Run(_Msg, tag="run", kw_only=True):
     #: where each of the request's LoRA adapters lies (a file or folder on the role's host, or a hub id):
     #: name -> source; empty for a sim model's adapters
     lora_sources: dict[LoraName, Annotated[str, Meta(max_length=4096)]] = {}
+    #: `schedule: slo`: seconds from now by which this stage should end for the request to meet its deadline
+    #: (its slo_ms, less the time already spent and the later stages' predicted time); None: no deadline. A
+    #: denoiser steps its least-slack request first (roles/turns.py)
+    stage_deadline_s: float | None = None
 
 
 class Fetched(_Msg, tag="fetched", kw_only=True):

@@ -100,3 +100,19 @@ class StageTime(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     phase: str
     count: int
     sum_s: float
+
+
+class SloCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Requests of one priority that had a deadline (slo_ms) and ended since start: met it or missed it
+    (a failure counts as missed); `slack_s` sums their slack at finish (deadline - finish, negative when
+    missed); `buckets`: how many finished with slack <= each of SLACK_BUCKETS_S (cumulative, Prometheus-style)."""
+
+    priority: int
+    met: int = 0
+    missed: int = 0
+    slack_s: float = 0.0
+    buckets: list[int] = []
+
+
+#: the slack-at-finish histogram's upper bounds, seconds (the last bucket, +Inf, is met + missed)
+SLACK_BUCKETS_S = (-10.0, -1.0, -0.1, 0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
