@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown) \
             if group is None else None
         return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
-                     sync=pool.compute_done if pool is not None else None, group=group, loras=loras)
+                     sync=pool.compute_done if pool is not None else None, group=group, loras=loras,
+                     schedule=spec.schedule, aging_s=spec.schedule_aging_s)
 
     if spec.rank > 0:  # a follower rank of a parallel instance: no pool, no orchestrator, rank 0's lead
         from roles.parallel import GroupBroken, serve_follower

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from transport.params import lora_key
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its fields hold tensors
 class _Entry:
     inputs: dict
     params: dict
@@ -35,12 +35,14 @@ class _Entry:
     state: object = None
     #: this request's share of device time: each step's time divided by the batch size
     device_s: float = 0.0
+    #: schedule slo: its priority, deadline and steps (roles/turns.py); None under fifo
+    ticket: object = None
 
 
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int, sync=None, loras=None):
+    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: str = "fifo", aging_s: float = 10.0):
         self.adapter = adapter
         #: the instance's LoRA adapters (roles/loras.py): each step's forward applies its batch's own
         self.loras = loras
@@ -53,14 +55,22 @@ class StepBatcher:
         self._thread: threading.Thread | None = None
         #: batch size -> steps run at that size so far (heartbeats carry it; /metrics shows it)
         self.batch_sizes: collections.Counter[int] = collections.Counter()
+        #: fifo: a batch runs until its requests finish, joined by waiting ones of its key. slo: the batch is
+        #: formed again before every step: the most urgent request and the most urgent others of its key
+        self.schedule = schedule
+        self.aging_s = aging_s
+        #: key -> moving average of one step's seconds (a request's slack counts its steps left at it)
+        self.step_s: dict[object, float] = {}
 
-    def denoise(self, inputs: dict, params: dict, progress=None) -> tuple[dict, float]:
+    def denoise(self, inputs: dict, params: dict, progress=None, ticket=None) -> tuple[dict, float]:
         """Blocks until this request is denoised; returns (output tensors, its share of device seconds)."""
         # a batch holds one shape and one set of adapters
-        entry = _Entry(inputs, params, (self.adapter.batch_key(params), lora_key(params.get("loras"))), progress)
+        entry = _Entry(inputs, params, (self.adapter.batch_key(params), lora_key(params.get("loras"))), progress,
+                       ticket=ticket)
         with self._cond:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._drive, name="batcher", daemon=True)
+                drive = self._drive_slo if self.schedule == "slo" else self._drive
+                self._thread = threading.Thread(target=drive, name="batcher", daemon=True)
                 self._thread.start()
             self._waiting.append(entry)
             self._cond.notify()
@@ -125,3 +135,93 @@ class StepBatcher:
                 except Exception as exc:
                     e.future.set_exception(exc)
             active = still
+
+    # --- schedule slo: the batch formed again at every step, by urgency --------------------------------------
+
+    def _urgency(self, e: _Entry, now: float) -> tuple:
+        t = e.ticket
+        if t is None:
+            return (0, False, float("inf"), 0)
+        return t.urgency(now, self.step_s.get(e.key, 0.0), self.aging_s)
+
+    def _drive_slo(self) -> None:
+        held: list[_Entry] = []  # every request handed over and not finished, started or not
+        while True:
+            try:
+                self._step_slo(held)
+            except Exception as exc:  # a fault of the driver itself: fail what it holds, never hang it
+                for e in held:
+                    if not e.future.done():
+                        e.future.set_exception(exc)
+                held.clear()
+
+    def _step_slo(self, held: list[_Entry]) -> None:
+        """One step of the slo driver: take what was handed over, form the batch, run one step."""
+        with self._cond:
+            while not held and not self._waiting:
+                self._cond.wait()
+            held.extend(self._waiting)
+            self._waiting.clear()
+        now = time.monotonic()
+        for e in held:
+            if e.ticket is not None and e.ticket.waiting_since is None:
+                e.ticket.waiting_since = now
+        order = sorted(held, key=lambda e: self._urgency(e, now))
+        batch = [e for e in order if e.key == order[0].key][:self.max_batch]
+        stepping = []
+        for e in batch:
+            if e.state is None:
+                t0 = time.perf_counter()
+                try:
+                    e.state = self.adapter.denoise_start(e.inputs, e.params)
+                    self.sync()
+                except Exception as exc:  # that request's error only
+                    e.future.set_exception(exc)
+                    held.remove(e)
+                    continue
+                e.device_s += time.perf_counter() - t0
+            if e.state.done:
+                self._finish(e)
+                held.remove(e)
+                continue
+            stepping.append(e)
+        if not stepping:
+            return
+        if self.loras is not None:
+            self.loras.set_thread_key(stepping[0].key[1])
+        t0 = time.perf_counter()
+        try:
+            self.adapter.denoise_steps([e.state for e in stepping])
+            self.sync()
+        except Exception as exc:  # a failed forward fails every request in it
+            for e in stepping:
+                e.future.set_exception(exc)
+                held.remove(e)
+            return
+        took = time.perf_counter() - t0
+        factor = self.step_s.get(stepping[0].key)
+        # one request's step time at this batch size stands for the key's (the slack estimate's unit)
+        self.step_s[stepping[0].key] = took if factor is None else 0.8 * factor + 0.2 * took
+        share = took / len(stepping)
+        self.batch_sizes[len(stepping)] += 1
+        for e in stepping:
+            e.device_s += share
+            if e.ticket is not None:
+                e.ticket.done += 1
+                e.ticket.waiting_since = None
+            if e.progress:
+                try:
+                    e.progress()
+                except Exception as exc:  # cancelled: that request leaves, the rest go on
+                    e.future.set_exception(exc)
+                    held.remove(e)
+                    continue
+            if e.state.done:
+                self._finish(e)
+                held.remove(e)
+
+    def _finish(self, e: _Entry) -> None:
+        try:
+            e.future.set_result(self.adapter.denoise_result(e.state))
+        except Exception as exc:
+            e.future.set_exception(exc)

@@ -121,17 +121,21 @@ class StageRunner:
         if self.busy.get(request_id) != attempt:
             return False
         self.cancelled[request_id] = attempt
+        if self.stage is not None and self.stage.turns is not None:
+            self.stage.turns.wake()  # one waiting for the device stops waiting now
         return True
 
     def check_cancelled(self, run: Run) -> None:
         if self.cancelled.get(run.request_id) == run.attempt:
             raise Cancelled(f"request {run.request_id} was cancelled by its client")
 
+    def steps_of(self, run: Run) -> int:
+        return run.params.num_inference_steps or self.stage.adapter.defaults().get("num_inference_steps", 0)
+
     def _stepper(self, run: Run):
         """The progress callback of one run: a denoising step counted (for the stall detector and the
         request's own progress), and the point where a cancelled run stops."""
-        total = run.params.num_inference_steps or self.stage.adapter.defaults().get("num_inference_steps", 0)
-        done = [0, total]
+        done = [0, self.steps_of(run)]
         if self.stage.role in ("denoiser", "monolith"):  # the roles that denoise report their steps
             self.steps[run.request_id] = done
 
@@ -212,17 +216,25 @@ class StageRunner:
                 lora_s = bank.acquire(run.params.loras, run.lora_sources)
                 pinned = [r.name for r in run.params.loras]
             step = self._stepper(run)
-            with self.stage.turn:  # one compute at a time where the pipeline keeps per-call state
+            ticket = self.stage.ticket(run.request_id, run.params, run.stage_deadline_s, self.steps_of(run))
+            if ticket is not None:
+                ticket.check = lambda: self.check_cancelled(run)
+            # one compute at a time where the pipeline keeps per-call state; under schedule slo the most urgent
+            # held request's, handed over at step boundaries (roles/turns.py)
+            with self.stage.turns.hold(ticket) if self.stage.turns is not None else self.stage.turn:
                 self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
                 t0 = time.perf_counter()
-                out = self.stage.run(run.params, inputs, step)
+                out = self.stage.run(run.params, inputs, step, ticket)
                 self.pool.compute_done()  # GPU kernels are asynchronous: the time counts until they finish
                 compute_s = time.perf_counter() - t0
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)
             busy_from = None
-            device_s = out.device_s if out.device_s is not None else share
+            if out.device_s is not None:
+                device_s = out.device_s
+            else:  # under schedule slo the device was this request's while it held the turn
+                device_s = ticket.held_s if ticket is not None and self.stage.turns is not None else share
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                             image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -72,7 +74,7 @@ class Stage:
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
     def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
-                 loras=None):
+                 loras=None, schedule: str = "fifo", aging_s: float = 10.0):
         self.role = role
         self.adapter = adapter
         self.model = model
@@ -86,7 +88,7 @@ class Stage:
                 raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
             from roles.batcher import StepBatcher
 
-            self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras)
+            self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras, schedule=schedule, aging_s=aging_s)
             one_forward_at_a_time(getattr(getattr(adapter, "pipe", None), "transformer", None))
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
         #: an instance over several ranks (roles/parallel.py): they run one request at a time, in lockstep
@@ -94,11 +96,57 @@ class Stage:
         if self.group is not None and self.batcher is not None:
             raise ValueError("a denoiser over several ranks does not batch requests; run it with max_batch 1")
         self.turn = contextlib.nullcontext() if shared and self.group is None else threading.Lock()
+        #: schedule slo: the held requests' computes take the device by urgency and hand it over at step
+        #: boundaries (roles/turns.py); None: `turn` as above. Not for batching or multi-rank instances
+        self.turns = None
+        #: the schedule (fifo or slo): under slo, a batching denoiser re-forms its batch at every step by urgency
+        self.schedule = schedule
+        if schedule == "slo" and role in ("denoiser", "monolith") and self.batcher is None and self.group is None:
+            from roles.turns import Turns
 
-    def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
-        """`progress()` is called at each denoising step, so a live role is told from a hung one."""
+            self.turns = Turns(aging_s)
+
+    def ticket(self, request_id: str, params: GenerationParams, deadline_s: float | None, steps: int):
+        """The step scheduler's view of one request (schedule slo: `turns`, or the batcher's), or None."""
+        if self.turns is None and (self.batcher is None or self.schedule != "slo"):
+            return None
+        from roles.turns import Ticket
+
+        return Ticket(request_id, priority=params.priority or 0, steps=steps,
+                      deadline=None if deadline_s is None else time.monotonic() + deadline_s,
+                      shape=(params.width, params.height, params.num_frames, params.num_images_per_prompt))
+
+    def _yielding(self, progress, ticket):
+        """`progress` that also hands the device to a more urgent request at each step (schedule slo)."""
+        if ticket is None:
+            return progress
+
+        def step(*args) -> None:
+            if progress is not None:
+                progress(*args)
+            self.turns.step(ticket)
+        return step
+
+    def _own(self):
+        """The adapter for one compute that may hand the device over mid-way: a thread-safe adapter itself;
+        else a copy whose diffusers pipeline is a shallow copy with its own scheduler, so the per-call state
+        (the scheduler's step index, `_guidance_scale`, ...) is the call's own and the modules are shared."""
+        adapter = self.adapter
+        pipe = getattr(adapter, "pipe", None)
+        if getattr(adapter, "thread_safe", False) or pipe is None:
+            return adapter
+        own = copy.copy(adapter)
+        own_pipe = copy.copy(pipe)
+        object.__setattr__(own_pipe, "scheduler", copy.deepcopy(pipe.scheduler))
+        own.pipe = own_pipe
+        return own
+
+    def run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None,
+            ticket=None) -> StageOutput:
+        """`progress()` is called at each denoising step, so a live role is told from a hung one. `ticket`
+        (schedule slo): the request's place in `turns`, whose turn the caller holds."""
         if self.group is None:
-            return self._run(params, inputs, progress)
+            return self._run(params, inputs, progress, ticket)
         from roles.parallel import GroupBroken, is_group_failure
 
         if self.group.leader:
@@ -125,13 +173,15 @@ class Stage:
                 raise stopped or Stopped("rank 0 stopped this request")
         return step
 
-    def _run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
+    def _run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None,
+             ticket=None) -> StageOutput:
         if self.loras is None or self.role == "decoder":
-            return self._compute(params, inputs, progress)
+            return self._compute(params, inputs, progress, ticket)
         with self.loras.use(params.loras):  # this thread's forwards apply the request's adapters only
-            return self._compute(params, inputs, progress)
+            return self._compute(params, inputs, progress, ticket)
 
-    def _compute(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None) -> StageOutput:
+    def _compute(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None,
+                 ticket=None) -> StageOutput:
         given = params_dict(params)
         p = {**self.adapter.defaults(), **given}
         # every role checks, so a format the model cannot make fails before any compute
@@ -160,14 +210,18 @@ class Stage:
             if tasks is not None and LAYOUT in inputs:  # what the encoder recorded, replayed
                 return StageOutput(tensors=tasks.denoise(inputs, p, progress))
             if self.batcher is not None:
-                tensors, device_s = self.batcher.denoise(inputs, p, progress)
+                tensors, device_s = self.batcher.denoise(inputs, p, progress, ticket)
                 return StageOutput(tensors=tensors, device_s=device_s)
+            if self.turns is not None and ticket is not None:  # it may yield the device at its steps: on its own pipeline state
+                return StageOutput(tensors=self._own().denoise(inputs, p, progress=self._yielding(progress, ticket)))
             return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
             if tasks is not None and tasks.generic(tasks.check(p)):
                 inputs = tasks.whole(p, tasks.check(p), progress)
             else:
-                inputs = self.adapter.denoise(self.adapter.encode(p), p, progress=progress)
+                ticket = ticket if self.turns is not None else None
+                adapter = self._own() if ticket is not None else self.adapter
+                inputs = adapter.denoise(adapter.encode(p), p, progress=self._yielding(progress, ticket))
         params_used = resolved(p, self.model)
         # the client knows its prompts: the wire carries the rest
         done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}

@@ -1,0 +1,146 @@
+"""`schedule: slo` inside a denoiser: which of the requests it holds uses the device next, step by step.
+
+Every held request has a `Ticket`: its priority, the time by which its stage should end (`Run.stage_deadline_s`,
+from the orchestrator's predictions) and its steps. A request holds the turn for its whole compute except at
+its step boundaries: there `Turns.step` hands the turn to the most urgent waiting request, if one is more
+urgent, and waits to get it back. Its latents stay where they are (the pipeline call's own locals), so
+yielding costs nothing but the switch.
+
+Urgency, most urgent first: the higher effective priority (its priority, plus one for every `aging_s` it has
+waited without stepping: no request starves), then those that can still meet their deadline before those
+that cannot, then the least slack (deadline - now - steps left x its step time; no deadline: no slack
+limit), then arrival.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Ticket:
+    """One held request, as the step scheduler sees it."""
+
+    request_id: str
+    priority: int = 0
+    #: time.monotonic() by which its stage should end; None: no deadline
+    deadline: float | None = None
+    steps: int = 0
+    #: a key for step times: requests of one key step alike (shape); its measured step time is kept per key
+    shape: object = None
+    done: int = 0
+    seq: int = field(default_factory=lambda: next(_arrivals))
+    #: since when it has waited for the turn (None: it holds it, or has not asked yet)
+    waiting_since: float | None = None
+    #: seconds it held the turn, and when it last took it
+    held_s: float = 0.0
+    _took: float = 0.0
+    #: called whenever it wakes while waiting: raises to stop waiting (its client cancelled it; Turns.wake)
+    check: object = None
+
+    def slack(self, now: float, step_s: float) -> float:
+        if self.deadline is None:
+            return math.inf
+        return self.deadline - now - max(self.steps - self.done, 0) * step_s
+
+    def urgency(self, now: float, step_s: float, aging_s: float) -> tuple:
+        waited = now - self.waiting_since if self.waiting_since is not None else 0.0
+        slack = self.slack(now, step_s)
+        # a request that will miss its deadline anyway goes after those that can still meet theirs
+        return (-(self.priority + int(waited // aging_s)), slack < 0, slack, self.seq)
+
+
+class Turns:
+    """An instance's device, handed from request to request at step boundaries by urgency."""
+
+    def __init__(self, aging_s: float = 10.0, clock=time.monotonic):
+        self.aging_s = aging_s
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._holder: Ticket | None = None
+        self._waiting: list[Ticket] = []
+        #: shape -> moving average of one step's seconds (slack needs the time a request still takes)
+        self.step_s: dict[object, float] = {}
+        #: turns handed over at a step boundary (a request yielded to a more urgent one): heartbeats may show it
+        self.switches = 0
+
+    def _step_s(self, t: Ticket) -> float:
+        if t.done:
+            return t.held_s / t.done
+        return self.step_s.get(t.shape, 0.0)
+
+    def _key(self, t: Ticket, now: float) -> tuple:
+        return t.urgency(now, self._step_s(t), self.aging_s)
+
+    def _best(self, now: float) -> Ticket | None:
+        return min(self._waiting, key=lambda t: self._key(t, now)) if self._waiting else None
+
+    def acquire(self, t: Ticket) -> None:
+        """Wait until `t` is the most urgent of those waiting and the device is free; then it holds the turn."""
+        with self._cond:
+            t.waiting_since = self.clock()
+            self._waiting.append(t)
+            try:
+                while self._holder is not None or self._best(self.clock()) is not t:
+                    self._cond.wait()
+                    if t.check is not None:
+                        t.check()
+            except BaseException:
+                self._waiting.remove(t)
+                self._cond.notify_all()
+                raise
+            self._waiting.remove(t)
+            t.waiting_since = None
+            self._holder = t
+            t._took = self.clock()
+
+    def wake(self) -> None:
+        """Every waiting request checks whether it should stop waiting (one was cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def release(self, t: Ticket) -> None:
+        with self._cond:
+            if self._holder is t:
+                t.held_s += self.clock() - t._took
+                self._holder = None
+                self._cond.notify_all()
+
+    def step(self, t: Ticket) -> None:
+        """`t` (holding the turn) finished a step: hand the turn to a more urgent request, if one waits."""
+        with self._cond:
+            now = self.clock()
+            t.done += 1
+            if t.done and self._holder is t:
+                per_step = (t.held_s + now - t._took) / t.done
+                avg = self.step_s.get(t.shape)
+                self.step_s[t.shape] = per_step if avg is None else 0.8 * avg + 0.2 * per_step
+            best = self._best(now)
+            if best is None or self._holder is not t or not self._key(best, now) < self._key(t, now):
+                return
+            self.switches += 1
+        self.release(t)
+        self.acquire(t)
+
+    def hold(self, t: Ticket):
+        """A context manager: the turn for a whole compute (its steps may hand it over meanwhile)."""
+        return _Held(self, t)
+
+
+class _Held:
+    def __init__(self, turns: Turns, t: Ticket):
+        self.turns, self.t = turns, t
+
+    def __enter__(self):
+        self.turns.acquire(self.t)
+        return self.t
+
+    def __exit__(self, *exc):
+        self.turns.release(self.t)
+        return False
