@@ -49,6 +49,8 @@ class Placement:
             #: requests with LoRA adapters that wait for a busy instance holding them (worth_waiting); the
             #: requests behind them are placed meanwhile, and they go back to the queue's front in order
             deferred: list[str] = []
+            if self.config.schedule == "slo":
+                self.order_queue(role, now)  # priority, then least slack (orchestrator/slo.py)
             while queue:
                 req = self.requests.get(queue[0])
                 if req is None or req.ended or req.stage != role or req.state != "queued":
@@ -131,7 +133,8 @@ class Placement:
         if req.params.loras and inst.role in AFFINITY_ROLES:
             note_assigned(inst, [r.name for r in req.params.loras])
         run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
-                  inline_output=self.needs_inline(inst), lora_sources=req.lora_sources)
+                  inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
+                  stage_deadline_s=self.stage_deadline(req, inst.role, now))
         out.append(to_instance(inst.id, run, frames))
 
     def needs_inline(self, producer: Instance) -> bool:

@@ -50,6 +50,8 @@ class Request:
     marks: dict[str, float] = field(default_factory=dict)
     #: where its LoRA adapters lie (name -> source), resolved at Submit; every Run carries it
     lora_sources: dict[str, str] = field(default_factory=dict)
+    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (orchestrator/slo.py)
+    slo_deadline: float | None = None
 
     def params_for(self, role: str) -> GenerationParams:
         """What a stage's Run carries: the input image and mask go to the first stage only."""

@@ -18,6 +18,7 @@ from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
 from orchestrator.recovery import Recovery
+from orchestrator.slo import Slo, SloCounts, StagePredictor
 from orchestrator.steps import RequestSteps
 from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
@@ -30,7 +31,7 @@ from transport.messages import (
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, Placement, RequestSteps):
+class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -74,6 +75,9 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         self.lora_rng = random.Random(0)  # the two-choices rule's draws
         #: role -> moving average of the seconds its adapter loads took (affinity's patience, worth_waiting)
         self.lora_load_s: dict[str, float] = {}
+        #: stage times per role and shape, and deadlines met and missed (orchestrator/slo.py)
+        self.predictor = StagePredictor()
+        self.slo_counts = SloCounts()
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
         self._handlers = {
@@ -165,14 +169,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         if why:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.NOT_READY)))
             return
-        limit = self.config.max_queue
-        for role in self.queues:
-            waiting = len(self.queues[role])
-            if waiting >= limit:
-                reason = f"overloaded: the {role} queue holds {waiting} requests (max_queue {limit}); retry later"
-                out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=reason,
-                                                        code=ErrorCode.OVERLOADED)))
-                return
+        if not self.admit(identity, msg, now, out):  # a full queue, or a deadline it cannot meet
+            return
         too_big = over_limits(self.limits, msg.params)
         if too_big:
             field, why = too_big
@@ -190,7 +188,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             params = msgspec.structs.replace(params, seed=random.randrange(2**31))
         timeout = msg.timeout_s or self.config.request_timeout
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
-                      lora_sources=sources)
+                      lora_sources=sources, slo_deadline=now + params.slo_ms / 1000 if params.slo_ms else None)
         self.requests[req.id] = req
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
             req.state = "parked"
@@ -205,7 +203,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
         self.gateways[identity] = (msg, now)
 
     def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
-        out.append(to_client(identity, request_states(self, msg.request_ids)))
+        out.append(to_client(identity, request_states(self, msg.request_ids, now)))
 
     def handle_cancel(self, identity, msg: Cancel, frames, now, out) -> None:
         """The client that sent a request gives it up: it ends now, without a Result. Its role, if it
@@ -313,6 +311,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             req.timings[f"lora_{role}"] = msg.lora_s
             self.note_lora_load(role, msg.lora_s)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
+        self.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -353,6 +352,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps):
             req.timings[f"lora_{inst.role}"] = msg.lora_s
             self.note_lora_load(inst.role, msg.lora_s)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
+        self.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,

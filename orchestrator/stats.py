@@ -109,10 +109,22 @@ def snapshot(router, now: float) -> StatusReport:
         loras=sorted(router.lora_catalog.names())[:4096], any_lora=router.lora_catalog.any_name,
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
+        schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.slo_counts.report(),
     )
 
 
-def request_states(router, request_ids: list[str]) -> RequestStates:
+def queue_slack(router, now: float) -> dict[str, float]:
+    """Per role, the least slack of the requests waiting in its queue that have a deadline."""
+    out = {}
+    for role, queue in router.queues.items():
+        slacks = [router.slack(req, now) for rid in queue
+                  if (req := router.requests.get(rid)) is not None and req.slo_deadline is not None]
+        if slacks:
+            out[role] = round(min(slacks), 3)
+    return out
+
+
+def request_states(router, request_ids: list[str], now: float) -> RequestStates:
     """Where each of these requests is (RequestQuery): queued or running, in which stage, at which step."""
     states = {}
     for rid in request_ids:
@@ -124,6 +136,9 @@ def request_states(router, request_ids: list[str]) -> RequestStates:
         inst = router.registry.get(req.assigned) if req.assigned else None
         if inst is not None and rid in inst.steps:
             step, steps = inst.steps[rid]
+        left = router.predicted_left(req, now) if router.predictor.per_unit else None
         states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
-                                   step=step, steps=steps)
+                                   step=step, steps=steps, finish_in_s=None if left is None else round(left, 3),
+                                   slack_s=None if req.slo_deadline is None else
+                                   round(router.slack(req, now), 3))
     return RequestStates(states=states)

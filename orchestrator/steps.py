@@ -57,6 +57,7 @@ class RequestSteps:
 
     def end(self, req: Request, state: str, now: float) -> None:
         req.state = state
+        self.note_slo_end(req, state, now)
         del self.requests[req.id]
         self.recovery.ended_request(req.id)
         self.stats.record(state, now, req.timings)
