@@ -13,7 +13,8 @@ from gateway.fields import extensions, field_error, parse_size, upload
 from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 #: our fields, accepted at the top level of the body or inside `extra_body`
-EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height", "loras")
+EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height", "loras", "priority",
+              "slo_ms")
 
 
 class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -40,6 +41,9 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     height: int | None = None
     #: LoRA adapters: [{"name": ..., "scale": 1.0}] (registered names only)
     loras: list | None = None
+    #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
+    priority: int | None = None
+    slo_ms: float | None = None
     extra_body: dict | None = None
 
 

@@ -48,10 +48,14 @@ class VideoRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     input_reference: object | None = None
     #: LoRA adapters: [{"name": ..., "scale": 1.0}] (registered names only)
     loras: list | None = None
+    #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
+    priority: int | None = None
+    slo_ms: float | None = None
     extra_body: dict | None = None
 
 
-EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", "loras")
+EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", "loras",
+              "priority", "slo_ms")
 
 
 @dataclass

@@ -19,7 +19,7 @@ def image_body(p: GenerationParams) -> dict:
         body["size"] = f"{p.width}x{p.height}"
     if p.response_format in ("png", "jpeg", "webp"):
         body["output_format"] = p.response_format
-    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "seed"):
+    for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "priority", "slo_ms"):
         if getattr(p, name) is not None:
             body[name] = getattr(p, name)
     if p.loras:  # `disagg bench --http URL --loras N`

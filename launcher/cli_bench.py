@@ -28,11 +28,13 @@ from transport.selection import CHOICES as TRANSFER_CHOICES
 @click.option("--slo-factor", type=click.FloatRange(0.0, min_open=True), default=2.0, show_default=True, help="slo_attainment: share of requests within this many times the unloaded latency.")
 @click.option("--loras", type=click.IntRange(0, 100_000), default=0, help="Each measured request applies one LoRA adapter, drawn from this many names (sim-lora-0 ...; a sim model takes any name). Reports cold loads, hits and each instance's share.")
 @click.option("--lora-zipf", type=click.FloatRange(0.0), default=1.1, show_default=True, help="With --loras: adapters are drawn with Zipf of this exponent (0: uniform).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Replay this JSON Lines trace open-loop (one request per line: t, width, height, num_inference_steps, and optionally num_frames, priority, slo_ms; benchmarks/traces/mixed.py makes one). Lines without slo_ms get --slo-factor x their class's standalone latency, measured first. Reports SLO attainment and goodput, overall and per class.")
+@click.option("--rate-scale", type=click.FloatRange(0.0, min_open=True), default=1.0, show_default=True, help="With --trace: divide every arrival time by this (2: twice the rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--http", "http_url", metavar="URL", help="Drive the HTTP gateway at URL (e.g. http://127.0.0.1:8000) instead of the ZeroMQ endpoint.")
 @click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
 @click.pass_context
-def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, loras, lora_zipf, as_json, http_url, api_key) -> None:
+def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, loras, lora_zipf, trace_path, rate_scale, as_json, http_url, api_key) -> None:
     """Load a running deployment and report throughput, latency, stage times, utilization.
 
     `disagg bench transfer` instead measures the stage handoff per transfer engine.
@@ -44,6 +46,8 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
 
     if concurrency and request_rate:
         raise click.UsageError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+    if trace_path:
+        return bench_trace(endpoint, keys, trace_path, rate_scale, slo_factor, as_json, http_url, api_key)
     if prompts_path:
         try:
             workload = load_prompts(prompts_path)
@@ -77,6 +81,37 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
     if doc["failed"]:
         click.echo(f"error: {doc['failed']} of {doc['failed'] + doc['completed']} requests failed", err=True)
         sys.exit(EXIT_FAILED)
+
+
+def bench_trace(endpoint, keys, trace_path, rate_scale, slo_factor, as_json, http_url, api_key) -> None:
+    from launcher.bench_trace import TraceError, load_trace, run_trace, trace_table
+
+    try:
+        lines = load_trace(trace_path)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="--trace") from None
+    if http_url and any(line.num_frames for line in lines):
+        raise click.BadParameter("lines with num_frames (videos) replay over ZeroMQ only: POST /v1/images/generations "
+                                 "takes no num_frames", param_hint="--trace")
+    if http_url:
+        from launcher.bench_http import HttpLoadClient
+
+        load_client = HttpLoadClient(http_url, api_key)
+    else:
+        load_client = make_client(endpoint, keys)
+    with load_client as client:
+        try:
+            doc = run_trace(client, lines, rate_scale, slo_factor)
+        except Unreachable as exc:
+            exit_unreachable(exc)
+        except TraceError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
+    doc["path"] = "http" if http_url else "zeromq"
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        make_console().print(trace_table(doc))
 
 
 @bench.command("transfer")

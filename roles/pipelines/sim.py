@@ -78,21 +78,22 @@ class SimAdapter:
 
     def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
         with_image = role == "encoder" and p.get("image") is not None
-        n = max(self.profile.payload(role, p["width"] * p["height"], p["num_images_per_prompt"], with_image), 64) // 4
+        prof, pixels = self.profile.for_request(p)
+        n = max(prof.payload(role, pixels, p["num_images_per_prompt"], with_image), 64) // 4
         if self._zeros.numel() < n:
             self._zeros = torch.zeros(n)
         # a view of one zero buffer: staging copies it into the pool anyway
         return {"x": self._zeros[:n]}
 
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
-        pixels = p["width"] * p["height"]
-        extra = self.profile.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
-        self._busy(self.profile.encoder.fixed_ms(pixels) + extra)
+        prof, pixels = self.profile.for_request(p)
+        extra = prof.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
+        self._busy(prof.encoder.fixed_ms(pixels) + extra)
         return self._tensor("encoder", p)
 
     def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
-        pixels = p["width"] * p["height"]
-        cost = self.profile.denoiser
+        prof, pixels = self.profile.for_request(p)
+        cost = prof.denoiser
         self._busy(cost.fixed_ms(pixels))
         for _ in range(p["num_inference_steps"]):
             self._busy(cost.step_ms(pixels))
@@ -104,16 +105,16 @@ class SimAdapter:
 
     @staticmethod
     def batch_key(p: dict):
-        return (p["width"], p["height"])
+        return (p["width"], p["height"], p.get("num_frames"))
 
     def denoise_start(self, inputs, p: dict) -> "_SimState":
-        self._busy(self.profile.denoiser.fixed_ms(p["width"] * p["height"]))
+        prof, pixels = self.profile.for_request(p)
+        self._busy(prof.denoiser.fixed_ms(pixels))
         return _SimState(p, p["num_inference_steps"])
 
     def denoise_steps(self, states: list["_SimState"]) -> None:
-        p = states[0].params
-        pixels = p["width"] * p["height"]
-        cost = self.profile.denoiser
+        prof, pixels = self.profile.for_request(states[0].params)
+        cost = prof.denoiser
         rows = sum(s.params["num_images_per_prompt"] for s in states)
         self._busy(cost.step_ms(pixels) * cost.batch_factor(pixels, rows))
         for s in states:
@@ -123,7 +124,8 @@ class SimAdapter:
         return self._tensor("denoiser", state.params)
 
     def decode(self, inputs, p: dict) -> list[Image.Image]:
-        self._busy(self.profile.decoder.fixed_ms(p["width"] * p["height"]))
+        prof, pixels = self.profile.for_request(p)
+        self._busy(prof.decoder.fixed_ms(pixels))
         return [Image.new("L", (1, 1), 0) for _ in range(p["num_images_per_prompt"])]
 
     def decode_encoded(self, inputs, p: dict, fmt: str) -> list[bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import msgspec
@@ -17,12 +18,14 @@ class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     per_pixel_ms: float = 0.0
     per_step_ms: float = 0.0
     per_step_pixel_ms: float = 0.0
+    #: attention's quadratic part: ms per step per pixel^2 (video: pixels x latent frames)
+    per_step_pixel2_ms: float = 0.0
     payload_bytes: int = 0
     payload_scales: bool = False  # payload grows with the request's pixels (latents)
     batch: dict[int, dict[int, float]] = {}
 
     def step_ms(self, pixels: int) -> float:
-        return self.per_step_ms + self.per_step_pixel_ms * pixels
+        return self.per_step_ms + self.per_step_pixel_ms * pixels + self.per_step_pixel2_ms * pixels * pixels
 
     def fixed_ms(self, pixels: int) -> float:
         return self.base_ms + self.per_pixel_ms * pixels
@@ -59,6 +62,23 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image: StageCost = msgspec.field(default_factory=StageCost)
     reference_pixels: int = 1024 * 1024
     lora: LoraCost = msgspec.field(default_factory=LoraCost)
+    #: video: frames per latent frame (Wan: 4); a request's pixels are then width x height x latent frames,
+    #: (frames - 1) // temporal + 1. 0: frames do not count
+    temporal: int = 0
+    #: another profile (a name in configs/sim) whose costs requests with num_frames take: one deployment then
+    #: serves images at this profile's costs and videos at that one's
+    video: str = ""
+
+    def for_request(self, p: dict) -> tuple["SimProfile", int]:
+        """The profile a request's costs come from, and its size in (latent) pixels."""
+        prof = self
+        frames = p.get("num_frames")
+        if frames and self.video:
+            prof = load_profile(self.video)
+        pixels = p["width"] * p["height"]
+        if frames and prof.temporal:
+            pixels *= (frames - 1) // prof.temporal + 1
+        return prof, pixels
 
     def payload(self, role: str, pixels: int, images: int = 1, with_image: bool = False) -> int:
         """Bytes `role` stages; the encoder's include the image's when the launcher sizes pools for it."""
@@ -82,6 +102,7 @@ def profile_path(name: str) -> Path:
     return Path(name).expanduser() if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
 
 
+@functools.cache
 def load_profile(name: str) -> SimProfile:
     path = profile_path(name)
     if not path.is_file():
