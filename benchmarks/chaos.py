@@ -45,6 +45,15 @@ from launcher.ports import free_port_pair  # noqa: E402
 from transport.messages import GenerationParams  # noqa: E402
 
 REQUEST = {"width": 64, "height": 64, "num_inference_steps": 4}
+#: --deadlines: requests mix long and short, priorities 0-2 and a deadline each, so that a `schedule: slo`
+#: deployment reorders queues and interleaves steps while processes die
+DEADLINES = False
+
+
+def scheduling(n: int) -> dict:
+    if not DEADLINES:
+        return {}
+    return {"num_inference_steps": (4, 16, 4)[n % 3], "priority": n % 3, "slo_ms": (5_000, 20_000, 60_000)[n % 3]}
 
 
 class Run:
@@ -103,7 +112,7 @@ class Run:
                 rid = f"z{k}-{uuid.uuid4().hex[:8]}"
                 t0 = time.monotonic()
                 try:
-                    [o] = client.run_all([GenerationParams(prompt=f"chaos zmq {k} {n}", seed=n, **REQUEST)], ids=[rid])
+                    [o] = client.run_all([GenerationParams(prompt=f"chaos zmq {k} {n}", seed=n, **{**REQUEST, **scheduling(n)})], ids=[rid])
                     self.record("zmq", rid, t0, o.ok, o.error)
                 except (Unreachable, RuntimeError) as exc:
                     self.record("zmq", rid, t0, False, str(exc))
@@ -116,7 +125,7 @@ class Run:
             while time.monotonic() < self.stop_at:
                 rid = f"h{k}-{uuid.uuid4().hex[:8]}"
                 t0 = time.monotonic()
-                body = {"prompt": f"chaos http {k} {n}", "size": "64x64", "seed": n, "num_inference_steps": 4}
+                body = {"prompt": f"chaos http {k} {n}", "size": "64x64", "seed": n, "num_inference_steps": 4, **scheduling(n)}
                 ok, error = False, None
                 while time.monotonic() < t0 + 120:
                     try:
@@ -252,7 +261,11 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--launch-arg", action="append", default=[], help="one more argument for disagg launch (repeatable)")
     ap.add_argument("--out", help="write every run's report here as JSON")
+    ap.add_argument("--deadlines", action="store_true", help="requests of 4 and 16 steps with priorities 0-2 and "
+                    "slo_ms 5, 20 and 60 s (for --launch-arg=--schedule --launch-arg=slo)")
     args = ap.parse_args()
+    global DEADLINES
+    DEADLINES = args.deadlines
     reports = []
     for i in range(args.runs):
         run = Run(args, Path(tempfile.mkdtemp(prefix="disagg-chaos-")))

@@ -7,9 +7,11 @@ observed on the requests this gateway served."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily,
+)
 
-from transport.messages import STATES, StatusReport
+from transport.messages import SLACK_BUCKETS_S, STATES, StatusReport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 PHASES = {"queue": "queue", "compute": "compute", "fetch": "transfer"}
@@ -85,8 +87,30 @@ class StatusCollector:
                 hits.add_metric([i.role, i.id], i.lora_hits)
                 held.add_metric([i.role, i.id], len(i.loras))
         yield from (loads, hits, held)
+        yield from slo_metrics(r)
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
+
+
+def slo_metrics(r: StatusReport):
+    """Deadlines (a request's slo_ms): met and missed per priority, the slack at finish, each queue's least slack."""
+    met = CounterMetricFamily("disagg_slo_met", "Requests with a deadline (slo_ms) that ended in time, per priority",
+                              labels=["priority"])
+    missed = CounterMetricFamily("disagg_slo_missed", "Requests with a deadline that ended late or failed, per "
+                                 "priority", labels=["priority"])
+    slack = HistogramMetricFamily("disagg_slo_slack_seconds", "Deadline minus finish time of requests with a "
+                                  "deadline (negative: late), per priority", labels=["priority"])
+    for c in r.slo:
+        label = [str(c.priority)]
+        met.add_metric(label, c.met)
+        missed.add_metric(label, c.missed)
+        buckets = [(f"{bound:g}", n) for bound, n in zip(SLACK_BUCKETS_S, c.buckets)] + [("+Inf", c.met + c.missed)]
+        slack.add_metric(label, buckets, c.slack_s)
+    least = GaugeMetricFamily("disagg_queue_least_slack_seconds", "The least slack of the requests with a deadline "
+                              "waiting in a role's queue", labels=["role"])
+    for role, seconds in r.queue_slack.items():
+        least.add_metric([role], seconds)
+    yield from (met, missed, slack, least)
 
 
 class Metrics:

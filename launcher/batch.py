@@ -12,7 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from client import Client, Outcome
-from transport.codes import CLIENT_FAULT
+from transport.codes import CLIENT_FAULT, ErrorCode
+
+#: codes of a request refused at Submit, before anything ran (`submit` says "refused", not "failed")
+REFUSED = frozenset({ErrorCode.DEADLINE, ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.UNAVAILABLE})
 from transport.messages import GenerationParams
 
 
@@ -99,6 +102,9 @@ def outcome_record(outcome: Outcome, paths: list[Path], index: int | None = None
         "model": resolved.get("model", model) or None,
         #: the LoRA adapters and scales it applied ("A:1,B:0.5"), as the PNG's text chunks record them too
         "loras": resolved.get("loras") or None,
+        #: scheduling: its priority and deadline as sent (None: not set)
+        "priority": outcome.params.priority,
+        "slo_ms": outcome.params.slo_ms,
         "files": [str(p) for p in paths],
         "latency_s": round(outcome.latency_s, 6),
         "timings": outcome.timings,
@@ -154,6 +160,8 @@ def run_prompts(
             if outcome.ok:
                 where = ", ".join(str(p) for p in paths) or f"{len(outcome.images)} image(s)"
                 line = Text.assemble(("ok", "green"), f" {outcome.request_id} {outcome.latency_s:.2f} s -> {where}")
+            elif outcome.code in REFUSED:  # nothing ran: the deployment would not take it
+                line = Text.assemble(("refused", "red"), f" {outcome.request_id}: {outcome.error}")
             else:
                 line = Text.assemble(("failed", "red"), f" {outcome.request_id}: {outcome.error}")
             progress.console.print(line)

@@ -66,15 +66,24 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
                         for col, _ in columns))
     q = report.queues
     r = report.requests
+
+    def queued(role: str) -> str:  # with the least slack of its requests with a deadline
+        slack = report.queue_slack.get(role)
+        return f"{role} {q.get(role, 0)}" + (f" (least slack {slack:+.1f} s)" if slack is not None else "")
+
+    met = sum(c.met for c in report.slo)
+    missed = sum(c.missed for c in report.slo)
     totals = Text.assemble(
-        ("queues ", "bold"), f"encoder {q.get('encoder', 0)}  denoiser {q.get('denoiser', 0)}  decoder {q.get('decoder', 0)}   ",
+        ("queues ", "bold"), "  ".join(queued(role) for role in ("encoder", "denoiser", "decoder")) + "   ",
+        *((("deadlines ", "bold"), f"met {met}  missed {missed}   ") if met + missed else ()),
         ("requests ", "bold"), f"in flight {r.in_flight}  completed {r.completed}  failed {r.failed}   ",
         ("throughput ", "bold"), f"{report.throughput_rps:.2f} req/s",
     )
     orch = report.orchestrator
     http = "".join(f"  http {g.url} (pid {g.pid}, restarts {g.restarts})" for g in report.gateways)
     head = Text(
-        f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s"
+        f"orchestrator pid {orch.get('pid')}  {orch.get('state')}  up {orch.get('uptime_s', 0):.0f} s  "
+        f"schedule {report.schedule}"
         f"  restarts {orch.get('restarts', 0)}{http}",
         style="dim",
     )
