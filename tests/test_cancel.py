@@ -94,3 +94,36 @@ def test_ctrl_c_of_submit_cancels_what_it_had_in_flight(sim, tmp_path):
     wait_until(lambda: all_free(sim), timeout=2.0, step=0.01)
     after = status(sim).requests
     assert after.cancelled == before.cancelled + 3 and after.completed == before.completed
+
+
+def test_a_cancel_mid_interleave_stops_the_request_waiting_for_the_device_at_once(sim):
+    """schedule slo (the default): a long request yields the denoiser to an urgent one and waits; cancelling it
+    then frees its slot without waiting for the device, and the urgent one finishes."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(sim.endpoint)
+    sock.send_multipart([encode(Submit(request_id="long-one", params=GenerationParams(prompt="slow", **SLOW)))])
+    wait_until(lambda: denoiser(status(sim)).free_slots == 1, timeout=10, step=0.01)
+    time.sleep(0.3)  # a step or two in
+    urgent = GenerationParams(prompt="urgent", width=1024, height=1024, num_inference_steps=12, priority=5)
+    sock.send_multipart([encode(Submit(request_id="urgent-one", params=urgent))])
+    wait_until(lambda: denoiser(status(sim)).free_slots == 0, timeout=10, step=0.01)
+    time.sleep(0.5)  # the urgent one holds the device; the long one waits for it
+    t0 = time.monotonic()
+    sock.send_multipart([encode(Cancel(request_id="long-one"))])
+    wait_until(lambda: denoiser(status(sim)).free_slots == 1, timeout=10, step=0.01)
+    freed_s = time.monotonic() - t0
+    print(f"cancel of a waiting request -> slot free: {freed_s * 1000:.0f} ms (the urgent one's 12 steps: 2 s)")
+    assert freed_s <= 0.5
+    deadline = time.monotonic() + 15
+    result = None
+    while time.monotonic() < deadline and result is None:
+        if sock.poll(100):
+            reply = decode(sock.recv_multipart()[0], ServerReply)
+            if isinstance(reply, Result):
+                assert reply.request_id == "urgent-one", reply
+                result = reply
+    assert result is not None and result.ok, result
+    wait_until(lambda: all_free(sim), timeout=10)
+    sock.close()
