@@ -166,13 +166,17 @@ def test_compute_s_counts_until_the_device_has_finished():
     class Stage:
         role = "encoder"
         turn = contextlib.nullcontext()
+        turns = None  # schedule fifo: one compute at a time, no step-level turns
 
         class adapter:
             @staticmethod
             def defaults():
                 return {}
 
-        def run(self, params, inputs, step):
+        def ticket(self, request_id, params, deadline_s, steps):
+            return None
+
+        def run(self, params, inputs, step, ticket=None):
             pool.queue()  # returns at once, as a CUDA launch does
             return StageOutput(tensors={"x": torch.ones(4)})
 
