@@ -134,6 +134,36 @@ def test_the_openai_client_gives_the_pixels_of_disagg_submit(flux, flux_files, t
     assert getattr(models["A"], "parent", None) == "flux"
 
 
+def test_an_edit_with_adapters_in_the_form_equals_disagg_submit_and_the_adapters_change_it(flux, tmp_path):
+    """/v1/images/edits: `loras` is a form field holding the list as JSON."""
+    image = Image.fromarray(np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    (tmp_path / "in.png").write_bytes(buf.getvalue())
+    form = {"prompt": PROMPT, "size": "64x64", "seed": "3", "strength": "0.8", "num_inference_steps": "3",
+            "guidance_scale": "3.5"}
+    loras = [{"name": "A", "scale": 0.7}, {"name": "B", "scale": 0.5}]
+
+    def edit(**extra):
+        r = httpx.post(flux.http + "/v1/images/edits", data={**form, **extra},
+                       files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=120)
+        assert r.status_code == 200, r.text
+        return pixels(base64.b64decode(r.json()["data"][0]["b64_json"]))
+
+    with_loras, without = edit(loras=json.dumps(loras)), edit()
+    assert np.abs(with_loras - without).max() > 20, "the adapters made no difference to the edit"
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"prompt": PROMPT, "image": "in.png", "strength": 0.8, "width": 64, "height": 64,
+                                   "seed": 3, "num_inference_steps": 3, "guidance_scale": 3.5, "loras": loras}))
+    res = disagg("submit", str(prompts), "--endpoint", flux.endpoint, "--out", str(tmp_path / "out"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").glob("*.png")
+    assert np.array_equal(with_loras, pixels(png.read_bytes()))
+    r = httpx.post(flux.http + "/v1/images/edits", data={**form, "loras": "[not json"},
+                   files={"image": ("in.png", buf.getvalue(), "image/png")}, timeout=30)
+    assert r.status_code == 400 and "loras" in r.text
+
+
 def test_bad_adapters_get_clear_errors_and_the_deployment_keeps_serving(flux, flux_files, tmp_path):
     _, lora_dir, refs = flux_files
     body = {"prompt": PROMPT, "size": "64x64"}
