@@ -60,10 +60,14 @@ class Placement:
                     candidates = self.registry.of_role(role)
                 producer = (self.registry.get(req.source.slot.instance_id)
                             if req.source is not None and self.config.host_aware else None)
-                inst = pick_joining_batch(self.policy, role, candidates, req, self.requests,
-                                          producer.host if producer is not None else None,
-                                          batching=self.registry.batching(role), affinity=self.affinity_rule,
-                                          rng=self.lora_rng, cost=self.lora_cost)
+                prefer = producer.host if producer is not None else None
+                if self.slo_placed(req, role):  # where it gets the device soonest (orchestrator/slo.py)
+                    inst = self.policy.pick(role, self.slo_pick(req, candidates, now), prefer,
+                                            req.source.slot.nbytes if req.source is not None else 0)
+                else:
+                    inst = pick_joining_batch(self.policy, role, candidates, req, self.requests, prefer,
+                                              batching=self.registry.batching(role), affinity=self.affinity_rule,
+                                              rng=self.lora_rng, cost=self.lora_cost)
                 if inst is None:
                     break
                 if self.worth_waiting(req, inst, candidates, now):
@@ -74,6 +78,12 @@ class Placement:
                 queue.popleft()
                 self.assign(req, inst, now, out)
             queue.extendleft(reversed(deferred))
+
+    def slo_placed(self, req: Request, role: str) -> bool:
+        """Placed by slo_pick: under schedule slo, a request with a deadline, where neither batching nor adapter
+        affinity decides."""
+        return (self.config.schedule == "slo" and req.slo_deadline is not None and not self.registry.batching(role)
+                and not (req.params.loras and self.affinity_rule and role in AFFINITY_ROLES))
 
     def lora_cost(self, inst: Instance, warm: bool) -> float:
         """The `cost` rule's estimate (orchestrator/loras.py) of when a request would finish on `inst`."""

@@ -103,20 +103,50 @@ class SloCounts:
 class Slo:
     """Methods of Router (a mixin); see orchestrator/router.py for the state they use."""
 
+    def stage_left(self, req, role: str, now: float) -> float:
+        """Seconds `role`'s stage still needs for the request: all of it unless it runs there now; then what its
+        steps done (heartbeats) or its time there so far leave (0 for what is not measured yet)."""
+        seconds = self.predictor.predict(role, req.params) or 0.0
+        if role == req.stage and req.state == "running":
+            inst = self.registry.get(req.assigned) if req.assigned else None
+            done = inst.steps.get(req.id) if inst is not None else None
+            if done and done[1]:
+                return seconds * max(1 - done[0] / done[1], 0.0)
+            return max(seconds - (now - req.marks.get(f"run_{role}", now)), 0.0)
+        return seconds
+
     def predicted_left(self, req, now: float) -> float:
         """Seconds the request still needs, from its current stage on (0 for what is not measured yet)."""
-        total = 0.0
-        for role in stages_from(req.stage, self.config.colocated):
-            seconds = self.predictor.predict(role, req.params) or 0.0
-            if role == req.stage and req.state == "running":
-                inst = self.registry.get(req.assigned) if req.assigned else None
-                done = inst.steps.get(req.id) if inst is not None else None
-                if done and done[1]:
-                    seconds *= max(1 - done[0] / done[1], 0.0)
+        return sum(self.stage_left(req, role, now) for role in stages_from(req.stage, self.config.colocated))
+
+    def slo_pick(self, req, candidates: list, now: float) -> list:
+        """schedule slo, a request with a deadline: of the instances that could take it now, those where it
+        should get the device soonest. An instance's requests step by urgency (roles/turns.py), so the request
+        waits for what the more urgent ones it would join still need, and for one step of a less urgent one
+        (the device is handed over at step boundaries). Ties are left to the dispatch policy."""
+        role = req.stage
+        mine = self.urgency(req, now)
+        best, chosen = math.inf, []
+        for inst in candidates:
+            if not inst.dispatchable:
+                continue
+            ahead, step = 0.0, 0.0
+            for rid in inst.running:
+                other = self.requests.get(rid)
+                if other is None:
+                    continue
+                left = self.stage_left(other, role, now)
+                if self.urgency(other, now) < mine:
+                    ahead += left
                 else:
-                    seconds = max(seconds - (now - req.marks.get(f"run_{role}", now)), 0.0)
-            total += seconds
-        return total
+                    steps = other.params.num_inference_steps or 1
+                    step = max(step, min(left, (self.predictor.predict(role, other.params) or 0.0) / steps))
+            wait = ahead + step
+            if wait < best - 1e-6:
+                best, chosen = wait, [inst]
+            elif wait <= best + 1e-6:
+                chosen.append(inst)
+        return chosen
 
     def slack(self, req, now: float) -> float:
         """Deadline - now - predicted time left; infinite without a deadline."""

@@ -65,6 +65,30 @@ def test_a_request_that_cannot_make_its_deadline_goes_after_those_that_can():
     assert run.stage_deadline_s == pytest.approx(5.0 - 1.0 - 0.05, abs=1e-6)  # the later stages' time left out
 
 
+def test_a_request_with_a_deadline_goes_where_it_gets_the_device_soonest():
+    """Two denoisers with a free slot each: one holds an urgent request, the other a roomy one. Under slo a new
+    urgent request joins the roomy one (it takes the device at the next step); max-free-slots alone would not
+    know the difference."""
+    for trial in range(2):  # the roomy request on either instance: the choice follows it, not an id order
+        h = Harness(schedule="slo")
+        [enc] = h.add("encoder", capacity=8)
+        h.add("denoiser", 2, capacity=2)
+        h.add("decoder")
+        measured(h)  # 0.1 s a step at 512^2
+        first, second = ("roomy", "tight") if trial == 0 else ("tight", "roomy")
+        budget = {"roomy": dict(num_inference_steps=30, slo_ms=60_000), "tight": dict(num_inference_steps=10, slo_ms=2_500)}
+        where = {}
+        for k, rid in enumerate((first, second)):
+            runs(h.submit(rid, width=512, height=512, **budget[rid]))
+            [(den, _)] = [r for r in runs(h.role(enc, staged(enc, rid, offset=1024 * k))) if r[1].request_id == rid]
+            where[rid] = den
+            h.now += 0.1
+        assert where["roomy"] != where["tight"]
+        runs(h.submit("next", width=512, height=512, num_inference_steps=10, slo_ms=2_500))
+        [(den, _)] = [r for r in runs(h.role(enc, staged(enc, "next", offset=4096))) if r[1].request_id == "next"]
+        assert den == where["roomy"], trial
+
+
 def test_admission_refuses_a_deadline_it_cannot_meet_only_once_it_has_measurements():
     h = Harness(admission="slo")
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
