@@ -101,7 +101,12 @@ class Stage:
         self.turns = None
         #: the schedule (fifo or slo): under slo, a batching denoiser re-forms its batch at every step by urgency
         self.schedule = schedule
-        if schedule == "slo" and role in ("denoiser", "monolith") and self.batcher is None and self.group is None:
+        #: an encoder's or decoder's computes are ordered by urgency too where they take turns anyway (not
+        #: thread-safe, or on one simulated device); a decoder that can (`decode_yields`) hands the device over
+        #: between a video's latent frames
+        serial = not shared or getattr(adapter, "one_device", False)
+        if schedule == "slo" and self.batcher is None and self.group is None and (
+                role in ("denoiser", "monolith") or (role in ("encoder", "decoder") and serial)):
             from roles.turns import Turns
 
             self.turns = Turns(aging_s)
@@ -112,6 +117,8 @@ class Stage:
             return None
         from roles.turns import Ticket
 
+        # an encode or decode is one step (a decode that yields hands over between its video's latent frames)
+        steps = steps if self.role in ("denoiser", "monolith") else 1
         return Ticket(request_id, priority=params.priority or 0, steps=steps,
                       deadline=None if deadline_s is None else time.monotonic() + deadline_s,
                       shape=(params.width, params.height, params.num_frames, params.num_images_per_prompt))
@@ -225,9 +232,14 @@ class Stage:
         params_used = resolved(p, self.model)
         # the client knows its prompts: the wire carries the rest
         done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}
+        # schedule slo: a decode that can yields the device between a video's latent frames
+        yields = {"progress": self._yielding(None, ticket)} if (
+            self.role == "decoder" and self.turns is not None and ticket is not None
+            and getattr(self.adapter, "decode_yields", False)) else {}
         if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
-            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt), image_format=fmt, resolved=done)
-        outputs = self.adapter.decode(inputs, p)
+            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt, **yields), image_format=fmt,
+                               resolved=done)
+        outputs = self.adapter.decode(inputs, p, **yields)
         first = outputs[0] if outputs else None
         first = first[0] if isinstance(first, list) and first else first
         if hasattr(first, "size"):  # an image task may keep its input's size: report the size it made

@@ -172,6 +172,48 @@ def test_repeated_requests_are_identical(roles):
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(v1[0], v2[0]))
 
 
+def test_decodes_take_turns_between_latent_frames_and_equal_their_solo_runs(roles):
+    """schedule slo: a decoder holding a long video's decode hands the device to a more urgent decode between
+    two latent frames, and resumes it after; each decode runs on its own copy of the VAE's frame cache, so both
+    videos equal their solo decodes exactly."""
+    import threading
+
+    from roles.stage import Stage
+    from roles.turns import Ticket
+
+    stage = Stage("decoder", roles["decoder"], schedule="slo")
+    assert stage.turns is not None  # the Wan VAE is not thread-safe: its decodes take turns, by urgency
+    long_p, short_p = params(num_frames=33, seed=3), params(num_frames=9, seed=4)  # 9 and 3 latent frames
+    latents = {k: roles["denoiser"].denoise(passed(roles["encoder"].encode(p)), p) for k, p in
+               (("long", long_p), ("short", short_p))}
+    solo = {k: roles["decoder"].decode(passed(latents[k]), p) for k, p in (("long", long_p), ("short", short_p))}
+    long_t, short_t = Ticket("long", steps=1), Ticket("short", priority=1, steps=1)
+    out, ended, frames_seen = {}, [], []
+
+    def decode(name, p, ticket, progress=None):
+        with stage.turns.hold(ticket):
+            out[name] = roles["decoder"].decode(passed(latents[name]), p,
+                                                progress=stage._yielding(progress, ticket))
+        ended.append(name)
+
+    short = threading.Thread(target=decode, args=("short", short_p, short_t))
+
+    def first_frame_done():  # the short decode arrives while the long one is between its frames
+        frames_seen.append(1)
+        if len(frames_seen) == 1:
+            short.start()
+            while short_t not in stage.turns._waiting:
+                threading.Event().wait(0.001)
+
+    decode("long", long_p, long_t, first_frame_done)
+    short.join(60)
+    assert ended == ["short", "long"] and stage.turns.switches == 1, (ended, stage.turns.switches)
+    assert len(frames_seen) == 8  # a boundary before each latent frame after the first
+    for name in ("long", "short"):
+        a, b = out[name], solo[name]
+        assert len(a[0]) == len(b[0]) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a[0], b[0]))
+
+
 def test_cfg_without_negative_embeddings_is_an_error(roles):
     p = params(guidance_scale=5.0)
     embeds = roles["encoder"].encode(params(guidance_scale=1.0))

@@ -50,6 +50,8 @@ class SimAdapter:
             run = os.environ.get("DISAGG_RUN_ID", "local")
             path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
             self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        #: on a simulated device its computes take turns anyway (schedule slo orders them: roles/stage.py)
+        self.one_device = self._lock_fd is not None
 
     @staticmethod
     def defaults() -> dict:
@@ -123,15 +125,23 @@ class SimAdapter:
     def denoise_result(self, state: "_SimState") -> dict[str, torch.Tensor]:
         return self._tensor("denoiser", state.params)
 
-    def decode(self, inputs, p: dict) -> list[Image.Image]:
+    #: a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
+    decode_yields = True
+
+    def decode(self, inputs, p: dict, progress=None) -> list[Image.Image]:
         prof, pixels = self.profile.for_request(p)
-        self._busy(prof.decoder.fixed_ms(pixels))
+        frames = p.get("num_frames")
+        chunks = (frames - 1) // prof.temporal + 1 if frames and prof.temporal else 1
+        for k in range(chunks):
+            if k and progress is not None:
+                progress()
+            self._busy(prof.decoder.fixed_ms(pixels) / chunks)
         return [Image.new("L", (1, 1), 0) for _ in range(p["num_images_per_prompt"])]
 
-    def decode_encoded(self, inputs, p: dict, fmt: str) -> list[bytes]:
+    def decode_encoded(self, inputs, p: dict, fmt: str, progress=None) -> list[bytes]:
         """decode(), already encoded: the image is always the same, so it is encoded once per format
         (encoding a blank image on every request would be simulated work no profile asked for)."""
-        images = self.decode(inputs, p)
+        images = self.decode(inputs, p, progress)
         data = self._encoded.get(fmt)
         if data is None:
             data = self._encoded[fmt] = encode_image(images[0], fmt)

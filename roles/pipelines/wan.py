@@ -77,11 +77,35 @@ class WanAdapter(SplitPipeline):
             ).frames
         return {"latents": latents}
 
-    def decode(self, inputs: dict[str, torch.Tensor], p: dict) -> list[list[Image.Image]]:
+    #: decode(progress=) hands the device over between the video's latent frames (schedule slo)
+    decode_yields = True
+
+    def _yielding_vae(self, progress):
+        """The VAE for one decode that calls `progress` before each latent frame's decoder forward: a shallow
+        copy, so its per-call cache (`_feat_map`, `_conv_idx`, set by clear_cache) is its own while the
+        modules are shared, and another decode may run between its frames. The hook sits on the shared
+        decoder module once and calls the progress of the thread that runs it."""
+        import copy
+
+        vae = self.pipe.vae
+        if getattr(self, "_frame_hook", None) is None:
+            self._frame_hook = _FrameHook()
+            vae.decoder.register_forward_pre_hook(self._frame_hook)
+        own = copy.copy(vae)
+        own.clear_cache()
+        return own, self._frame_hook.calling(progress)
+
+    def decode(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> list[list[Image.Image]]:
+        if progress is None:
+            return self._decode(inputs, self.pipe.vae)
+        vae, calling = self._yielding_vae(progress)
+        with calling:
+            return self._decode(inputs, vae)
+
+    def _decode(self, inputs: dict[str, torch.Tensor], vae) -> list[list[Image.Image]]:
         from diffusers.utils.torch_utils import get_module_execution_device
 
         pipe = self.pipe
-        vae = pipe.vae
         # the output_type != "latent" tail of WanPipeline.__call__, then "pil" frames
         with torch.inference_mode():
             latents = inputs["latents"].to(get_module_execution_device(vae), dtype=vae.dtype)
@@ -99,3 +123,32 @@ class WanAdapter(SplitPipeline):
         self.pipe.vae_scale_factor_spatial = spatial
         self.pipe.vae_scale_factor_temporal = temporal
         self.pipe.video_processor = VideoProcessor(vae_scale_factor=spatial)
+
+
+class _FrameHook:
+    """A forward pre-hook on a 3D VAE's decoder: the calling thread's progress, before every latent frame after
+    its first (the first frame starts the decode, which already holds the device)."""
+
+    def __init__(self):
+        import threading
+
+        self._local = threading.local()
+
+    def __call__(self, _module, _args):
+        state = getattr(self._local, "state", None)
+        if state is not None:
+            if state[1]:
+                state[0]()
+            state[1] += 1
+
+    def calling(self, progress):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self._local.state = [progress, 0]
+            try:
+                yield
+            finally:
+                self._local.state = None
+        return scope()
