@@ -22,6 +22,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from roles.turns import order as urgency_order
 from transport.params import lora_key
 
 
@@ -138,11 +139,9 @@ class StepBatcher:
 
     # --- schedule slo: the batch formed again at every step, by urgency --------------------------------------
 
-    def _urgency(self, e: _Entry, now: float) -> tuple:
+    def _left_s(self, e: _Entry) -> float:
         t = e.ticket
-        if t is None:
-            return (0, False, float("inf"), 0)
-        return t.urgency(now, self.step_s.get(e.key, 0.0), self.aging_s)
+        return max(t.steps - t.done, 0) * self.step_s.get(e.key, 0.0) if t is not None else 0.0
 
     def _drive_slo(self) -> None:
         held: list[_Entry] = []  # every request handed over and not finished, started or not
@@ -166,7 +165,7 @@ class StepBatcher:
         for e in held:
             if e.ticket is not None and e.ticket.waiting_since is None:
                 e.ticket.waiting_since = now
-        order = sorted(held, key=lambda e: self._urgency(e, now))
+        order = urgency_order(held, now, self.aging_s, ticket_of=lambda e: e.ticket, left_s=self._left_s)
         batch = [e for e in order if e.key == order[0].key][:self.max_batch]
         stepping = []
         for e in batch:

@@ -6,16 +6,17 @@ its step boundaries: there `Turns.step` hands the turn to the most urgent waitin
 urgent, and waits to get it back. Its latents stay where they are (the pipeline call's own locals), so
 yielding costs nothing but the switch.
 
-Urgency, most urgent first: the higher effective priority (its priority, plus one for every `aging_s` it has
-waited without stepping: no request starves), then those that can still meet their deadline before those
-that cannot, then the least slack (deadline - now - steps left x its step time; no deadline: no slack
-limit), then arrival.
+Urgency, most urgent first (`order`): the higher effective priority (its priority, plus one for every `aging_s`
+it has waited without stepping: no request starves); within one priority, earliest deadline first over the
+requests that can all still meet theirs, run back to back from now (steps left x step time each). Where one
+would miss, the longest of those before it (itself included) is set aside: it would miss anyway, or make the
+others miss (Moore-Hodgson: the most deadlines met on one device). Then those without a deadline, by arrival;
+then the ones set aside, least slack first (deadline - now - time left).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,16 +45,38 @@ class Ticket:
     #: called whenever it wakes while waiting: raises to stop waiting (its client cancelled it; Turns.wake)
     check: object = None
 
-    def slack(self, now: float, step_s: float) -> float:
-        if self.deadline is None:
-            return math.inf
-        return self.deadline - now - max(self.steps - self.done, 0) * step_s
 
-    def urgency(self, now: float, step_s: float, aging_s: float) -> tuple:
-        waited = now - self.waiting_since if self.waiting_since is not None else 0.0
-        slack = self.slack(now, step_s)
-        # a request that will miss its deadline anyway goes after those that can still meet theirs
-        return (-(self.priority + int(waited // aging_s)), slack < 0, slack, self.seq)
+def order(items: list, now: float, aging_s: float, ticket_of=lambda t: t, left_s=None) -> list:
+    """`items` most urgent first (see above). `ticket_of(item)`: its Ticket (None: no priority, no deadline);
+    `left_s(item)`: the seconds it still needs on the device."""
+    groups: dict[int, list] = {}
+    for item in items:
+        t = ticket_of(item)
+        boost = 0
+        if t is not None and t.waiting_since is not None:
+            boost = int((now - t.waiting_since) // aging_s)
+        groups.setdefault(-((t.priority if t is not None else 0) + boost), []).append(item)
+    ranked, clock = [], now
+    for _, group in sorted(groups.items(), key=lambda kv: kv[0]):
+        timed, untimed, late = [], [], []
+        for item in group:
+            t = ticket_of(item)
+            (untimed if t is None or t.deadline is None else timed).append(item)
+        timed.sort(key=lambda item: (ticket_of(item).deadline, ticket_of(item).seq))
+        kept, at = [], clock
+        for item in timed:
+            kept.append(item)
+            at += left_s(item)
+            if at > ticket_of(item).deadline:  # one misses: set the longest so far aside
+                longest = max(kept, key=left_s)
+                kept.remove(longest)
+                late.append(longest)
+                at -= left_s(longest)
+        untimed.sort(key=lambda item: ticket_of(item).seq if ticket_of(item) is not None else 0)
+        late.sort(key=lambda item: (ticket_of(item).deadline - now - left_s(item), ticket_of(item).seq))
+        ranked += kept + untimed + late
+        clock += sum(left_s(item) for item in group)
+    return ranked
 
 
 class Turns:
@@ -75,11 +98,17 @@ class Turns:
             return t.held_s / t.done
         return self.step_s.get(t.shape, 0.0)
 
-    def _key(self, t: Ticket, now: float) -> tuple:
-        return t.urgency(now, self._step_s(t), self.aging_s)
+    def _left_s(self, t: Ticket) -> float:
+        return max(t.steps - t.done, 0) * self._step_s(t)
 
-    def _best(self, now: float) -> Ticket | None:
-        return min(self._waiting, key=lambda t: self._key(t, now)) if self._waiting else None
+    def order(self, tickets: list[Ticket], now: float) -> list[Ticket]:
+        """`tickets` most urgent first (module docstring)."""
+        return order(tickets, now, self.aging_s, left_s=self._left_s)
+
+    def _best(self, now: float, holder: Ticket | None = None) -> Ticket | None:
+        """The most urgent of those waiting (and `holder`, which would keep the turn)."""
+        tickets = self._waiting + ([holder] if holder is not None else [])
+        return self.order(tickets, now)[0] if tickets else None
 
     def acquire(self, t: Ticket) -> None:
         """Wait until `t` is the most urgent of those waiting and the device is free; then it holds the turn."""
@@ -109,6 +138,9 @@ class Turns:
         with self._cond:
             if self._holder is t:
                 t.held_s += self.clock() - t._took
+                if t.done == 0 and t.steps == 1 and t.shape is not None:  # a compute without steps (an encode, a decode)
+                    avg = self.step_s.get(t.shape)
+                    self.step_s[t.shape] = t.held_s if avg is None else 0.8 * avg + 0.2 * t.held_s
                 self._holder = None
                 self._cond.notify_all()
 
@@ -121,8 +153,7 @@ class Turns:
                 per_step = (t.held_s + now - t._took) / t.done
                 avg = self.step_s.get(t.shape)
                 self.step_s[t.shape] = per_step if avg is None else 0.8 * avg + 0.2 * per_step
-            best = self._best(now)
-            if best is None or self._holder is not t or not self._key(best, now) < self._key(t, now):
+            if not self._waiting or self._holder is not t or self._best(now, t) is t:
                 return
             self.switches += 1
         self.release(t)

@@ -42,20 +42,34 @@ def test_a_more_urgent_request_takes_the_device_at_the_next_step_and_gives_it_ba
     assert turns.switches >= 1
 
 
-def test_least_slack_first_and_a_request_that_cannot_make_it_goes_after_one_that_can():
+def test_earliest_deadline_first_and_a_request_that_would_make_others_miss_is_set_aside():
     turns = Turns(aging_s=60)
     now = time.monotonic()
     roomy = Ticket("roomy", deadline=now + 10, steps=10)
     tight = Ticket("tight", deadline=now + 1, steps=10)
     late = Ticket("late", deadline=now - 1, steps=10)
     none = Ticket("none", steps=10)
-    ranked = sorted([none, late, roomy, tight], key=lambda t: turns._key(t, now))
-    assert [t.request_id for t in ranked] == ["tight", "roomy", "none", "late"]
-    # the step time counts: at 1.1 s a step, none of those with a deadline can make it any more; the one
-    # without one goes first, then the late ones by slack
+    names = lambda ts: [t.request_id for t in ts]
+    # nothing measured yet (no step time): earliest deadline first, the late one after those without one
+    assert names(turns.order([none, late, roomy, tight], now)) == ["tight", "roomy", "none", "late"]
+    # at 0.5 s a step, tight (5 s) cannot make its 1 s: set aside, roomy still can
+    turns.step_s[None] = 0.5
+    assert names(turns.order([none, late, roomy, tight], now)) == ["roomy", "none", "late", "tight"]
+    # at 1.1 s a step none can: the one without a deadline first, then the late ones by least slack
     turns.step_s[None] = 1.1
-    ranked = sorted([none, late, roomy, tight], key=lambda t: turns._key(t, now))
-    assert [t.request_id for t in ranked] == ["none", "late", "tight", "roomy"]
+    assert names(turns.order([none, late, roomy, tight], now)) == ["none", "late", "tight", "roomy"]
+
+
+def test_a_long_request_with_a_near_deadline_is_set_aside_for_short_ones_that_then_all_make_theirs():
+    """Least slack first would run the long one (slack 0.2 s) and let three short ones miss; setting the
+    longest aside meets three deadlines instead of one."""
+    turns = Turns(aging_s=60)
+    now = time.monotonic()
+    turns.step_s.update({"long": 0.1, "short": 0.1})
+    long = Ticket("long", deadline=now + 3.2, steps=30, shape="long")
+    shorts = [Ticket(f"short{k}", deadline=now + 0.7 + 0.4 * k, steps=4, shape="short") for k in range(3)]
+    ranked = [t.request_id for t in turns.order([long, *shorts], now)]
+    assert ranked == ["short0", "short1", "short2", "long"]
 
 
 def test_aging_lets_a_waiting_request_of_lower_priority_through():
