@@ -241,10 +241,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     schedule: Annotated[Literal["fifo", "slo"], Meta(description=(
         "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
         "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
-        "less now and less the predicted remaining time, from measured stage times); a denoiser holding several "
-        "requests picks after every step which one steps next, least slack first, so a long request yields at "
-        "step boundaries to a short one (its latents stay in memory). Aging (schedule_aging_s) bounds how long "
-        "any request waits."),
+        "less now and less the predicted remaining time, from measured stage times), and a request goes to the "
+        "instance where it gets the device soonest; a denoiser holding several requests picks after every step "
+        "which one steps next, earliest deadline first, setting aside the longest where one would miss, so a long "
+        "request yields at step boundaries to a short one (its latents stay in memory); encoders and decoders "
+        "order their computes the same way (a video's decode yields between latent frames). Aging "
+        "(schedule_aging_s) bounds how long any request waits."),
         extra=use("orchestrator", "role"))] = "slo"
     schedule_aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
         "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
