@@ -133,7 +133,8 @@ class RequestBook:
             resend = []
             if self.orchestrator_id and oid != self.orchestrator_id:
                 # a successor: it knows our requests only from us (and what the roles still hold)
-                resend = [Submit(request_id=rid, params=p.params, timeout_s=p.timeout_s, resume=True)
+                resend = [Submit(request_id=rid, params=p.params, timeout_s=p.timeout_s, resume=True,
+                                 age_s=round(max(now - p.sent_at, 0.0), 6))
                           for rid, p in self.pending.items()]
             self.orchestrator_id = oid
             return [], resend

@@ -188,7 +188,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
             params = msgspec.structs.replace(params, seed=random.randrange(2**31))
         timeout = msg.timeout_s or self.config.request_timeout
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
-                      lora_sources=sources, slo_deadline=now + params.slo_ms / 1000 if params.slo_ms else None)
+                      lora_sources=sources, slo_deadline=now - msg.age_s + params.slo_ms / 1000 if params.slo_ms else None)
         self.requests[req.id] = req
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
             req.state = "parked"

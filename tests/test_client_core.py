@@ -34,7 +34,8 @@ def test_a_successor_orchestrator_gets_the_pending_requests_again_as_resumed():
     book.submit("r1", P, None, now=0.0)
     assert book.on_reply(report("o1"), [], now=0.5) == ([], [])
     _, resend = book.on_reply(report("o2"), [], now=1.0)
-    assert [(m.request_id, m.resume) for m in resend] == [("r1", True)]
+    # with its age, so its deadline (slo_ms) still counts from the first Submit
+    assert [(m.request_id, m.resume, m.age_s) for m in resend] == [("r1", True, 1.0)]
 
 
 def test_refusals_carry_their_code_and_raise_by_family():

@@ -89,6 +89,21 @@ def test_a_request_with_a_deadline_goes_where_it_gets_the_device_soonest():
         assert den == where["roomy"], trial
 
 
+def test_a_resumed_request_keeps_the_deadline_of_its_first_arrival():
+    """A restarted orchestrator hears of a request again from its client, with its age: the deadline still
+    counts from the first Submit."""
+    from tests.test_router import CLIENT
+    from transport.messages import GenerationParams, Submit
+
+    h = Harness(schedule="slo")
+    h.add("encoder"), h.add("denoiser"), h.add("decoder")
+    measured(h)
+    params = GenerationParams(prompt="a cat", width=512, height=512, num_inference_steps=10, slo_ms=5_000)
+    for rid, age in (("fresh", 0.0), ("resumed", 2.0)):
+        h.router.handle_client(CLIENT, Submit(request_id=rid, params=params, resume=age > 0, age_s=age), [], h.now)
+        assert h.router.requests[rid].slo_deadline == pytest.approx(h.now + 5.0 - age)
+
+
 def test_admission_refuses_a_deadline_it_cannot_meet_only_once_it_has_measurements():
     h = Harness(admission="slo")
     h.add("encoder"), h.add("denoiser"), h.add("decoder")

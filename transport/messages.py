@@ -51,6 +51,8 @@ class Submit(_Msg, tag="submit", kw_only=True):
     #: sent again, under the same id, to an orchestrator that restarted since the first Submit: the roles
     #: may still hold its stages' outputs, so the new orchestrator resumes it from the furthest one
     resume: bool = False
+    #: seconds since the client first sent it (a resume): its deadline (params.slo_ms) still counts from then
+    age_s: Annotated[float, Meta(ge=0, le=86_400)] = 0.0
 
 
 class Result(_Msg, tag="result", kw_only=True):
