@@ -1,6 +1,6 @@
 """`python -m gateway SETTINGS_JSON`: the HTTP gateway process (`disagg launch --http-port` and `disagg serve-http`
-start it) with its settings.process.GatewaySettings. The API key comes in DISAGG_HTTP_API_KEY, not on the
-command line (where `ps` would show it)."""
+start it) with its settings.process.GatewaySettings. The API key comes in DISAGG_HTTP_API_KEY and the keys with a
+priority in DISAGG_HTTP_API_KEYS, not on the command line (where `ps` would show them)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 
 import msgspec
+import yaml
 
 from transport.messages import BOOT_ERROR_EXIT
 
@@ -30,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         return BOOT_ERROR_EXIT
     log.info("settings: %s", encode(settings))  # the API key is not in it: it comes from the environment
     settings.http.api_key = settings.http.api_key or os.environ.get("DISAGG_HTTP_API_KEY", "")
+    try:  # the keys with a priority come the same way (JSON from the launcher; YAML or JSON by hand)
+        keys = yaml.safe_load(os.environ.get("DISAGG_HTTP_API_KEYS") or "{}") or {}
+        settings.http.api_keys = settings.http.api_keys or msgspec.convert(keys, dict[str, int])
+    except (yaml.YAMLError, msgspec.ValidationError) as exc:
+        log.error("bad DISAGG_HTTP_API_KEYS (a mapping of API key -> priority): %s", exc)
+        return BOOT_ERROR_EXIT
     import uvicorn
 
     from gateway.app import make_app

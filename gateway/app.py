@@ -105,9 +105,14 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                 await send(message)
 
             try:
-                if h.api_key and not is_open(scope["path"]):
+                if (h.api_key or h.api_keys) and not is_open(scope["path"]):
                     scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-                    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), h.api_key.encode()):
+                    given = given.strip() if scheme.lower() == b"bearer" else None
+                    # http.api_keys: a key with a priority its requests run at (Gateway.key_priority)
+                    capped = [p for k, p in h.api_keys.items() if given is not None and hmac.compare_digest(given, k.encode())]
+                    if capped:
+                        scope.setdefault("state", {})["priority_cap"] = capped[0]
+                    elif given is None or not h.api_key or not hmac.compare_digest(given, h.api_key.encode()):
                         raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                        code="invalid_api_key")
                 await self.inner(scope, receive, counting_send)

@@ -69,6 +69,20 @@ class Gateway:
                            param="model", code="model_not_found")
         return model if params is None else (model, params)
 
+    @staticmethod
+    def key_priority(request: Request, params):
+        """`params` at the priority of the API key the request came with (http.api_keys): that one unless it names
+        a lower one; a higher one is refused (403)."""
+        cap = getattr(request.state, "priority_cap", None)
+        if cap is None:
+            return params
+        if params.priority is None:
+            return msgspec.structs.replace(params, priority=cap)
+        if params.priority > cap:
+            raise ApiError(403, f"priority {params.priority} is above what this API key may ask ({cap})",
+                           param="priority", code="priority_not_allowed")
+        return params
+
     async def submit_unless_gone(self, request: Request, rid: str, params):
         """The request's Outcome; None when the HTTP client disconnected first (then it is cancelled)."""
         task = asyncio.ensure_future(self.client.submit(rid, params))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -138,7 +139,8 @@ class Deployment:
         environment, not on the command line (where `ps` shows it)."""
         env = self._env()
         env["DISAGG_HTTP_API_KEY"] = self.config.http.api_key
-        http = msgspec.structs.replace(self.config.http, api_key="")
+        env["DISAGG_HTTP_API_KEYS"] = json.dumps(self.config.http.api_keys)
+        http = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
         settings = GatewaySettings(endpoint=self.endpoint, http=http, keys=self.keys_dir)
         return self.supervisor.spawn("gateway", self.supervisor.python("gateway", encode(settings)), env=env)
 

@@ -24,7 +24,7 @@ value came from."""
 
 WIDTH = 100
 #: settings --print-config does not show the value of
-SECRETS = ("http.api_key",)
+SECRETS = ("http.api_key", "http.api_keys")
 
 
 def value_text(value) -> str:
@@ -86,7 +86,7 @@ def effective_yaml(resolved) -> str:
         current = section
         origin = resolved.origins.get(leaf.path, "default")
         source = {"flag": f"flag {leaf.flag or ''}".strip(), "env": f"env {leaf.env}", "file": "file"}.get(origin, "default")
-        if leaf.path in SECRETS and value:
-            value = "(set)"
+        if leaf.path in SECRETS and value:  # a key's priority may show, never the key
+            value = {"(set)": sorted(value.values())} if isinstance(value, dict) else "(set)"
         lines.append(f"{'  ' if section else ''}{name}: {value_text(value)}  # {source}")
     return "\n".join(lines) + "\n"

@@ -118,6 +118,12 @@ class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "When set, every route but /, /health, /liveness, /metrics and the unguessable image URLs needs "
         "`Authorization: Bearer KEY`. Prefer the environment (DISAGG_HTTP_API_KEY) to a file or a flag."),
         extra=use("gateway", flag="--api-key"))] = ""
+    api_keys: Annotated[dict[str, Annotated[int, Meta(ge=-1000, le=1000)]], Meta(description=(
+        "More API keys, each with the priority its requests get: KEY -> priority (-1000..1000). A request sent "
+        "with such a key runs at that priority unless it names a lower one; naming a higher one is refused (403, "
+        "param priority). Requests with http.api_key name any priority. Prefer the environment "
+        "(DISAGG_HTTP_API_KEYS, YAML: '{KEY: 5}') to a file."),
+        extra=use("gateway", flag=None))] = {}
     image_ttl: Annotated[float, Meta(gt=0, description=(
         "response_format=url: seconds an image stays fetchable at its URL."), extra=use("gateway", flag=None))] = 600.0
     image_store_max: Annotated[int, Meta(ge=1, description="response_format=url: the most images kept.",

@@ -15,6 +15,7 @@ import time
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from PIL import Image
 
@@ -263,8 +264,10 @@ def test_a_killed_gateway_is_restarted(tiny):
 
 def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
     http_port = free_port_pair()
+    config = tmp_path / "keys.yaml"  # keys with a priority (http.api_keys) beside the one key of any priority
+    config.write_text("http:\n  api_keys: {bronze-key: -5, gold-key: 7}\n")
     dep = Launched(["--model", "sim:zero", "-d", "1", "--no-dashboard", "--http-port", str(http_port),
-                    "--api-key", "sekrit"], tmp_path)
+                    "--api-key", "sekrit", "--config", str(config)], tmp_path)
     second = None
     try:
         dep.wait_ready(3)
@@ -278,6 +281,18 @@ def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
         assert good.images.generate(prompt="a cat", size="64x64").data[0].b64_json
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).images.generate(prompt="a cat")
+        # a key's priority: its requests run at it (counted per priority with their deadline), a lower one may be
+        # asked, a higher one is refused naming the field; neither key appears on a command line
+        deadline = {"slo_ms": 600_000}
+        bronze = openai.OpenAI(base_url=url + "/v1", api_key="bronze-key", max_retries=0)
+        gold = openai.OpenAI(base_url=url + "/v1", api_key="gold-key", max_retries=0)
+        assert bronze.images.generate(prompt="a", size="32x32", extra_body=deadline).data[0].b64_json
+        assert gold.images.generate(prompt="b", size="32x32", extra_body={**deadline, "priority": 3}).data
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            gold.images.generate(prompt="c", size="32x32", extra_body={**deadline, "priority": 9})
+        assert denied.value.body["param"] == "priority" and "above" in denied.value.body["message"]
+        assert {c.priority: c.met for c in dep.status().slo} == {-5: 1, 3: 1}
+        assert not any("gold-key" in " ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["cmdline"]))
         # a second gateway, on its own, for the same orchestrator
         port2 = free_port_pair()
         second = subprocess.Popen([sys.executable, "-m", "launcher", "serve-http", "--endpoint", dep.endpoint,

@@ -49,6 +49,7 @@ async def answer_images(request: Request, req, params):
     gw = gateway_of(request)
     if req.model:  # an adapter's name is shorthand for it at scale 1
         _, params = await gw.check_model(req.model, params)
+    params = gw.key_priority(request, params)
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
     if not REQUEST_ID.match(rid):
         raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")

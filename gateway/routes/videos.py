@@ -76,6 +76,7 @@ async def create(request: Request):
     except Unreachable:
         pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
     _, params = await gw.check_model(req.model, params)  # an adapter's name is shorthand for it at scale 1
+    params = gw.key_priority(request, params)
     seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
     job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
                    size=req.size or "auto", seconds=f"{seconds:g}")
