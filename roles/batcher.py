@@ -22,6 +22,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from roles.turns import ewma
 from roles.turns import order as urgency_order
 from transport.params import lora_key
 
@@ -140,8 +141,7 @@ class StepBatcher:
     # --- schedule slo: the batch formed again at every step, by urgency --------------------------------------
 
     def _left_s(self, e: _Entry) -> float:
-        t = e.ticket
-        return max(t.steps - t.done, 0) * self.step_s.get(e.key, 0.0) if t is not None else 0.0
+        return e.ticket.left_s(self.step_s.get(e.key, 0.0)) if e.ticket is not None else 0.0
 
     def _drive_slo(self) -> None:
         held: list[_Entry] = []  # every request handed over and not finished, started or not
@@ -198,9 +198,8 @@ class StepBatcher:
                 held.remove(e)
             return
         took = time.perf_counter() - t0
-        factor = self.step_s.get(stepping[0].key)
         # one request's step time at this batch size stands for the key's (the slack estimate's unit)
-        self.step_s[stepping[0].key] = took if factor is None else 0.8 * factor + 0.2 * took
+        self.step_s[stepping[0].key] = ewma(self.step_s.get(stepping[0].key), took)
         share = took / len(stepping)
         self.batch_sizes[len(stepping)] += 1
         for e in stepping:

@@ -45,38 +45,43 @@ class Ticket:
     #: called whenever it wakes while waiting: raises to stop waiting (its client cancelled it; Turns.wake)
     check: object = None
 
+    def left_s(self, step_s: float) -> float:
+        """Seconds it still needs on the device at `step_s` a step."""
+        return max(self.steps - self.done, 0) * step_s
+
 
 def order(items: list, now: float, aging_s: float, ticket_of=lambda t: t, left_s=None) -> list:
     """`items` most urgent first (see above). `ticket_of(item)`: its Ticket (None: no priority, no deadline);
     `left_s(item)`: the seconds it still needs on the device."""
     groups: dict[int, list] = {}
-    for item in items:
+    for item in items:  # (item, its ticket, its time left), each looked up once
         t = ticket_of(item)
-        boost = 0
-        if t is not None and t.waiting_since is not None:
-            boost = int((now - t.waiting_since) // aging_s)
-        groups.setdefault(-((t.priority if t is not None else 0) + boost), []).append(item)
+        boost = int((now - t.waiting_since) // aging_s) if t is not None and t.waiting_since is not None else 0
+        groups.setdefault(-((t.priority if t is not None else 0) + boost), []).append((item, t, left_s(item)))
     ranked, clock = [], now
     for _, group in sorted(groups.items(), key=lambda kv: kv[0]):
-        timed, untimed, late = [], [], []
-        for item in group:
-            t = ticket_of(item)
-            (untimed if t is None or t.deadline is None else timed).append(item)
-        timed.sort(key=lambda item: (ticket_of(item).deadline, ticket_of(item).seq))
-        kept, at = [], clock
-        for item in timed:
-            kept.append(item)
-            at += left_s(item)
-            if at > ticket_of(item).deadline:  # one misses: set the longest so far aside
-                longest = max(kept, key=left_s)
+        timed = sorted((e for e in group if e[1] is not None and e[1].deadline is not None),
+                       key=lambda e: (e[1].deadline, e[1].seq))
+        untimed = sorted((e for e in group if e[1] is None or e[1].deadline is None),
+                         key=lambda e: e[1].seq if e[1] is not None else 0)
+        kept, late, at = [], [], clock
+        for e in timed:
+            kept.append(e)
+            at += e[2]
+            if at > e[1].deadline:  # one misses: set the longest so far aside
+                longest = max(kept, key=lambda k: k[2])
                 kept.remove(longest)
                 late.append(longest)
-                at -= left_s(longest)
-        untimed.sort(key=lambda item: ticket_of(item).seq if ticket_of(item) is not None else 0)
-        late.sort(key=lambda item: (ticket_of(item).deadline - now - left_s(item), ticket_of(item).seq))
-        ranked += kept + untimed + late
-        clock += sum(left_s(item) for item in group)
+                at -= longest[2]
+        late.sort(key=lambda e: (e[1].deadline - now - e[2], e[1].seq))
+        ranked += [e[0] for e in kept + untimed + late]
+        clock += sum(e[2] for e in group)
     return ranked
+
+
+def ewma(old: float | None, new: float) -> float:
+    """A step time's moving average (the newest measurement weighs 0.2)."""
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 class Turns:
@@ -99,7 +104,7 @@ class Turns:
         return self.step_s.get(t.shape, 0.0)
 
     def _left_s(self, t: Ticket) -> float:
-        return max(t.steps - t.done, 0) * self._step_s(t)
+        return t.left_s(self._step_s(t))
 
     def order(self, tickets: list[Ticket], now: float) -> list[Ticket]:
         """`tickets` most urgent first (module docstring)."""
@@ -139,8 +144,7 @@ class Turns:
             if self._holder is t:
                 t.held_s += self.clock() - t._took
                 if t.done == 0 and t.steps == 1 and t.shape is not None:  # a compute without steps (an encode, a decode)
-                    avg = self.step_s.get(t.shape)
-                    self.step_s[t.shape] = t.held_s if avg is None else 0.8 * avg + 0.2 * t.held_s
+                    self.step_s[t.shape] = ewma(self.step_s.get(t.shape), t.held_s)
                 self._holder = None
                 self._cond.notify_all()
 
@@ -150,9 +154,7 @@ class Turns:
             now = self.clock()
             t.done += 1
             if t.done and self._holder is t:
-                per_step = (t.held_s + now - t._took) / t.done
-                avg = self.step_s.get(t.shape)
-                self.step_s[t.shape] = per_step if avg is None else 0.8 * avg + 0.2 * per_step
+                self.step_s[t.shape] = ewma(self.step_s.get(t.shape), (t.held_s + now - t._took) / t.done)
             if not self._waiting or self._holder is not t or self._best(now, t) is t:
                 return
             self.switches += 1

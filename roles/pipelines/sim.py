@@ -130,8 +130,7 @@ class SimAdapter:
 
     def decode(self, inputs, p: dict, progress=None) -> list[Image.Image]:
         prof, pixels = self.profile.for_request(p)
-        frames = p.get("num_frames")
-        chunks = (frames - 1) // prof.temporal + 1 if frames and prof.temporal else 1
+        chunks = prof.latent_frames(p.get("num_frames"))
         for k in range(chunks):
             if k and progress is not None:
                 progress()

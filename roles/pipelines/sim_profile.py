@@ -69,16 +69,17 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: serves images at this profile's costs and videos at that one's
     video: str = ""
 
+    def latent_frames(self, frames: int | None) -> int:
+        """A video's latent frames, (frames - 1) // temporal + 1; 1 for an image or where frames do not count."""
+        return (frames - 1) // self.temporal + 1 if frames and self.temporal else 1
+
     def for_request(self, p: dict) -> tuple["SimProfile", int]:
         """The profile a request's costs come from, and its size in (latent) pixels."""
         prof = self
         frames = p.get("num_frames")
         if frames and self.video:
             prof = load_profile(self.video)
-        pixels = p["width"] * p["height"]
-        if frames and prof.temporal:
-            pixels *= (frames - 1) // prof.temporal + 1
-        return prof, pixels
+        return prof, p["width"] * p["height"] * prof.latent_frames(frames)
 
     def payload(self, role: str, pixels: int, images: int = 1, with_image: bool = False) -> int:
         """Bytes `role` stages; the encoder's include the image's when the launcher sizes pools for it."""

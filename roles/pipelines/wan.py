@@ -15,6 +15,10 @@ Diffusers quirks handled here:
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import threading
+
 import torch
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
@@ -85,8 +89,6 @@ class WanAdapter(SplitPipeline):
         copy, so its per-call cache (`_feat_map`, `_conv_idx`, set by clear_cache) is its own while the
         modules are shared, and another decode may run between its frames. The hook sits on the shared
         decoder module once and calls the progress of the thread that runs it."""
-        import copy
-
         vae = self.pipe.vae
         if getattr(self, "_frame_hook", None) is None:
             self._frame_hook = _FrameHook()
@@ -130,8 +132,6 @@ class _FrameHook:
     its first (the first frame starts the decode, which already holds the device)."""
 
     def __init__(self):
-        import threading
-
         self._local = threading.local()
 
     def __call__(self, _module, _args):
@@ -141,14 +141,11 @@ class _FrameHook:
                 state[0]()
             state[1] += 1
 
+    @contextlib.contextmanager
     def calling(self, progress):
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            self._local.state = [progress, 0]
-            try:
-                yield
-            finally:
-                self._local.state = None
-        return scope()
+        """While inside, this thread's decoder forwards call `progress` (from the second on)."""
+        self._local.state = [progress, 0]
+        try:
+            yield
+        finally:
+            self._local.state = None
