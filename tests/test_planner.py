@@ -1,0 +1,192 @@
+"""The throughput model (orchestrator/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
+
+import msgspec
+
+from orchestrator.planner import Work, fmt, plan, splits, throughput
+from orchestrator.rebalance import LAUNCHER_SILENCE_S
+from orchestrator.router import Router, RouterConfig
+from settings.schema import RebalanceSettings
+from transport.messages import (
+    Done, GenerationParams, Heartbeat, LauncherPoll, PoolInfo, Register, Reroles, Shutdown, Staged, SlotRef, Submit,
+    TensorSpec,
+)
+
+# Flux.1 on an H200 (configs/sim/flux-h200.yaml): 1024^2 at 2 steps, and at 28 steps
+FEW = {"encoder": 0.024, "denoiser": 0.34, "decoder": 0.085}
+MANY = {"encoder": 0.024, "denoiser": 4.76, "decoder": 0.085}
+
+
+def split(e, d, k):
+    return {"encoder": e, "denoiser": d, "decoder": k}
+
+
+def test_throughput_is_the_slowest_roles_rate():
+    w = Work(FEW, requests=1)
+    assert throughput(split(1, 5, 2), w) == min(1 / 0.024, 5 / 0.34, 2 / 0.085)
+    assert throughput(split(1, 6, 1), w) == 1 / 0.085  # now the decoder bounds it
+    assert throughput(split(0, 7, 1), w) == 0.0  # a role with work and no device serves nothing
+
+
+def test_the_best_split_follows_the_mix():
+    few = plan(Work(FEW, requests=10), split(3, 3, 2))
+    assert fmt(few.best) == "1:5:2"  # few steps: the decode is a quarter of the denoise, decoders matter
+    many = plan(Work(MANY, requests=10), split(3, 3, 2))
+    assert fmt(many.best) == "1:6:1"  # many steps: denoisers
+    # every split of 8 with one device per role at least was weighed, best first
+    assert len(few.considered) == 21 and few.considered[0] == (few.best, few.best_rps)
+    assert all(r <= few.best_rps for _, r in few.considered)
+    assert few.gain > 0.6 and few.moves() == [("encoder", "denoiser"), ("encoder", "denoiser")]
+
+
+def test_ties_keep_the_current_split_and_min_per_role_holds():
+    w = Work({"encoder": 0.0, "denoiser": 1.0, "decoder": 0.0}, requests=5)  # only denoisers matter
+    p = plan(w, split(2, 4, 2), min_per_role=2)
+    assert p.best == split(2, 4, 2) and p.gain == 0.0 and p.moves() == []
+    assert all(min(s.values()) >= 2 for s in splits(8, 2))
+    # one role's devices cannot move: they count, and stay
+    p = plan(Work(MANY, requests=5), split(2, 4, 2), fixed={"encoder": 2})
+    assert p.best["encoder"] >= 2 and fmt(p.best) == "2:5:1"
+
+
+def test_large_budgets_are_searched_near_the_proportional_split():
+    w = Work(MANY, requests=5)
+    p = plan(w, split(1000, 1000, 1000))
+    total = sum(MANY.values())
+    assert abs(p.best["denoiser"] - 3000 * MANY["denoiser"] / total) <= 4
+    assert len(p.considered) < 100
+
+
+def test_work_is_the_mix_mean_with_transfers_over_the_slots():
+    reqs = [("few", 3), ("many", 1)]
+    w = Work.of(reqs, lambda role, r: (FEW if r == "few" else MANY)[role], transfer_s={"denoiser": 0.4},
+                slots={"denoiser": 2})
+    assert w.requests == 4
+    assert abs(w.seconds["denoiser"] - ((3 * 0.34 + 4.76) / 4 + 0.2)) < 1e-9
+    # a role measured for no request: nothing to plan with
+    assert not Work.of(reqs, lambda role, r: None if role == "decoder" else 1.0).known
+
+
+# --- rebalance in the router, on a fake clock ---------------------------------------------------------------
+
+LAUNCHER = "host/1"
+
+
+class Deployment:
+    def __init__(self, mode="auto", **rb):
+        cfg = dict(interval_s=1.0, cooldown_s=10.0, window_s=20.0, min_requests=4, **rb)
+        self.now = 100.0
+        self.router = Router(RouterConfig(rebalance=RebalanceSettings(mode=mode, **cfg)), now=self.now)
+        self.n = 0
+
+    def add(self, role, iid=None, memory=0):
+        iid = iid or f"{role}-{sum(1 for i in self.router.registry.by_id if i.startswith(role))}"
+        pool = PoolInfo(host_id="h", engines=["shm"], pool_name=f"p-{iid}", pool_bytes=1 << 20)
+        self.role(iid, Register(role=role, instance_id=iid, pid=1000, host_id="h", device="cpu", capacity=1, pool=pool,
+                                launcher=LAUNCHER, memory_bytes=memory, ready=True))
+        return iid
+
+    def role(self, iid, msg):
+        return self.router.handle_instance(iid, msg, [], self.now)
+
+    def poll(self) -> Reroles:
+        out = self.router.handle_client(b"launcher", LauncherPoll(launcher=LAUNCHER), [], self.now)
+        return next(o.msg for o in out if isinstance(o.msg, Reroles))
+
+    def tick(self, dt):
+        self.now += dt
+        for inst in self.router.registry.alive():  # the instances are alive all along
+            self.role(inst.id, Heartbeat(instance_id=inst.id))
+        return self.router.tick(self.now)
+
+    def serve(self, steps, n):
+        """`n` requests of `steps` steps, each stage reporting the device time FEW or MANY says."""
+        times = FEW if steps == 2 else MANY
+        for _ in range(n):
+            rid = f"r{self.n}"
+            self.n += 1
+            out = self.router.handle_client(b"c", Submit(request_id=rid, params=GenerationParams(
+                prompt="p", width=1024, height=1024, num_inference_steps=steps)), [], self.now)
+            for role in ("encoder", "denoiser", "decoder"):
+                run = next(o for o in out if type(o.msg).__name__ == "Run" and o.msg.request_id == rid)
+                slot = SlotRef(instance_id=run.to_instance, offset=0, nbytes=256,
+                               tensors=[TensorSpec("x", "float32", [64], 0, 256)])
+                if role == "decoder":
+                    out = self.role(run.to_instance, Done(request_id=rid, attempt=1, num_images=1,
+                                                          compute_s=times[role], device_s=times[role]))
+                else:
+                    out = self.role(run.to_instance, Staged(request_id=rid, attempt=1, slot=slot, compute_s=times[role],
+                                                            device_s=times[role]))
+
+
+def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
+    d = Deployment(mode="auto")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    # the plan was made on 3:3:2; the split shown counts the devices on their way as their new role's
+    assert (rb.current, rb.recommended, rb.budget) == ("1:5:2", "1:5:2", 8)
+    assert rb.recommended_rps > 1.6 * rb.current_rps
+    # two encoders drain (they hold nothing: they are shut down at once), then their launcher is told
+    movers = [m.instance_id for m in rb.moving]
+    assert sorted(movers) == ["encoder-0", "encoder-1"] and {m.to_role for m in rb.moving} == {"denoiser"}
+    out = d.tick(0.05)
+    assert {o.to_instance for o in out if isinstance(o.msg, Shutdown)} == set(movers)
+    d.tick(0.05)
+    orders = d.poll().orders
+    assert sorted((o.instance_id, o.new_id, o.role) for o in orders) == [
+        ("encoder-0", "denoiser-3", "denoiser"), ("encoder-1", "denoiser-4", "denoiser")]
+    for o in orders:
+        d.add("denoiser", iid=o.new_id)
+    d.tick(0.05)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.moving == [] and rb.moves == 2 and rb.current == "1:5:2" and d.poll().orders == []
+    # the mix turns to 28 steps: 1:6:1 is better, but the cooldown holds the move back
+    d.serve(28, 40)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:6:1" and rb.moving == [] and "cooldown" in rb.holding
+    d.now += 9.0
+    d.poll()  # the launcher polls on
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert [(m.from_role, m.to_role) for m in rb.moving] == [("decoder", "denoiser")]
+
+
+def test_advise_never_moves_and_silent_launchers_and_small_devices_keep_their_instances():
+    d = Deployment(mode="advise")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:3:1" and rb.moving == [] and rb.holding == ""
+    # auto, but the launcher went quiet: nothing may move (nobody would start the instance again)
+    d = Deployment(mode="auto")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    d.tick(LAUNCHER_SILENCE_S + 1)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.moving == [] and rb.fixed == {"encoder": 3, "denoiser": 1, "decoder": 1} and rb.budget == 0
+    # a device whose memory cannot hold a denoiser's weights and pool keeps its role
+    d = Deployment(mode="auto")
+    for role in ("encoder", "encoder", "denoiser", "decoder"):
+        d.add(role, memory=1 << 20)  # 1 MiB: the pool alone
+    d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000}, weights_bytes=40_000))
+    d.poll()
+    d.serve(2, 6)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:2:1" and rb.moving == [] and "fit" in rb.holding
+
+
+def test_rebalance_off_reports_nothing():
+    d = Deployment(mode="off")
+    d.add("encoder")
+    assert d.router.snapshot(d.now).rebalance is None
+    assert msgspec.json.decode(msgspec.json.encode(Deployment().router.snapshot(0).rebalance)) is not None
