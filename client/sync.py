@@ -22,8 +22,10 @@ from transport.messages import (
     ErrorCode,
     Cancel,
     GenerationParams,
+    LauncherPoll,
     MessageError,
     Rejected,
+    Reroles,
     ServerReply,
     StatusQuery,
     StatusReport,
@@ -230,6 +232,10 @@ class Client:
         """Stop one host's instances only (with `drain`, once what they run and hold is done); with `launcher`,
         only those that launcher started."""
         return self._ask(StopHost(host_id=host_id, drain=drain, launcher=launcher), Stopping, timeout_s)
+
+    def launcher_poll(self, launcher: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Reroles:
+        """A launcher's orders (`rebalance: auto`): the instances it should start again as another role."""
+        return self._ask(LauncherPoll(launcher=launcher), Reroles, timeout_s)
 
     def run_all(
         self,

@@ -88,6 +88,7 @@ class StatusCollector:
                 held.add_metric([i.role, i.id], len(i.loras))
         yield from (loads, hits, held)
         yield from slo_metrics(r)
+        yield from rebalance_metrics(r)
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
 
@@ -111,6 +112,28 @@ def slo_metrics(r: StatusReport):
     for role, seconds in r.queue_slack.items():
         least.add_metric([role], seconds)
     yield from (met, missed, slack, least)
+
+
+def rebalance_metrics(r: StatusReport):
+    """`rebalance`: devices per role now and recommended, the throughput predicted for each, the moves."""
+    rb = r.rebalance
+    if rb is None:
+        return
+    devices = GaugeMetricFamily("disagg_rebalance_devices", "Devices per role, in the current split and in the one "
+                                "the throughput model recommends", labels=["split", "role"])
+    rps = GaugeMetricFamily("disagg_rebalance_predicted_rps", "Requests per second the throughput model predicts "
+                            "for the last window's mix, on the current and on the recommended split", labels=["split"])
+    for which, split, rate in (("current", rb.current, rb.current_rps), ("recommended", rb.recommended, rb.recommended_rps)):
+        if not split:
+            continue
+        for role, n in zip(("encoder", "denoiser", "decoder"), split.split(":")):
+            devices.add_metric([which, role], float(n))
+        if rb.recommended:
+            rps.add_metric([which], rate)
+    yield from (devices, rps)
+    yield CounterMetricFamily("disagg_rebalance_moves", "Devices moved to another role (rebalance auto) since the "
+                              "orchestrator started", value=rb.moves)
+    yield GaugeMetricFamily("disagg_rebalance_moving", "Devices changing role now", value=len(rb.moving))
 
 
 class Metrics:

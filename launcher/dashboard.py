@@ -87,7 +87,24 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
         f"  restarts {orch.get('restarts', 0)}{http}",
         style="dim",
     )
-    return Group(table, totals, head)
+    lines = [table, totals]
+    if report.rebalance is not None:
+        lines.append(rebalance_line(report.rebalance))
+    return Group(*lines, head)
+
+
+def rebalance_line(rb) -> Text:
+    """`rebalance`: the split, what it is predicted to serve, the recommendation and the moves in progress."""
+    if not rb.recommended:
+        advice = f"split {rb.current}  no recommendation yet ({rb.holding or 'too few requests'})"
+    elif rb.recommended == rb.current:
+        advice = f"split {rb.current} ({rb.current_rps:.2f} req/s predicted) is the best"
+    else:
+        gain = rb.recommended_rps / rb.current_rps - 1 if rb.current_rps else float("inf")
+        advice = (f"split {rb.current} ({rb.current_rps:.2f} req/s predicted)  recommended {rb.recommended} "
+                  f"({rb.recommended_rps:.2f} req/s, {gain:+.0%})")
+    moving = "".join(f"  {m.instance_id} -> {m.new_id} ({m.state})" for m in rb.moving)
+    return Text.assemble(("rebalance ", "bold"), f"{rb.mode}  {advice}{moving}  moves {rb.moves}")
 
 
 def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
@@ -104,6 +121,7 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
             lines.append(f"gateway {g.url} (pid {g.pid}) is up")
     for url in urls - {g.url for g in cur.gateways}:
         lines.append(f"gateway {url} is gone")
+    lines += rebalance_events(prev.rebalance if prev else None, cur.rebalance)
     seen = set(prev.warnings) if prev else set()
     lines += [f"warning: {w}" for w in cur.warnings if w not in seen]
     if prev is None or (prev.requests.completed, prev.requests.failed) != (cur.requests.completed, cur.requests.failed):
@@ -113,6 +131,20 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
                 f"requests: {r.completed} completed, {r.failed} failed, {r.in_flight} in flight "
                 f"({cur.throughput_rps:.2f} req/s)"
             )
+    return lines
+
+
+def rebalance_events(prev, cur) -> list[str]:
+    if cur is None:
+        return []
+    lines = []
+    if cur.recommended and cur.recommended != cur.current and (prev is None or prev.recommended != cur.recommended):
+        lines.append(f"rebalance: {cur.recommended} recommended ({cur.recommended_rps:.2f} req/s predicted; "
+                     f"{cur.current} now, {cur.current_rps:.2f})")
+    before = {(m.instance_id, m.state) for m in prev.moving} if prev else set()
+    for m in cur.moving:
+        if (m.instance_id, m.state) not in before:
+            lines.append(f"rebalance: {m.instance_id} ({m.from_role}) {m.state} to become {m.new_id} ({m.to_role})")
     return lines
 
 

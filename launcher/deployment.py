@@ -18,7 +18,7 @@ from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
 from launcher.supervisor import Child, Supervisor
-from launcher.topology import Placement, cuda_env, place
+from launcher.topology import Placement, cuda_env, place, rerole
 from settings import Settings
 from roles.pipelines import model_identity
 from settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
@@ -121,7 +121,7 @@ class Deployment:
             **fields, deployment_id=self.run_id, host_id=self.host_id,
             model_identity=msgspec.convert(model_identity(c.model, c.dtype), ModelIdentity),
             standby={role: c.role(role).standby for role in ("encoder", "denoiser", "decoder")},
-            loras=self.loras_resolved(), sim=c.model.startswith("sim:"),
+            loras=self.loras_resolved(), sim=c.model.startswith("sim:"), rebalance=c.rebalance,
         )
 
     def loras_resolved(self):
@@ -149,7 +149,32 @@ class Deployment:
         h = self.config.http
         return f"http://{h.host}:{h.port}" if h.port else ""
 
-    def spawn_role(self, p: Placement) -> Child:
+    def take_orders(self, client: Client) -> list[str]:
+        """Ask the orchestrator for this launcher's orders (rebalance: auto) and carry them out: each names an
+        instance of ours it drained and told to exit, and the role its device serves from now on. What was done,
+        in words."""
+        try:
+            orders = client.launcher_poll(self.launcher_id, timeout_s=2).orders
+        except (Unreachable, RuntimeError):
+            return []
+        said = []
+        for order in orders:
+            old = self.supervisor.children.get(order.instance_id)
+            if order.new_id in self.supervisor.children or old is None:
+                continue  # started already, or not ours
+            if old.proc is not None and old.proc.poll() is None:
+                continue  # still on its way out: next time
+            p = next((p for p in self.placements if p.instance_id == order.instance_id), None)
+            if p is None:
+                continue
+            new = rerole(self.config, p, order.role, order.new_id)
+            self.placements[self.placements.index(p)] = new
+            with self.supervisor.lock:  # its thread walks the children
+                child = self.spawn_role(new, take_spare=True)
+            said.append(f"{order.instance_id}'s device serves as {order.new_id} now (pid {child.pid})")
+        return said
+
+    def spawn_role(self, p: Placement, take_spare: bool = False) -> Child:
         c = self.config
         spec = WorkerSpec(
             **schema_part(c, "role"),
@@ -168,7 +193,7 @@ class Deployment:
         env["OMP_NUM_THREADS"] = str(p.threads)
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("roles", encode(spec)), env=env, cpus=p.cpus,
-            spare_ok=True, fork_ok=self.forkable(p),
+            spare_ok=True, fork_ok=self.forkable(p), take_spare=take_spare,
         )
 
     def _spawn_group(self, p: Placement, spec: WorkerSpec) -> Child:

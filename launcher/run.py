@@ -123,15 +123,20 @@ def watch(dep: Deployment, view) -> int:
     if isinstance(view, LiveTable):
         view.ready = True
     orchestrator = dep.supervisor.children.get("orchestrator")  # None on a join host
+    stopped_before = False
     with dep.client() as client:
         while not dep.interrupted:
             while not dep.supervisor.events.empty():
                 view.say(dep.supervisor.events.get())
+            for line in dep.take_orders(client):  # rebalance: auto moves this launcher's devices between roles
+                view.say(line)
             if orchestrator is None:
                 children = list(dep.supervisor.children.values())
-                if children and all(c.returncode == 0 for c in children):
+                stopped = bool(children) and all(c.returncode == 0 for c in children)
+                if stopped and stopped_before:  # twice: an instance that exited to move comes back in between
                     view.say("the head stopped this host's roles")
                     return 0
+                stopped_before = stopped
                 report = dep.status(client)
                 if report is not None:
                     view(dep.local(report))

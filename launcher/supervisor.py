@@ -55,6 +55,9 @@ class Child:
     started_at: float = 0.0
     #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
     spare_ok: bool = False
+    #: a role that starts as another role's device moves to it (rebalance): a spare interpreter becomes it at once
+    #: when one waits (else the fork server or a fresh interpreter)
+    take_spare: bool = False
     #: a role without a GPU: the fork server (launcher/forks.py) may start it, when there is one
     fork_ok: bool = False
     #: the ranks of one parallel instance share a group: when one dies, the others are stopped, and all
@@ -104,9 +107,9 @@ class Supervisor:
         self._groups: dict[str, tuple[int, set[str]]] = {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cpus: list[int] | None = None,
-              spare_ok: bool = False, group: str = "", fork_ok: bool = False) -> Child:
+              spare_ok: bool = False, group: str = "", fork_ok: bool = False, take_spare: bool = False) -> Child:
         child = Child(name, argv, {**os.environ, **(env or {})}, self.logs / f"{name}.log", cpus or [], spare_ok=spare_ok,
-                      group=group, fork_ok=fork_ok)
+                      group=group, fork_ok=fork_ok, take_spare=take_spare)
         self._start(child)
         self.children[name] = child
         return child
@@ -170,7 +173,7 @@ class Supervisor:
             child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
         child.returncode = None
         child.started_at = time.monotonic()
-        if child.spare_ok and child.restarts and self._take_spare(child):
+        if child.spare_ok and (child.restarts or child.take_spare) and self._take_spare(child):
             self._pin(child)
             log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
             return True

@@ -149,6 +149,16 @@ def default_pool_bytes(spec: ModelSpec, role: str, capacity: int) -> int:
     return max(MIN_POOL_BYTES, (need + mib - 1) // mib * mib)
 
 
+def rerole(config: Settings, p: Placement, role: str, instance_id: str) -> Placement:
+    """The placement of instance `instance_id` of `role` on `p`'s device and CPUs (rebalance moves a device to
+    another role): that role's capacity, batching and pool, as launch gives its instances."""
+    rc = config.role(role)
+    capacity = max(rc.capacity, rc.max_batch)
+    pool_bytes = rc.pool_mib * 1024 * 1024 if rc.pool_mib else default_pool_bytes(model_spec(config.model), role, capacity)
+    return Placement(role, instance_id, capacity, pool_bytes, p.gpu, list(p.cpus), threads=p.threads,
+                     max_batch=rc.max_batch, simulated=p.simulated)
+
+
 def place(config: Settings, cpu_ids: list[int] | None = None) -> list[Placement]:
     """Every role instance, with its GPU (round-robin over the role's or the global list) and CPUs."""
     cpu_ids = cpu_ids if cpu_ids is not None else sorted(os.sched_getaffinity(0))

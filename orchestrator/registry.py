@@ -45,6 +45,9 @@ class Instance:
     restarts: int = 0
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
+    #: its weights' bytes (Heartbeat.weights_bytes) and its device's memory (Register.memory_bytes; 0 unknown)
+    weights_bytes: int = 0
+    memory_bytes: int = 0
     devices: list[str] = field(default_factory=list)
     parallel: str = ""
     lane: bool = False
@@ -94,6 +97,7 @@ class Instance:
             parallel=msg.parallel,
             loras=list(msg.loras),
             lora_slots=msg.lora_slots,
+            memory_bytes=msg.memory_bytes,
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None, request_id: str = "") -> None:

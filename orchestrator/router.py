@@ -17,6 +17,7 @@ from orchestrator.loras import LoraCatalog
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
+from orchestrator.rebalance import Rebalance
 from orchestrator.recovery import Recovery
 from orchestrator.slo import Slo, SloCounts, StagePredictor
 from orchestrator.steps import RequestSteps
@@ -24,14 +25,14 @@ from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
-    HEARTBEAT_INTERVAL_S, ErrorCode, Alive, Cancel, GatewayBeat, Dead, Done, Failed, Fetched, Heartbeat, Register,
+    HEARTBEAT_INTERVAL_S, ErrorCode, Alive, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Register,
     Registered, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
     StatusReport, Stop, StopHost, Submit,
 )
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
+class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -80,6 +81,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
         self.slo_counts = SloCounts()
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
+        self.rebalance_init()  # the window, plan and moves of `rebalance` (orchestrator/rebalance.py)
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -88,6 +90,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
             Cancel: self.handle_cancel,
             RequestQuery: self.handle_request_query,
             GatewayBeat: self.handle_gateway_beat,
+            LauncherPoll: self.handle_launcher_poll,
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
@@ -141,6 +144,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
         if self.recovery.parked and not self.recovery.recovering(now):
             self.recovery.close_window(now, out)
         self.recovery.expire(now, out)
+        self.rebalance_tick(now, out)
         self.dispatch_queued(now, out)
         if self.draining and not self.requests and not self.stopping:
             log.info("drained; stopping")
@@ -190,6 +194,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
                       lora_sources=sources, slo_deadline=now - msg.age_s + params.slo_ms / 1000 if params.slo_ms else None)
         self.requests[req.id] = req
+        self.note_arrival(params, now)
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
             req.state = "parked"
             self.recovery.parked.append(req.id)
@@ -268,7 +273,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo):
         inst = self.registry.get(sender)
         inst.pool_free_bytes = msg.pool_free_bytes
         if msg.components:
-            inst.components = msg.components
+            inst.components, inst.weights_bytes = msg.components, msg.weights_bytes
         inst.steps = msg.steps
         inst.computed = msg.computed
         if inst.inherited:

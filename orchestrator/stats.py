@@ -110,6 +110,7 @@ def snapshot(router, now: float) -> StatusReport:
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
         schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.slo_counts.report(),
+        rebalance=router.rebalance_status(now),
     )
 
 

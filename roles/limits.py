@@ -56,3 +56,23 @@ class PoolFit:
                     f"{n} image(s) of {w}x{h} need {need / MIB:.1f} MiB in a {role}'s pool, which holds "
                     f"{pool / MIB:.1f} MiB ({role}s.pool_mib in the config): ask for fewer images or a smaller "
                     "size, or give that pool more memory")
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory of `device`: a GPU's total, the host's RAM for the CPU; 0 for a simulated device (unknown)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    if device == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return 0
+
+
+def param_bytes(dtype: str, device: str) -> int:
+    """Bytes per weight at `dtype` (auto: bfloat16 on a GPU, float32 elsewhere)."""
+    if dtype == "auto":
+        return 2 if device.startswith("cuda") else 4
+    return 4 if dtype == "float32" else 2

@@ -23,7 +23,7 @@ import zmq
 
 from roles.compute import StageRunner
 from roles.layout import describe_layout
-from roles.limits import model_limits, served_model
+from roles.limits import device_memory, model_limits, param_bytes, served_model
 from roles.link import Link
 from roles.spec import WorkerSpec
 from transport.auth import client_curve
@@ -148,6 +148,7 @@ class Worker(Link):
                 parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
                 identity=self.identity,
                 launcher=self.spec.launcher_id,
+                memory_bytes=device_memory(self.spec.device),
                 **self.lora_state(register=True),
                 **self.limits,
             )
@@ -162,6 +163,7 @@ class Worker(Link):
                 pool_free_bytes=self.pool.free_bytes,
                 progress=self.runner.progress,
                 components=self.components,
+                weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
                 steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
                 batch_steps=self.batch_steps(),
                 running=list(self.runner.busy),
@@ -392,3 +394,4 @@ def install_signal_handlers(worker: Worker) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+

@@ -15,7 +15,7 @@ from functools import cache
 import msgspec
 
 from settings.fields import top_level_for
-from settings.schema import HttpSettings, LoraSettings, Settings, world_of
+from settings.schema import HttpSettings, LoraSettings, RebalanceSettings, Settings, world_of
 from transport.descriptors import ModelIdentity
 
 
@@ -48,6 +48,8 @@ class _OrchestratorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
     #: a sim model: any adapter name is taken, with no file
     sim: bool = False
+    #: the rebalance section (advise or move devices between the roles)
+    rebalance: RebalanceSettings = msgspec.field(default_factory=RebalanceSettings)
 
 
 class _GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

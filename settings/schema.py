@@ -169,6 +169,38 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("orchestrator", flag="--lora-affinity"))] = "on"
 
 
+class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Pools that size themselves: the orchestrator works out which split of the devices between the roles serves
+    the recent traffic best (orchestrator/planner.py), shows it, and with mode auto moves devices to it."""
+
+    mode: Annotated[Literal["off", "advise", "auto"], Meta(description=(
+        "advise: every interval_s, from the last window_s of requests (their mix) and the measured stage times, "
+        "the split of the devices (E:D:K) that serves the most requests per second is recommended, with what the "
+        "current and the recommended splits are predicted to serve (status, the live table, /metrics). auto: "
+        "devices also move to it: an instance of a role with too many drains (it takes no new work and finishes "
+        "what it holds), exits, and its launcher starts it again on the same device as the role with too few "
+        "(a spare interpreter, when one waits). off: neither."),
+        extra=use("orchestrator", flag="--rebalance"))] = "advise"
+    window_s: Annotated[float, Meta(ge=1, le=86400, description=(
+        "Seconds of recent requests the traffic mix is taken from."),
+        extra=use("orchestrator", flag=None))] = 20.0
+    interval_s: Annotated[float, Meta(ge=0.1, le=3600, description="Seconds between two plans.",
+                                      extra=use("orchestrator", flag=None))] = 2.0
+    cooldown_s: Annotated[float, Meta(ge=0, le=86400, description=(
+        "auto: seconds after a move finished before the next may begin (with min_gain, the hysteresis that keeps "
+        "a traffic mix that alternates quickly from moving devices to and fro)."),
+        extra=use("orchestrator", flag=None))] = 15.0
+    min_per_role: Annotated[int, Meta(ge=1, le=256, description="auto: the fewest devices a role keeps.",
+                                      extra=use("orchestrator", flag=None))] = 1
+    min_gain: Annotated[float, Meta(ge=0, le=10, description=(
+        "auto: a move is made only when the recommended split is predicted to serve this much more than the "
+        "current one (0.05: 5% more requests per second)."),
+        extra=use("orchestrator", flag=None))] = 0.05
+    min_requests: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "The fewest requests in the window for a recommendation (fewer say too little about the mix)."),
+        extra=use("orchestrator", flag=None))] = 8
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything a deployment is: `disagg launch` merges flags over DISAGG_ variables over a config file over
     these defaults, checks the result once, and gives each process its own part (settings/process.py)."""
@@ -307,6 +339,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("launcher", "orchestrator"))] = 0
     http: HttpSettings = msgspec.field(default_factory=HttpSettings)
     loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    rebalance: RebalanceSettings = msgspec.field(default_factory=RebalanceSettings)
     sim_slowdown: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description=(
         "sim: models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for one denoiser "
         "three times slower than the others (dispatch experiments)."),

@@ -22,7 +22,7 @@ from transport.role_messages import (  # noqa: F401 - role <-> orchestrator mess
     Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Release, Done, Failed, Shutdown, Dead,
 )
 from transport.status import (  # noqa: F401
-    GatewayStatus, InstanceStatus, PairEngine, RequestCounts, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
+    GatewayStatus, InstanceStatus, PairEngine, RebalanceStatus, RequestCounts, RoleMove, SplitRate, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
 )
 
 #: Largest control message we decode; anything bigger is refused before parsing (a Submit with an image
@@ -116,6 +116,8 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     schedule: str = "fifo"
     queue_slack: dict[str, float] = {}
     slo: list[SloCount] = []
+    #: `rebalance` advise/auto: the recommended split and the moves in progress (None: rebalance off)
+    rebalance: RebalanceStatus | None = None
     #: the last warnings an operator should see (an inline transfer between hosts, ...), oldest first; a
     #: launcher prints each new one on its console
     warnings: list[str] = []
@@ -201,8 +203,31 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
-ClientMessage = Union[Submit, StatusQuery, Stop, StopHost, Cancel, RequestQuery, GatewayBeat]
-ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates]
+class LauncherPoll(_Msg, tag="launcher_poll", kw_only=True):
+    """A launcher asks for its orders (`rebalance: auto`), about twice a second; answered with Reroles. It also
+    tells the orchestrator this launcher is there to take them: only instances of a launcher heard from in the
+    last few seconds are moved."""
+
+    launcher: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+class Rerole(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Start `new_id` as `role` on the device instance `instance_id` had: that instance was drained and told to
+    exit, so its process ends (or has ended) with status 0."""
+
+    instance_id: Id
+    new_id: Id
+    role: Role
+
+
+class Reroles(_Msg, tag="reroles", kw_only=True):
+    """The orders of the launcher that sent LauncherPoll (the same order again until its instance registered)."""
+
+    orders: Annotated[list[Rerole], Meta(max_length=4096)] = []
+
+
+ClientMessage = Union[Submit, StatusQuery, Stop, StopHost, Cancel, RequestQuery, GatewayBeat, LauncherPoll]
+ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates, Reroles]
 RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
 OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
 KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)

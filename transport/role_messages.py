@@ -54,6 +54,9 @@ class Register(_Msg, tag="register", kw_only=True):
     #: LoRA adapters it keeps loaded at once (0: it applies none); adapters it still holds from before
     lora_slots: Count = 0
     loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
+    #: its device's memory in bytes (a GPU's total; the host's RAM on the CPU; 0: unknown): what `rebalance`
+    #: checks before it gives this device another role
+    memory_bytes: Count = 0
 
 
 class Registered(_Msg, tag="registered", kw_only=True):
@@ -78,6 +81,8 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     progress: Count = 0
     #: once loaded: parameters held per model component (the role loads only its own)
     components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
+    #: bytes of those components' weights (parameters x their dtype's size)
+    weights_bytes: Count = 0
     #: denoising steps of each request it runs: request id -> [done, total]
     steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
     #: continuous batching: batch size -> denoising steps run at that size since it started

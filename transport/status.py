@@ -3,6 +3,8 @@ inside the StatusReport message (transport/messages.py re-exports them)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -116,3 +118,50 @@ class SloCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 #: the slack-at-finish histogram's upper bounds, seconds (the last bucket, +Inf, is met + missed)
 SLACK_BUCKETS_S = (-10.0, -1.0, -0.1, 0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class SplitRate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One split of the device budget (E:D:K) and the requests per second the throughput model predicts for it."""
+
+    split: str
+    rps: float
+
+
+class RoleMove(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One device changing role (`rebalance: auto`): its instance drains (`draining`), then its launcher starts
+    it again as `new_id` of `to_role` (`restarting`), which registers and serves (then the move is over)."""
+
+    instance_id: str
+    new_id: str
+    from_role: str
+    to_role: str
+    state: Literal["draining", "restarting"]
+    #: seconds since the move began
+    age_s: float = 0.0
+
+
+class RebalanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`rebalance` (advise, auto): the split the throughput model recommends for the last window's requests, and
+    what it predicts the current and the recommended splits serve. `window_requests` 0: nothing to plan from yet
+    (or a role not measured), and then no recommendation."""
+
+    mode: str
+    #: the devices being split (instances that can change role) and those that cannot (several ranks, or no
+    #: launcher that takes orders), per role
+    budget: int = 0
+    fixed: dict[str, int] = {}
+    current: str = ""
+    current_rps: float = 0.0
+    recommended: str = ""
+    recommended_rps: float = 0.0
+    window_requests: int = 0
+    #: device-seconds per request of the window's mix, per role (the model's input)
+    work_s: dict[str, float] = {}
+    #: the best splits considered, best first (at most 8)
+    considered: list[SplitRate] = []
+    #: moves in progress, moves finished since start, and seconds since the last one finished (-1: none yet)
+    moving: list[RoleMove] = []
+    moves: int = 0
+    last_move_s: float = -1.0
+    #: why no move is made now (cooldown, gain under min_gain, ...), empty when one is
+    holding: str = ""
