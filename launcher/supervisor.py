@@ -55,8 +55,8 @@ class Child:
     started_at: float = 0.0
     #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
     spare_ok: bool = False
-    #: a role that starts as another role's device moves to it (rebalance): a spare interpreter becomes it at once
-    #: when one waits (else the fork server or a fresh interpreter)
+    #: a role that starts as another role's device moves to it (rebalance): forked when it may be (the fork server
+    #: imported everything at launch), else a spare interpreter becomes it when one waits, else a fresh one
     take_spare: bool = False
     #: a role without a GPU: the fork server (launcher/forks.py) may start it, when there is one
     fork_ok: bool = False
@@ -173,7 +173,9 @@ class Supervisor:
             child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
         child.returncode = None
         child.started_at = time.monotonic()
-        if child.spare_ok and (child.restarts or child.take_spare) and self._take_spare(child):
+        if child.take_spare and child.fork_ok and self.fork_server is not None:
+            pass  # a moved device's new role: the fork server has every import done already (a spare may not yet)
+        elif child.spare_ok and (child.restarts or child.take_spare) and self._take_spare(child):
             self._pin(child)
             log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
             return True

@@ -90,8 +90,13 @@ class Rebalance:
     # --- the plan -------------------------------------------------------------------------------
 
     def movable(self, inst, now: float) -> bool:
-        return (len(inst.devices) <= 1 and bool(inst.launcher)
-                and now - self.launchers.get(inst.launcher, -math.inf) <= LAUNCHER_SILENCE_S)
+        """On one device, and (under auto) started by a launcher that takes orders (advise counts every such
+        device: it recommends for the budget, whoever would move it)."""
+        if len(inst.devices) > 1:
+            return False
+        if self.rebalance_mode != "auto":
+            return True
+        return bool(inst.launcher) and now - self.launchers.get(inst.launcher, -math.inf) <= LAUNCHER_SILENCE_S
 
     def split_now(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
         """Devices per role (a device being moved counts for the role it moves to) and those that cannot move."""

@@ -179,7 +179,7 @@ class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         "current and the recommended splits are predicted to serve (status, the live table, /metrics). auto: "
         "devices also move to it: an instance of a role with too many drains (it takes no new work and finishes "
         "what it holds), exits, and its launcher starts it again on the same device as the role with too few "
-        "(a spare interpreter, when one waits). off: neither."),
+        "(forked from the launcher's fork server, or a spare interpreter). off: neither."),
         extra=use("orchestrator", flag="--rebalance"))] = "advise"
     window_s: Annotated[float, Meta(ge=1, le=86400, description=(
         "Seconds of recent requests the traffic mix is taken from."),

@@ -73,7 +73,7 @@ LAUNCHER = "host/1"
 
 class Deployment:
     def __init__(self, mode="auto", **rb):
-        cfg = dict(interval_s=1.0, cooldown_s=10.0, window_s=20.0, min_requests=4, **rb)
+        cfg = {**dict(interval_s=1.0, cooldown_s=10.0, window_s=20.0, min_requests=4), **rb}
         self.now = 100.0
         self.router = Router(RouterConfig(rebalance=RebalanceSettings(mode=mode, **cfg)), now=self.now)
         self.n = 0
@@ -190,3 +190,50 @@ def test_rebalance_off_reports_nothing():
     d.add("encoder")
     assert d.router.snapshot(d.now).rebalance is None
     assert msgspec.json.decode(msgspec.json.encode(Deployment().router.snapshot(0).rebalance)) is not None
+
+
+def test_a_mix_alternating_faster_than_the_cooldown_moves_no_device_to_and_fro():
+    d = Deployment(mode="auto", cooldown_s=15.0, window_s=20.0)
+    for role in ("encoder", "denoiser", "denoiser", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
+        d.add(role)
+    moves = []
+    for second in range(180):  # 5 s of 2-step images (14 a second), then 5 s of 28-step ones (1 a second)
+        d.poll()
+        d.serve(2, 14) if (second // 5) % 2 == 0 else d.serve(28, 1)
+        for o in d.tick(1.0):
+            pass
+        for order in d.poll().orders:  # the launcher starts what it is told
+            d.add(order.role, iid=order.new_id)
+        rb = d.router.snapshot(d.now).rebalance
+        moves.append(rb.moves + len(rb.moving))
+    # the window's mix hardly changes: at most the first move to its best split, then nothing
+    assert moves[-1] <= 1, moves
+
+
+def test_the_live_table_and_metrics_show_the_recommendation():
+    import io
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from rich.console import Console
+
+    from gateway.metrics import StatusCollector
+    from launcher.dashboard import events_between, status_view
+
+    d = Deployment(mode="advise")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):
+        d.add(role)
+    d.serve(2, 6)
+    d.tick(1.0)
+    report = d.router.snapshot(d.now)
+    console = Console(record=True, file=io.StringIO(), width=200)
+    console.print(status_view(report, width=200))
+    text = console.export_text()
+    assert "rebalance advise" in text and "recommended 1:3:1" in text and "split 3:1:1" in text
+    assert any("1:3:1 recommended" in line for line in events_between(None, report))
+    collector = StatusCollector()
+    collector.report = report
+    registry = CollectorRegistry()
+    registry.register(collector)
+    metrics = generate_latest(registry).decode()
+    assert 'disagg_rebalance_devices{role="denoiser",split="recommended"} 3.0' in metrics
+    assert 'disagg_rebalance_predicted_rps{split="current"}' in metrics and "disagg_rebalance_moves_total 0.0" in metrics
