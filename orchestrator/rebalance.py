@@ -60,6 +60,8 @@ class Rebalance:
         self.moving: dict[str, Move] = {}
         self.moves_done = 0
         self.last_move_end: float | None = None
+        #: (when it ended, from role, to role) of the moves of the last cooldown_s: a move back is held that long
+        self.recent: collections.deque = collections.deque()
         self.holding = ""
 
     @property
@@ -157,8 +159,12 @@ class Rebalance:
             return "the current split is the best"
         if p.gain <= cfg.min_gain:
             return f"gain {p.gain:.1%} is not over min_gain {cfg.min_gain:.0%}"
-        if self.last_move_end is not None and now - self.last_move_end < cfg.cooldown_s:
-            return f"cooldown ({cfg.cooldown_s - (now - self.last_move_end):.0f} s left)"
+        while self.recent and now - self.recent[0][0] >= cfg.cooldown_s:
+            self.recent.popleft()
+        back = [(at, a, b) for at, a, b in self.recent if (b, a) in p.moves()]
+        if back:  # it would undo a recent move: hysteresis (moves onward, in the same direction, go at once)
+            at, a, b = back[-1]
+            return f"cooldown: a device moved {a} -> {b} {now - at:.0f} s ago ({cfg.cooldown_s - (now - at):.0f} s left)"
         started = []
         for from_role, to_role in p.moves():
             inst = self.pick_mover(from_role, to_role, now)
@@ -183,7 +189,12 @@ class Rebalance:
             return None
         cands = [i for i in serving if i.state == "ready" and self.movable(i, now)
                  and (not i.memory_bytes or need <= i.memory_bytes)]
-        return min(cands, key=lambda i: (len(i.running), len(i.staged), i.id), default=None)
+        return min(cands, key=lambda i: (self.work_in_hand(i, now), len(i.staged), i.id), default=None)
+
+    def work_in_hand(self, inst, now: float) -> float:
+        """Predicted seconds until what `inst` runs is done (how long it would take to drain)."""
+        return sum(self.stage_left(req, inst.role, now) for rid in inst.running
+                   if (req := self.requests.get(rid)) is not None)
 
     def footprint(self, role: str) -> int:
         """Bytes a device needs for `role`: its instances' largest weights plus pool (0 before any reported)."""
@@ -210,6 +221,7 @@ class Rebalance:
                     del self.moving[m.inst]
                     self.moves_done += 1
                     self.last_move_end = now
+                    self.recent.append((now, m.from_role, m.to_role))
                     log.info("rebalance: %s serves as a %s (was %s, a %s)", m.new_id, m.to_role, m.inst, m.from_role)
                 elif now - m.ordered_at > RESTART_TIMEOUT_S:
                     del self.moving[m.inst]

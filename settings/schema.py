@@ -187,8 +187,9 @@ class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     interval_s: Annotated[float, Meta(ge=0.1, le=3600, description="Seconds between two plans.",
                                       extra=use("orchestrator", flag=None))] = 2.0
     cooldown_s: Annotated[float, Meta(ge=0, le=86400, description=(
-        "auto: seconds after a move finished before the next may begin (with min_gain, the hysteresis that keeps "
-        "a traffic mix that alternates quickly from moving devices to and fro)."),
+        "auto: seconds after a move finished during which no move undoes it (a device back to the role it left); "
+        "moves onward in the same direction follow at once. With min_gain and window_s, the hysteresis that keeps "
+        "a traffic mix that alternates quickly from moving devices to and fro."),
         extra=use("orchestrator", flag=None))] = 15.0
     min_per_role: Annotated[int, Meta(ge=1, le=256, description="auto: the fewest devices a role keeps.",
                                       extra=use("orchestrator", flag=None))] = 1

@@ -119,7 +119,7 @@ class Deployment:
 
 
 def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
-    d = Deployment(mode="auto")
+    d = Deployment(mode="auto", cooldown_s=30.0)
     for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
         d.add(role)
     d.poll()
@@ -143,16 +143,28 @@ def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
     d.tick(0.05)
     rb = d.router.snapshot(d.now).rebalance
     assert rb.moving == [] and rb.moves == 2 and rb.current == "1:5:2" and d.poll().orders == []
-    # the mix turns to 28 steps: 1:6:1 is better, but the cooldown holds the move back
+    # the mix turns to 28 steps: 1:6:1 is better; a device moves on in the same direction (to the denoisers) at once
     d.serve(28, 40)
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
-    assert rb.recommended == "1:6:1" and rb.moving == [] and "cooldown" in rb.holding
+    assert rb.recommended == "1:6:1" and [(m.from_role, m.to_role) for m in rb.moving] == [("decoder", "denoiser")]
+    d.tick(0.05)
+    for o in d.poll().orders:
+        d.add(o.role, iid=o.new_id)
+    d.tick(0.05)
+    assert d.router.snapshot(d.now).rebalance.moves == 3
+    # back to 2-step images: 1:5:2 again, but that undoes the last move, so the cooldown holds it back
+    d.now += 21.0  # the 28-step requests leave the window
+    d.poll()
+    d.serve(2, 20)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:5:2" and rb.moving == [] and "cooldown" in rb.holding, rb
     d.now += 9.0
     d.poll()  # the launcher polls on
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
-    assert [(m.from_role, m.to_role) for m in rb.moving] == [("decoder", "denoiser")]
+    assert [(m.from_role, m.to_role) for m in rb.moving] == [("denoiser", "decoder")]
 
 
 def test_advise_never_moves_and_silent_launchers_and_small_devices_keep_their_instances():
