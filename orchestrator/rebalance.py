@@ -155,6 +155,8 @@ class Rebalance:
         cfg, p = self.config.rebalance, self.plan
         if self.moving:
             return "moves in progress"
+        if self.stopping or self.draining or self.recovery.recovering(now):
+            return "the orchestrator is stopping or recovering"
         if p.best == p.current:
             return "the current split is the best"
         if p.gain <= cfg.min_gain:
