@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--start", default="3:3:2", help="auto's first split")
     ap.add_argument("--static", default="", help="static splits (comma-separated; default: all of 8)")
     ap.add_argument("--parallel", type=int, default=6, help="deployments at a time")
-    ap.add_argument("--window-s", type=float, default=20.0)
+    ap.add_argument("--window-s", type=float, default=10.0)
     ap.add_argument("--cooldown-s", type=float, default=15.0)
     ap.add_argument("--alternate-s", type=float, default=0.0,
                     help="hysteresis: one auto run whose traffic switches between phases 1 and 2 every this many s")

@@ -130,7 +130,12 @@ class Rebalance:
             fetch[role] = total / n if n else 0.0
             insts = [i for i in self.registry.of_role(role) if i.state != "dead"]
             slots[role] = max((i.capacity for i in insts), default=1)
-        return Work.of(merged.values(), self.predictor.predict, fetch, slots)
+        # only shapes every role has measured: a shape's first estimate, scaled from others (a video's decode from
+        # images'), can be far off, and a split planned on it would be undone a moment later
+        def measured(entry) -> bool:
+            return all(self.predictor.predict(r, entry[0], measured_only=True) is not None for r in ROLES)
+
+        return Work.of([e for e in merged.values() if measured(e)], self.predictor.predict, fetch, slots)
 
     def rebalance_tick(self, now: float, out) -> None:
         mode = self.rebalance_mode

@@ -57,10 +57,13 @@ class StagePredictor:
         self.by_shape[key] = _ewma(self.by_shape.get(key), value)
         self.per_unit[role] = _ewma(self.per_unit.get(role), value / _units(p))
 
-    def predict(self, role: str, p) -> float | None:
-        """Seconds `role` should take request `p` alone; None before any measurement of that role."""
+    def predict(self, role: str, p, measured_only: bool = False) -> float | None:
+        """Seconds `role` should take request `p` alone; None before any measurement of that role (with
+        `measured_only`, of that role at `p`'s shape: no estimate scaled from other shapes)."""
         per_step = self._per_step(role, p)
         value = self.by_shape.get((role, shape(p), per_step))
+        if value is None and measured_only:
+            return None
         if value is None:
             unit = self.per_unit.get(role)
             if unit is None:

@@ -183,9 +183,9 @@ class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         extra=use("orchestrator", flag="--rebalance"))] = "advise"
     window_s: Annotated[float, Meta(ge=1, le=86400, description=(
         "Seconds of recent requests the traffic mix is taken from."),
-        extra=use("orchestrator", flag=None))] = 20.0
+        extra=use("orchestrator", flag=None))] = 10.0
     interval_s: Annotated[float, Meta(ge=0.1, le=3600, description="Seconds between two plans.",
-                                      extra=use("orchestrator", flag=None))] = 2.0
+                                      extra=use("orchestrator", flag=None))] = 1.0
     cooldown_s: Annotated[float, Meta(ge=0, le=86400, description=(
         "auto: seconds after a move finished during which no move undoes it (a device back to the role it left); "
         "moves onward in the same direction follow at once. With min_gain and window_s, the hysteresis that keeps "

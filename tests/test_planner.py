@@ -249,3 +249,16 @@ def test_the_live_table_and_metrics_show_the_recommendation():
     metrics = generate_latest(registry).decode()
     assert 'disagg_rebalance_devices{role="denoiser",split="recommended"} 3.0' in metrics
     assert 'disagg_rebalance_predicted_rps{split="current"}' in metrics and "disagg_rebalance_moves_total 0.0" in metrics
+
+
+def test_a_shape_counts_in_the_mix_once_every_role_measured_it():
+    d = Deployment(mode="advise")
+    for role in ("encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
+        d.add(role)
+    d.serve(2, 6)
+    for i in range(20):  # 512^2 requests submitted, not yet measured anywhere
+        d.router.handle_client(b"c", Submit(request_id=f"u{i}", params=GenerationParams(
+            prompt="p", width=512, height=512, num_inference_steps=2)), [], d.now)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.window_requests == 6 and rb.work_s["denoiser"] == FEW["denoiser"]
