@@ -31,7 +31,7 @@ class Work:
     requests: int = 0
 
     @classmethod
-    def of(cls, requests, predict, transfer_s=None, slots=None) -> "Work":
+    def of(cls, requests, predict, transfer_s=None, slots=None) -> Work:
         """The mean over `requests` ((request, how many such) pairs) of `predict(role, request)` (seconds, or None
         where nothing is known yet: the role's other requests' mean stands in), plus `transfer_s[role]` seconds
         per request spread over `slots[role]` slots."""

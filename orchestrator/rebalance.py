@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from orchestrator.outbox import to_client
 from orchestrator.planner import ROLES, Plan, Work, fmt, plan
 from orchestrator.slo import shape
-from transport.messages import RebalanceStatus, RoleMove, Rerole, Reroles, SplitRate
+from transport.messages import RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
 

@@ -7,7 +7,17 @@ from orchestrator.rebalance import LAUNCHER_SILENCE_S
 from orchestrator.router import Router, RouterConfig
 from settings.schema import RebalanceSettings
 from transport.messages import (
-    Done, GenerationParams, Heartbeat, LauncherPoll, PoolInfo, Register, Reroles, Shutdown, Staged, SlotRef, Submit,
+    Done,
+    GenerationParams,
+    Heartbeat,
+    LauncherPoll,
+    PoolInfo,
+    Register,
+    Reroles,
+    Shutdown,
+    SlotRef,
+    Staged,
+    Submit,
     TensorSpec,
 )
 
