@@ -1,6 +1,6 @@
 """The Router's handling of instances coming and going: instances lost (silent, stalled, exited) and their
 work moved, standbys, drained and stopped hosts and deployments, work a re-registered instance no longer
-runs. A mixin of Router (orchestrator/router.py):
+runs; the Register, Heartbeat and Dead messages. A mixin of Router (orchestrator/router.py):
 it works on the Router's registry and calls its state machine steps (lose_instance, finish_run, retry)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from orchestrator.outbox import Out, to_client, to_instance
 from orchestrator.registry import Instance
 from orchestrator.stats import GATEWAY_SILENCE_S
 from transport.messages import (
-    HEARTBEAT_INTERVAL_S, Cancel, ErrorCode, Register, Rejected, Shutdown, Stop, StopHost, Stopping,
+    HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, ErrorCode, Heartbeat, Register, Registered, Rejected, Shutdown, Stop,
+    StopHost, Stopping,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -22,6 +23,74 @@ STOPPING_ERROR = "the deployment is stopping; the request was not finished"
 
 class InstanceLifecycle:
     """Methods of Router; see orchestrator/router.py for the state they use."""
+
+    # --- an instance registers, beats, reports its own death ------------------------------------
+
+    def handle_register(self, sender, msg: Register, frames, now, out) -> None:
+        if sender != msg.instance_id:
+            out.append(to_instance(sender, Rejected(reason=f"socket identity {sender!r} != instance_id")))
+            return
+        ours = self.config.deployment_id
+        if ours and msg.deployment_id != ours:
+            log.warning("refused %s (pid %d): it belongs to deployment %r, this orchestrator serves %r",
+                        msg.instance_id, msg.pid, msg.deployment_id, ours)
+            out.append(to_instance(sender, Rejected(reason=f"another deployment: this orchestrator serves "
+                                                          f"deployment {ours!r}, not {msg.deployment_id!r}",
+                                                    code=ErrorCode.FOREIGN_DEPLOYMENT)))
+            return
+        foreign = self.foreign_model(msg)
+        if foreign:
+            log.warning("refused %s (pid %d): %s", msg.instance_id, msg.pid, foreign)
+            out.append(to_instance(sender, Rejected(reason=foreign, code=ErrorCode.FOREIGN_MODEL)))
+            return
+        old = self.registry.get(msg.instance_id)
+        if old is not None and old.state != "dead":
+            self.lose_instance(old, "it registered again (restarted)", now, out)
+        inst = self.registry.register(msg, now)
+        self.unserved_since.pop(inst.role, None)
+        self._inline_cache.clear()
+        # work still computing from before: its slots stay taken until it reports
+        inst.running = dict(msg.busy)
+        inst.inherited = dict(msg.busy)
+        inst.free_slots = max(0, inst.capacity - len(inst.running))
+        if inst.state == "ready":
+            inst.state = self.serving_or_standby(inst)
+        if inst.role == self.first_stage:
+            self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
+        log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
+        out.append(
+            to_instance(
+                inst.id,
+                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S, orchestrator_id=self.id,
+                           lane=self.lane),
+            )
+        )
+        # what it holds and computes for requests not known here is kept for their clients (a restart)
+        self.recovery.on_register(inst, msg, now, out)
+
+    def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        inst.pool_free_bytes = msg.pool_free_bytes
+        if msg.components:
+            inst.components, inst.weights_bytes = msg.components, msg.weights_bytes
+        inst.steps = msg.steps
+        inst.computed = msg.computed
+        if inst.inherited:
+            self.settle_inherited(inst, set(msg.running), now, out)
+        if msg.batch_steps:
+            inst.batch_steps = msg.batch_steps
+        inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
+        inst.lora_slots = msg.lora_slots or inst.lora_slots
+        if msg.progress != inst.progress:
+            inst.progress, inst.progress_at = msg.progress, now
+        out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
+        if msg.ready and inst.state == "starting":
+            inst.state = self.serving_or_standby(inst)
+            self._inline_cache.clear()
+            log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
+
+    def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
+        self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
 
     def handle_stop_host(self, identity, msg: StopHost, frames, now, out) -> None:
         insts = [i for i in self.registry.alive() if i.host == msg.host_id and msg.launcher in ("", i.launcher)]

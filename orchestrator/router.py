@@ -25,8 +25,7 @@ from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
-    HEARTBEAT_INTERVAL_S, ErrorCode, Alive, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Register,
-    Registered, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
+    ErrorCode, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Register, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
     StatusReport, Stop, StopHost, Submit,
 )
 
@@ -226,72 +225,6 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
         self.end(req, "cancelled", now)
 
     # --- role messages ----------------------------------------------------------------------
-
-    def handle_register(self, sender, msg: Register, frames, now, out) -> None:
-        if sender != msg.instance_id:
-            out.append(to_instance(sender, Rejected(reason=f"socket identity {sender!r} != instance_id")))
-            return
-        ours = self.config.deployment_id
-        if ours and msg.deployment_id != ours:
-            log.warning("refused %s (pid %d): it belongs to deployment %r, this orchestrator serves %r",
-                        msg.instance_id, msg.pid, msg.deployment_id, ours)
-            out.append(to_instance(sender, Rejected(reason=f"another deployment: this orchestrator serves "
-                                                          f"deployment {ours!r}, not {msg.deployment_id!r}",
-                                                    code=ErrorCode.FOREIGN_DEPLOYMENT)))
-            return
-        foreign = self.foreign_model(msg)
-        if foreign:
-            log.warning("refused %s (pid %d): %s", msg.instance_id, msg.pid, foreign)
-            out.append(to_instance(sender, Rejected(reason=foreign, code=ErrorCode.FOREIGN_MODEL)))
-            return
-        old = self.registry.get(msg.instance_id)
-        if old is not None and old.state != "dead":
-            self.lose_instance(old, "it registered again (restarted)", now, out)
-        inst = self.registry.register(msg, now)
-        self.unserved_since.pop(inst.role, None)
-        self._inline_cache.clear()
-        # work still computing from before: its slots stay taken until it reports
-        inst.running = dict(msg.busy)
-        inst.inherited = dict(msg.busy)
-        inst.free_slots = max(0, inst.capacity - len(inst.running))
-        if inst.state == "ready":
-            inst.state = self.serving_or_standby(inst)
-        if inst.role == self.first_stage:
-            self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
-        log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
-        out.append(
-            to_instance(
-                inst.id,
-                Registered(session=inst.session, heartbeat_interval_s=HEARTBEAT_INTERVAL_S, orchestrator_id=self.id,
-                           lane=self.lane),
-            )
-        )
-        # what it holds and computes for requests not known here is kept for their clients (a restart)
-        self.recovery.on_register(inst, msg, now, out)
-
-    def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
-        inst = self.registry.get(sender)
-        inst.pool_free_bytes = msg.pool_free_bytes
-        if msg.components:
-            inst.components, inst.weights_bytes = msg.components, msg.weights_bytes
-        inst.steps = msg.steps
-        inst.computed = msg.computed
-        if inst.inherited:
-            self.settle_inherited(inst, set(msg.running), now, out)
-        if msg.batch_steps:
-            inst.batch_steps = msg.batch_steps
-        inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
-        inst.lora_slots = msg.lora_slots or inst.lora_slots
-        if msg.progress != inst.progress:
-            inst.progress, inst.progress_at = msg.progress, now
-        out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
-        if msg.ready and inst.state == "starting":
-            inst.state = self.serving_or_standby(inst)
-            self._inline_cache.clear()
-            log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
-
-    def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
-        self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)
 
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
         self.folded_fetch(sender, msg, now, out)
