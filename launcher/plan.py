@@ -33,11 +33,10 @@ def stage_seconds(config: Settings):
         p = {"width": line.width or 1024, "height": line.height or 1024, "num_frames": line.num_frames}
         prof, pixels = profile.for_request(p)
         steps = line.num_inference_steps or 4
-        cost = getattr(prof, role)
-        if role != "denoiser":
-            return cost.fixed_ms(pixels) / 1000
-        per_step = cost.step_ms(pixels) * cost.batch_factor(pixels, batch) / batch
-        return (cost.fixed_ms(pixels) + steps * per_step) / 1000
+        ms = prof.stage_ms(role, pixels, steps)
+        if role == "denoiser" and batch > 1:  # each request's share of full batches' steps
+            ms -= steps * prof.denoiser.step_ms(pixels) * (1 - prof.denoiser.batch_factor(pixels, batch) / batch)
+        return ms / 1000
 
     return predict
 

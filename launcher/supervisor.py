@@ -173,9 +173,9 @@ class Supervisor:
             child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
         child.returncode = None
         child.started_at = time.monotonic()
-        if child.take_spare and child.fork_ok and self.fork_server is not None:
-            pass  # a moved device's new role: the fork server has every import done already (a spare may not yet)
-        elif child.spare_ok and (child.restarts or child.take_spare) and self._take_spare(child):
+        # a moved device's new role is forked where it may be: the fork server has every import done (a spare may not yet)
+        forks_first = child.take_spare and child.fork_ok and self.fork_server is not None
+        if child.spare_ok and (child.restarts or child.take_spare) and not forks_first and self._take_spare(child):
             self._pin(child)
             log.info("%s took over a spare interpreter (pid %d)", child.name, child.proc.pid)
             return True
