@@ -272,3 +272,26 @@ def test_a_shape_counts_in_the_mix_once_every_role_measured_it():
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
     assert rb.window_requests == 6 and rb.work_s["denoiser"] == FEW["denoiser"]
+
+
+def test_disagg_plan_recommends_the_split_for_a_trace_offline(tmp_path):
+    import json
+
+    from tests.conftest import disagg
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"t": k * 0.1, "width": 1024, "height": 1024, "num_inference_steps": 2}) + "\n"
+                             for k in range(20)))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: sim:flux-h200\nencoders: {count: 3}\ndenoisers: {count: 3, max_batch: 4}\ndecoders: {count: 2}\n")
+    res = disagg("plan", "--config", str(cfg), "--trace", str(trace), "--json", timeout=60)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert (doc["current"], doc["recommended"], doc["requests"], len(doc["considered"])) == ("3:3:2", "1:5:2", 20, 21)
+    # flux-h200 at 1024^2: 170 ms a step, 3.971x for a batch of 4: each request's share of 2 steps
+    assert abs(doc["work_s"]["denoiser"] - 2 * 0.170058 * 3.971 / 4) < 1e-3
+    res = disagg("plan", "--config", str(cfg), "--trace", str(trace), timeout=60)
+    assert "recommended 1:5:2" in res.stdout and "(current)" in res.stdout
+    cfg.write_text("model: tiny\n")
+    res = disagg("plan", "--config", str(cfg), "--trace", str(trace), timeout=60)
+    assert res.returncode == 2 and "sim profile" in res.stderr
