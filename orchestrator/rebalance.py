@@ -55,7 +55,6 @@ class Rebalance:
         self.launchers: dict[str, float] = {}
         self.plan: Plan | None = None
         self.plan_work: Work | None = None
-        self.plan_fixed: dict[str, int] = {}
         self.next_plan = 0.0
         self.moving: dict[str, Move] = {}
         self.moves_done = 0
@@ -147,7 +146,7 @@ class Rebalance:
         self.next_plan = now + self.config.rebalance.interval_s
         work = self.window_work(now)
         current, fixed = self.split_now(now)
-        self.plan_work, self.plan_fixed = work, fixed
+        self.plan_work = work
         if work.requests < self.config.rebalance.min_requests or not work.known:
             self.plan, self.holding = None, "too few requests measured in the window"
             return
@@ -168,12 +167,13 @@ class Rebalance:
             return f"gain {p.gain:.1%} is not over min_gain {cfg.min_gain:.0%}"
         while self.recent and now - self.recent[0][0] >= cfg.cooldown_s:
             self.recent.popleft()
-        back = [(at, a, b) for at, a, b in self.recent if (b, a) in p.moves()]
+        moves = p.moves()
+        back = [(at, a, b) for at, a, b in self.recent if (b, a) in moves]
         if back:  # it would undo a recent move: hysteresis (moves onward, in the same direction, go at once)
             at, a, b = back[-1]
             return f"cooldown: a device moved {a} -> {b} {now - at:.0f} s ago ({cfg.cooldown_s - (now - at):.0f} s left)"
         started = []
-        for from_role, to_role in p.moves():
+        for from_role, to_role in moves:
             inst = self.pick_mover(from_role, to_role, now)
             if inst is None:
                 continue
