@@ -52,6 +52,8 @@ class Request:
     lora_sources: dict[str, str] = field(default_factory=dict)
     #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (orchestrator/slo.py)
     slo_deadline: float | None = None
+    #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
+    cache_steps: dict = field(default_factory=dict)
 
     def params_for(self, role: str) -> GenerationParams:
         """What a stage's Run carries: the input image and mask go to the first stage only."""

@@ -248,6 +248,9 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
         if msg.lora_s:
             req.timings[f"lora_{role}"] = msg.lora_s
             self.note_lora_load(role, msg.lora_s)
+        if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
+            req.cache_steps = {"cache": msg.cache or "", "steps_computed": msg.steps_computed,
+                               "steps_skipped": msg.steps_skipped or 0}
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
         self.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
@@ -300,7 +303,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
             seed=req.params.seed,
             attempts=req.attempt,
             timings=req.timings,
-            resolved=msg.resolved,
+            resolved={**msg.resolved, **req.cache_steps},
         )
         self.end(req, "done", now)
         self.send_result(req, result, frames, out)

@@ -92,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         # an instance over several ranks applies no adapters (each rank would have to load them in lockstep)
         loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown) \
             if group is None else None
+        from roles.step_cache import make_caches
+
+        caches = make_caches(adapter, spec.role, spec.cache or None) if group is None else None
         return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
                      sync=pool.compute_done if pool is not None else None, group=group, loras=loras,
-                     schedule=spec.schedule, aging_s=spec.schedule_aging_s)
+                     schedule=spec.schedule, aging_s=spec.schedule_aging_s, caches=caches)
 
     if spec.rank > 0:  # a follower rank of a parallel instance: no pool, no orchestrator, rank 0's lead
         from roles.parallel import GroupBroken, serve_follower

@@ -39,13 +39,20 @@ class _Entry:
     device_s: float = 0.0
     #: schedule slo: its priority, deadline and steps (roles/turns.py); None under fifo
     ticket: object = None
+    #: its step cache (roles/step_cache.py): the spec, its step count while it runs, and the hooks' exit
+    cache: dict | None = None
+    count: object = None
+    cache_exit: object = None
 
 
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: str = "fifo", aging_s: float = 10.0):
+    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: str = "fifo", aging_s: float = 10.0,
+                 caches=None):
         self.adapter = adapter
+        #: the transformer's step caches: a request with one runs alone, its steps back to back
+        self.caches = caches
         #: the instance's LoRA adapters (roles/loras.py): each step's forward applies its batch's own
         self.loras = loras
         #: waits for the device to finish what a step queued (a GPU's kernels are asynchronous), so each
@@ -64,11 +71,13 @@ class StepBatcher:
         #: key -> moving average of one step's seconds (a request's slack counts its steps left at it)
         self.step_s: dict[object, float] = {}
 
-    def denoise(self, inputs: dict, params: dict, progress=None, ticket=None) -> tuple[dict, float]:
-        """Blocks until this request is denoised; returns (output tensors, its share of device seconds)."""
-        # a batch holds one shape and one set of adapters
-        entry = _Entry(inputs, params, (self.adapter.batch_key(params), lora_key(params.get("loras"))), progress,
-                       ticket=ticket)
+    def denoise(self, inputs: dict, params: dict, progress=None, ticket=None) -> tuple[dict, float, dict]:
+        """Blocks until this request is denoised; returns (output tensors, its share of device seconds, its step
+        cache's label and counts: roles/stage.py StageOutput.cache_steps)."""
+        # a batch holds one shape and one set of adapters; a request with a step cache is a batch of its own
+        cache = params.get("cache")
+        entry = _Entry(inputs, params, (self.adapter.batch_key(params), lora_key(params.get("loras")),
+                                        object() if cache else None), progress, ticket=ticket, cache=cache)
         with self._cond:
             if self._thread is None:
                 drive = self._drive_slo if self.schedule == "slo" else self._drive
@@ -76,7 +85,40 @@ class StepBatcher:
                 self._thread.start()
             self._waiting.append(entry)
             self._cond.notify()
-        return entry.future.result(), entry.device_s
+        result = entry.future.result()
+        counted = {}
+        if entry.count is not None:
+            from transport.params import cache_label
+
+            counted = {"cache": cache_label(cache), **entry.count.as_dict()}
+        return result, entry.device_s, counted
+
+    def _start(self, e: _Entry) -> None:
+        """A request's denoising starts: its step cache's hooks first (they stay until it finishes)."""
+        if e.cache is not None:
+            import contextlib
+
+            stack = contextlib.ExitStack()
+            e.count = stack.enter_context(self.caches.use(
+                e.cache, e.params["num_inference_steps"], lambda: e.state.timesteps[min(e.state.i, len(e.state.timesteps) - 1)]))
+            e.cache_exit = stack
+        e.state = self.adapter.denoise_start(e.inputs, e.params)
+
+    def _stepped(self, batch: list[_Entry]) -> None:
+        for e in batch:
+            if e.count is not None:
+                e.count.step()
+
+    @staticmethod
+    def _settle(e: _Entry, result=None, exc: BaseException | None = None) -> None:
+        """Hand a request back, its step cache's hooks removed first."""
+        if e.cache_exit is not None:
+            e.cache_exit.close()
+            e.cache_exit = None
+        if exc is not None:
+            e.future.set_exception(exc)
+        else:
+            e.future.set_result(result)
 
     def _admit(self, active: list[_Entry]) -> list[_Entry]:
         """Waiting requests that join now: the head's shape (or the running one's), in arrival order."""
@@ -95,10 +137,10 @@ class StepBatcher:
             for entry in self._admit(active):
                 t0 = time.perf_counter()
                 try:
-                    entry.state = self.adapter.denoise_start(entry.inputs, entry.params)
+                    self._start(entry)
                     self.sync()
                 except Exception as exc:  # that request's error only
-                    entry.future.set_exception(exc)
+                    self._settle(entry, exc=exc)
                     continue
                 entry.device_s += time.perf_counter() - t0
                 active.append(entry)
@@ -114,9 +156,10 @@ class StepBatcher:
                     self.sync()
                 except Exception as exc:  # a failed forward fails every request in it
                     for e in running:
-                        e.future.set_exception(exc)
+                        self._settle(e, exc=exc)
                     active = [e for e in active if e not in running]
                     continue
+                self._stepped(running)
                 share = (time.perf_counter() - t0) / len(running)
                 self.batch_sizes[len(running)] += 1
                 for e in running:
@@ -125,7 +168,7 @@ class StepBatcher:
                         try:
                             e.progress()
                         except Exception as exc:  # cancelled: that request leaves the batch, the rest go on
-                            e.future.set_exception(exc)
+                            self._settle(e, exc=exc)
                             active.remove(e)
             still = []
             for e in active:
@@ -133,9 +176,9 @@ class StepBatcher:
                     still.append(e)
                     continue
                 try:
-                    e.future.set_result(self.adapter.denoise_result(e.state))
+                    self._settle(e, self.adapter.denoise_result(e.state))
                 except Exception as exc:
-                    e.future.set_exception(exc)
+                    self._settle(e, exc=exc)
             active = still
 
     # --- schedule slo: the batch formed again at every step, by urgency --------------------------------------
@@ -151,7 +194,7 @@ class StepBatcher:
             except Exception as exc:  # a fault of the driver itself: fail what it holds, never hang it
                 for e in held:
                     if not e.future.done():
-                        e.future.set_exception(exc)
+                        self._settle(e, exc=exc)
                 held.clear()
 
     def _step_slo(self, held: list[_Entry]) -> None:
@@ -166,16 +209,18 @@ class StepBatcher:
             if e.ticket is not None and e.ticket.waiting_since is None:
                 e.ticket.waiting_since = now
         order = urgency_order(held, now, self.aging_s, ticket_of=lambda e: e.ticket, left_s=self._left_s)
-        batch = [e for e in order if e.key == order[0].key][:self.max_batch]
+        # a started request with a step cache keeps the device to its last step (its state is in the hooks)
+        pinned = [e for e in order if e.cache is not None and e.state is not None and not e.state.done]
+        batch = pinned[:1] or [e for e in order if e.key == order[0].key][:self.max_batch]
         stepping = []
         for e in batch:
             if e.state is None:
                 t0 = time.perf_counter()
                 try:
-                    e.state = self.adapter.denoise_start(e.inputs, e.params)
+                    self._start(e)
                     self.sync()
                 except Exception as exc:  # that request's error only
-                    e.future.set_exception(exc)
+                    self._settle(e, exc=exc)
                     held.remove(e)
                     continue
                 e.device_s += time.perf_counter() - t0
@@ -194,10 +239,11 @@ class StepBatcher:
             self.sync()
         except Exception as exc:  # a failed forward fails every request in it
             for e in stepping:
-                e.future.set_exception(exc)
+                self._settle(e, exc=exc)
                 held.remove(e)
             return
         took = time.perf_counter() - t0
+        self._stepped(stepping)
         # one request's step time at this batch size stands for the key's (the slack estimate's unit)
         self.step_s[stepping[0].key] = ewma(self.step_s.get(stepping[0].key), took)
         share = took / len(stepping)
@@ -211,7 +257,7 @@ class StepBatcher:
                 try:
                     e.progress()
                 except Exception as exc:  # cancelled: that request leaves, the rest go on
-                    e.future.set_exception(exc)
+                    self._settle(e, exc=exc)
                     held.remove(e)
                     continue
             if e.state.done:
@@ -220,6 +266,6 @@ class StepBatcher:
 
     def _finish(self, e: _Entry) -> None:
         try:
-            e.future.set_result(self.adapter.denoise_result(e.state))
+            self._settle(e, self.adapter.denoise_result(e.state))
         except Exception as exc:
-            e.future.set_exception(exc)
+            self._settle(e, exc=exc)

@@ -238,7 +238,7 @@ class StageRunner:
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                             image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
-                            resolved=out.resolved, lora_s=lora_s)
+                            resolved={**out.resolved, **out.cache_steps}, lora_s=lora_s)
                 self.keep_result(done, out.images)
                 self.report(done, out.images)
             else:
@@ -249,7 +249,7 @@ class StageRunner:
                                                     slot=slot, seed=run.params.seed)
                 extra = [self.inline_bytes(slot)] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
-                                   fetch_s=fetch_s, device_s=device_s, lora_s=lora_s), extra)
+                                   fetch_s=fetch_s, device_s=device_s, lora_s=lora_s, **out.cache_steps), extra)
         except Cancelled as exc:  # nobody waits for it: free the slot, no retry
             self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
                                code=ErrorCode.CANCELLED))

@@ -13,6 +13,7 @@ import torch
 
 from roles.media import check_format, encode_image, encode_mp4
 from roles.pipelines.conditioned import LAYOUT
+from roles.errors import RequestError
 from transport.messages import GenerationParams
 from transport.params import lora_label
 
@@ -46,6 +47,8 @@ class StageOutput:
     device_s: float | None = None
     #: the parameters the model ran with, its defaults filled in (the client's manifest records them)
     resolved: dict = field(default_factory=dict)
+    #: a step cache's label and counts (cache, steps_computed, steps_skipped); empty without one
+    cache_steps: dict = field(default_factory=dict)
 
 
 def params_dict(params: GenerationParams) -> dict:
@@ -74,10 +77,12 @@ class Stage:
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
     def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
-                 loras=None, schedule: str = "fifo", aging_s: float = 10.0):
+                 loras=None, schedule: str = "fifo", aging_s: float = 10.0, caches=None):
         self.role = role
         self.adapter = adapter
         self.model = model
+        #: the step caches of a denoiser's transformer (roles/step_cache.py); None: it runs none
+        self.caches = caches
         #: the LoRA adapters this instance holds (roles/loras.py); None: it applies none
         self.loras = loras
         #: the first stage checks that a request's tensors fit every pool (roles/limits.py PoolFit)
@@ -88,7 +93,8 @@ class Stage:
                 raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
             from roles.batcher import StepBatcher
 
-            self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras, schedule=schedule, aging_s=aging_s)
+            self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras, schedule=schedule, aging_s=aging_s,
+                                       caches=caches)
             one_forward_at_a_time(getattr(getattr(adapter, "pipe", None), "transformer", None))
         shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
         #: an instance over several ranks (roles/parallel.py): they run one request at a time, in lockstep
@@ -180,6 +186,48 @@ class Stage:
                 raise stopped or Stopped("rank 0 stopped this request")
         return step
 
+    # --- step caches (roles/step_cache.py) ------------------------------------------------------------------
+
+    def _cache_spec(self, p: dict, given: dict) -> dict | None:
+        """The step cache this request runs with (its own, else the deployment's), checked; None for none."""
+        from roles.step_cache import request_spec
+
+        default = self.caches.default if self.caches is not None else None
+        spec = request_spec(given.get("cache"), default)
+        if spec is None:
+            return None
+        if self.caches is None:  # the deployment's default is for the models that have one; a request's own is refused
+            raise RequestError(f"cache: model {self.model!r} has no diffusers transformer to cache", param="cache")
+        self.caches.check(spec, p["num_inference_steps"])
+        return spec
+
+    def _cached(self, spec: dict | None, p: dict, adapter):
+        """The request's cache enabled on the transformer while it denoises (a null context without one)."""
+        if spec is None:
+            return contextlib.nullcontext()
+        pipe = adapter.pipe
+        return self.caches.use(spec, p["num_inference_steps"], lambda: pipe.current_timestep)
+
+    @staticmethod
+    def _counting(progress, count):
+        """`progress` that also closes each step of a step cache's count."""
+        if count is None:
+            return progress
+
+        def step(*args) -> None:
+            count.step()
+            if progress is not None:
+                progress(*args)
+        return step
+
+    @staticmethod
+    def _counted(spec: dict | None, count) -> dict:
+        if spec is None or count is None:
+            return {}
+        from transport.params import cache_label
+
+        return {"cache": cache_label(spec), **count.as_dict()}
+
     def _run(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None,
              ticket=None) -> StageOutput:
         if self.loras is None or self.role == "decoder":
@@ -213,22 +261,32 @@ class Stage:
                 if tasks.generic(task):  # the task pipeline up to its denoising loop (conditioned.py)
                     return StageOutput(tensors=tasks.encode(p, task))
             return StageOutput(tensors=self.adapter.encode(p))
+        cache = self._cache_spec(p, given) if self.role in ("denoiser", "monolith") else None
+        if cache is not None and tasks is not None and (LAYOUT in inputs or tasks.generic(tasks.check(p))):
+            raise RequestError("cache: image tasks run without a step cache", param="cache")
         if self.role == "denoiser":
             if tasks is not None and LAYOUT in inputs:  # what the encoder recorded, replayed
                 return StageOutput(tensors=tasks.denoise(inputs, p, progress))
             if self.batcher is not None:
-                tensors, device_s = self.batcher.denoise(inputs, p, progress, ticket)
-                return StageOutput(tensors=tensors, device_s=device_s)
-            if self.turns is not None and ticket is not None:  # it may yield the device at its steps: on its own pipeline state
-                return StageOutput(tensors=self._own().denoise(inputs, p, progress=self._yielding(progress, ticket)))
-            return StageOutput(tensors=self.adapter.denoise(inputs, p, progress=progress))
+                tensors, device_s, counted = self.batcher.denoise(inputs, {**p, "cache": cache}, progress, ticket)
+                return StageOutput(tensors=tensors, device_s=device_s, cache_steps=counted)
+            # it may yield the device at its steps (on its own pipeline state); one with a step cache keeps it
+            ticket = ticket if self.turns is not None and cache is None else None
+            adapter = self._own() if ticket is not None else self.adapter
+            with self._cached(cache, p, adapter) as count:
+                tensors = adapter.denoise(inputs, p, progress=self._counting(self._yielding(progress, ticket), count))
+            return StageOutput(tensors=tensors, cache_steps=self._counted(cache, count))
+        counted = {}
         if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
             if tasks is not None and tasks.generic(tasks.check(p)):
                 inputs = tasks.whole(p, tasks.check(p), progress)
             else:
-                ticket = ticket if self.turns is not None else None
+                ticket = ticket if self.turns is not None and cache is None else None
                 adapter = self._own() if ticket is not None else self.adapter
-                inputs = adapter.denoise(adapter.encode(p), p, progress=self._yielding(progress, ticket))
+                embeds = adapter.encode(p)
+                with self._cached(cache, p, adapter) as count:
+                    inputs = adapter.denoise(embeds, p, progress=self._counting(self._yielding(progress, ticket), count))
+                counted = self._counted(cache, count)
         params_used = resolved(p, self.model)
         # the client knows its prompts: the wire carries the rest
         done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}
@@ -238,7 +296,7 @@ class Stage:
             and getattr(self.adapter, "decode_yields", False)) else {}
         if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
             return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt, **yields), image_format=fmt,
-                               resolved=done)
+                               resolved=done, cache_steps=counted)
         outputs = self.adapter.decode(inputs, p, **yields)
         first = outputs[0] if outputs else None
         first = first[0] if isinstance(first, list) and first else first
@@ -247,7 +305,8 @@ class Stage:
             done.update(width=first.size[0], height=first.size[1])
         if fmt == "mp4":  # one list of frames per video
             return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt,
-                               resolved=done)
+                               resolved=done, cache_steps=counted)
         if getattr(self.adapter, "video", False):  # lossless frames: each video's frames in order
             outputs = [frame for frames in outputs for frame in frames]
-        return StageOutput(images=[encode_image(im, fmt, params_used) for im in outputs], image_format=fmt, resolved=done)
+        return StageOutput(images=[encode_image(im, fmt, params_used) for im in outputs], image_format=fmt, resolved=done,
+                           cache_steps=counted)

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from transport.params import LoraName  # one adapter-name rule: requests' and the registry's
+from transport.params import CacheSpec, LoraName  # one adapter-name and one cache rule: requests' and the settings'
 
 #: the processes a setting may be for
 PROCESSES = ("launcher", "orchestrator", "role", "gateway")
@@ -291,6 +291,13 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
         "one priority higher, so no request starves."),
         extra=use("orchestrator", "role"))] = 10.0
+    cache: Annotated[CacheSpec, Meta(description=(
+        "Denoisers: the step cache of every request that names none, as a request's `cache` field: "
+        "{type: first_block, threshold: 0.3} (types first_block, mag, taylorseer, faster, "
+        "pyramid_attention_broadcast, sea; the other keys are the diffusers config's own fields, with its bounds). "
+        "A request's {type: none} runs without. {} = none. Models without a diffusers transformer (sim, payload) "
+        "ignore it."),
+        extra=use("role", flag=None))] = {}
     admission: Annotated[Literal["off", "slo"], Meta(description=(
         "slo: a request whose deadline (slo_ms) cannot be met even if it ran at once, by the measured stage "
         "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "

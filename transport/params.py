@@ -25,6 +25,20 @@ class LoraRef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scale: Annotated[float, Meta(ge=-8.0, le=8.0)] = 1.0
 
 
+#: a request's step cache (roles/step_cache.py): {"type": "first_block", "threshold": 0.2, ...}; the other keys are
+#: the diffusers config's own fields. Its type and fields are checked where the transformer is (the denoiser)
+CacheValue = str | int | float | bool | list[float | str] | None
+CacheSpec = Annotated[dict[Annotated[str, Meta(min_length=1, max_length=64)], CacheValue], Meta(max_length=32)]
+
+
+def cache_label(cache) -> str:
+    """A request's step cache as a manifest and a PNG record it: "first_block threshold=0.2"."""
+    if not cache:
+        return ""
+    rest = " ".join(f"{k}={v}" for k, v in sorted(cache.items()) if k != "type")
+    return f"{cache.get('type')}{' ' + rest if rest else ''}"
+
+
 def lora_key(loras) -> tuple:
     """The adapters of a request as a hashable key, in its order: requests may share a batched forward only
     when their keys are equal."""
@@ -74,3 +88,6 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     #: a deadline, in milliseconds from the request's arrival: `schedule: slo` orders queues and denoising steps
     #: by the slack it leaves, and `admission: slo` refuses a request that cannot meet it
     slo_ms: Annotated[float, Meta(gt=0, le=86_400_000)] | None = None
+    #: denoisers: a step cache for this request (diffusers' cache hooks), e.g. {"type": "first_block",
+    #: "threshold": 0.2}; {"type": "none"} turns the deployment's `cache` default off; None = that default
+    cache: CacheSpec | None = None

@@ -146,6 +146,11 @@ class Staged(_Msg, tag="staged", kw_only=True):
     device_s: Seconds | None = None
     #: seconds it waited for its LoRA adapters to load here (0: they were loaded, or it has none)
     lora_s: Seconds = 0.0
+    #: a denoiser that ran a step cache (roles/step_cache.py): the steps every attention ran in, and the steps
+    #: the cache stood in for some; None without one. `cache`: its label ("first_block threshold=0.2")
+    cache: Annotated[str, Meta(max_length=1024)] | None = None
+    steps_computed: Count | None = None
+    steps_skipped: Count | None = None
 
 
 class Release(_Msg, tag="release", kw_only=True):
