@@ -8,6 +8,7 @@ from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError
 from transport.messages import MAX_INPUT_BYTES
 
+
 def input_error(exc: InputError, field: str) -> ApiError:
     """An unreadable input image as HTTP: 413 over the size limit, else 400, naming the field."""
     too_big = "limit" in str(exc)
@@ -61,3 +62,20 @@ def extensions(req, names: tuple[str, ...]) -> dict:
         raise ApiError(400, f"unknown field {unknown[0]!r} in extra_body (known: {', '.join(names)})",
                        param=f"extra_body.{unknown[0]}", code="unknown_parameter")
     return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}
+
+
+#: what a Result's resolved parameters say of the denoiser's step cache (roles/step_cache.py)
+CACHE_KEYS = ("cache", "steps_computed", "steps_skipped")
+
+
+def cache_report(resolved: dict) -> dict:
+    """The step cache's label and counts, for the `disagg` field of a response (empty without a cache)."""
+    return {"cache": {k: resolved[k] for k in CACHE_KEYS if k in resolved}} if "steps_computed" in resolved else {}
+
+
+def cache_headers(resolved: dict) -> dict[str, str]:
+    """X-Disagg-Steps-Computed / -Skipped: the same counts where a client reads headers only."""
+    if "steps_computed" not in resolved:
+        return {}
+    return {"X-Disagg-Steps-Computed": str(resolved["steps_computed"]),
+            "X-Disagg-Steps-Skipped": str(resolved.get("steps_skipped", 0))}

@@ -10,11 +10,16 @@ from msgspec import Meta
 
 from gateway.errors import ApiError
 from gateway.fields import extensions, field_error, parse_size, upload
-from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
+from transport.messages import (
+    MAX_INPUT_BYTES,
+    GenerationParams,
+    MessageError,
+    params_from_obj,
+)
 
 #: our fields, accepted at the top level of the body or inside `extra_body`
 EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed", "width", "height", "loras", "priority",
-              "slo_ms")
+              "slo_ms", "cache")
 
 
 class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,6 +49,8 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
     priority: int | None = None
     slo_ms: float | None = None
+    #: a step cache for the denoiser: {"type": "first_block", "threshold": 0.2} (roles/step_cache.py)
+    cache: dict | None = None
     extra_body: dict | None = None
 
 
@@ -71,12 +78,12 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
     if image is None:
         raise ApiError(400, "image: required (a file, as `image` or `image[]`)", param="image", code="missing_required_parameter")
     fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]", "mask") and isinstance(v, str)}
-    if "loras" in fields:  # a form field is a string: the adapters' list as JSON
-        try:
-            fields["loras"] = json.loads(fields["loras"])
-        except ValueError:
-            raise ApiError(400, 'loras: a JSON list, e.g. [{"name": "A", "scale": 0.7}]', param="loras",
-                           code="invalid_value") from None
+    for name, example in (("loras", '[{"name": "A", "scale": 0.7}]'), ("cache", '{"type": "first_block"}')):
+        if name in fields:  # a form field is a string: the list or object as JSON
+            try:
+                fields[name] = json.loads(fields[name])
+            except ValueError:
+                raise ApiError(400, f"{name}: JSON, e.g. {example}", param=name, code="invalid_value") from None
     try:  # form fields are strings: convert them
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:

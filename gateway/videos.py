@@ -4,22 +4,23 @@ gateway/routes/videos.py)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
 from msgspec import Meta
 
-from client import Unreachable
 from client.inputs import InputError, check_size, from_data_url
-from gateway.errors import ApiError, from_outcome
+from gateway.errors import ApiError
 from gateway.fields import extensions, field_error, input_error, parse_size
-from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
+from transport.messages import (
+    MAX_INPUT_BYTES,
+    GenerationParams,
+    MessageError,
+    params_from_obj,
+)
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
 POLL_AFTER_MS = 1000
@@ -51,11 +52,13 @@ class VideoRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
     priority: int | None = None
     slo_ms: float | None = None
+    #: a step cache for the denoiser (roles/step_cache.py)
+    cache: dict | None = None
     extra_body: dict | None = None
 
 
 EXTENSIONS = ("num_frames", "fps", "num_inference_steps", "guidance_scale", "seed", "negative_prompt", "loras",
-              "priority", "slo_ms")
+              "priority", "slo_ms", "cache")
 
 
 @dataclass
@@ -72,11 +75,14 @@ class VideoJob:
     error: dict | None = None
     data: bytes | None = None
     task: asyncio.Task | None = None
+    #: its step cache's label and counts (gateway/fields.py cache_report), once completed
+    cache: dict | None = None
 
     def doc(self) -> dict:
         return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,
                 "created_at": self.created_at, "completed_at": self.completed_at, "size": self.size,
-                "seconds": self.seconds, "model": self.model, "prompt": self.prompt, "error": self.error}
+                "seconds": self.seconds, "model": self.model, "prompt": self.prompt, "error": self.error,
+                **({"disagg": {"cache": self.cache}} if self.cache else {})}
 
 
 def reference_bytes(value) -> bytes | None:

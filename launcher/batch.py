@@ -102,6 +102,10 @@ def outcome_record(outcome: Outcome, paths: list[Path], index: int | None = None
         "model": resolved.get("model", model) or None,
         #: the LoRA adapters and scales it applied ("A:1,B:0.5"), as the PNG's text chunks record them too
         "loras": resolved.get("loras") or None,
+        #: its step cache ("first_block threshold=0.3"), and the denoising steps it computed and skipped
+        "cache": resolved.get("cache") or None,
+        "steps_computed": resolved.get("steps_computed"),
+        "steps_skipped": resolved.get("steps_skipped"),
         #: scheduling: its priority and deadline as sent (None: not set)
         "priority": outcome.params.priority,
         "slo_ms": outcome.params.slo_ms,

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from roles.errors import RequestError
 from roles.media import check_format, encode_image, encode_mp4
 from roles.pipelines.conditioned import LAYOUT
-from roles.errors import RequestError
 from transport.messages import GenerationParams
 from transport.params import lora_label
 

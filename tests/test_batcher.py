@@ -49,7 +49,7 @@ def test_requests_join_the_running_batch_at_step_boundaries():
     assert joined >= 1 and adapter.steps[joined + 1] == [0, 1, 2]
     assert [0, 3] in adapter.steps[joined + 2:]  # 3 joined once 1 and 2 were done
     assert sum(len(s) for s in adapter.steps) == 6 + 2 + 2 + 1
-    assert all(out["x"].numel() > 0 and share > 0 for out, share in results)
+    assert all(out["x"].numel() > 0 and share > 0 and counted == {} for out, share, counted in results)
     # a request's device share: each step's time split among the batch, so shares sum to the busy time
     assert results[0][1] < 6 * 0.065 * 1.1
 

@@ -444,3 +444,43 @@ def test_what_the_gateway_keeps_is_bounded_by_count_bytes_and_age():
     aging.put("a", 1, 1)
     time.sleep(0.1)
     assert aging.get("a") is None and aging.nbytes == 0
+
+
+def test_a_step_cache_through_http_and_submit_equals_the_pipeline_and_reports_skipped_steps(tiny, api, tmp_path):
+    """The cache field in extra_body and in a prompt file: the image equals diffusers' FluxPipeline run with the
+    same cache config, and the response, its headers and the manifest say how many steps it skipped."""
+    import json
+
+    import torch
+
+    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from roles.step_cache import config_of
+
+    cache = {"type": "first_block", "threshold": 0.3}
+    raw = api.images.with_raw_response.generate(prompt="a red cat", size="64x64",
+                                                extra_body={"seed": 3, "num_inference_steps": 8, "cache": cache})
+    r = raw.parse()
+    report = r.model_extra["disagg"]["cache"]
+    assert report["cache"] == "first_block threshold=0.3" and report["steps_skipped"] > 0
+    assert report["steps_computed"] + report["steps_skipped"] == 8
+    assert raw.headers["X-Disagg-Steps-Skipped"] == str(report["steps_skipped"])
+    pipe = build_tiny_flux_pipeline()
+    pipe.transformer.enable_cache(config_of(cache, "flux", 8, lambda: pipe.current_timestep))
+    want = np.asarray(pipe(prompt="a red cat", width=64, height=64, num_inference_steps=8, guidance_scale=3.5,
+                           generator=torch.Generator("cpu").manual_seed(3)).images[0], dtype=np.int16)
+    got = png_pixels(base64.b64decode(r.data[0].b64_json))
+    assert np.abs(got - want).max() <= 1
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"prompt": "a red cat", "width": 64, "height": 64, "seed": 3,
+                                   "num_inference_steps": 8, "cache": cache}))
+    res = disagg("submit", str(prompts), "--endpoint", tiny.endpoint, "--out", str(tmp_path / "out"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").glob("*.png")
+    assert np.array_equal(got, png_pixels(png.read_bytes()))
+    [line] = (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert (record["cache"], record["steps_skipped"]) == (report["cache"], report["steps_skipped"])
+    # a bad cache is a 400 naming the field, and the deployment keeps serving
+    with pytest.raises(openai.BadRequestError) as info:
+        api.images.generate(prompt="a cat", size="64x64", extra_body={"cache": {"type": "teacache"}})
+    assert info.value.body["param"] == "cache" and "type must be one of" in info.value.body["message"]

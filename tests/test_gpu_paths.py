@@ -209,7 +209,7 @@ def test_batched_steps_are_timed_until_the_device_has_finished():
                 s.left -= 1
 
     batcher = StepBatcher(Adapter(), 2, sync=lambda: time.sleep(0.05))
-    _, device_s = batcher.denoise({}, {})
+    _, device_s, _ = batcher.denoise({}, {})
     assert device_s >= 3 * 0.05
 
 

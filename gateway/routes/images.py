@@ -13,7 +13,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, from_outcome
-from gateway.images import MAX_EDIT_BODY_BYTES, parse_edit_request, parse_image_request, to_params
+from gateway.fields import cache_headers, cache_report
+from gateway.images import (
+    MAX_EDIT_BODY_BYTES,
+    parse_edit_request,
+    parse_image_request,
+    to_params,
+)
 from gateway.state import gateway_of
 
 router = APIRouter()
@@ -85,7 +91,9 @@ async def answer_images(request: Request, req, params):
     doc = {"id": rid, "created": int(time.time()), "data": data, "output_format": fmt,
            "size": f"{width}x{height}" if width and height else req.size,
            "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
-                      "timings": outcome.timings, "model": outcome.resolved.get("model")}}
+                      "timings": outcome.timings, "model": outcome.resolved.get("model"),
+                      **cache_report(outcome.resolved)}}
+    headers.update(cache_headers(outcome.resolved))
     gw.recent.put(rid, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
     if outcome.images:
         gw.activity.show(rid, req.prompt, doc["size"], outcome.latency_s, outcome.images[0])

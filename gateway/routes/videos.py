@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from client import Unreachable
 from gateway.errors import ApiError, from_outcome
+from gateway.fields import cache_report
 from gateway.state import gateway_of
 from gateway.videos import (
     DEFAULT_FPS,
@@ -37,6 +38,7 @@ async def run(gw, job: VideoJob, params: GenerationParams) -> None:
         w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
         if w and h:
             job.size = f"{w}x{h}"
+        job.cache = cache_report(outcome.resolved).get("cache")
     elif job.status != "deleted":
         err = from_outcome(outcome)
         job.status, job.error = "failed", {"code": err.code or "generation_failed", "message": err.message}
