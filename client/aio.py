@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -21,6 +22,7 @@ from transport.messages import (
     GatewayBeat,
     GenerationParams,
     MessageError,
+    Partial,
     Rejected,
     RequestQuery,
     RequestStates,
@@ -49,6 +51,8 @@ class AsyncClient:
         #: the requests' state (client/core.py), and the future each caller awaits
         self.book = RequestBook(endpoint)
         self._futures: dict[str, asyncio.Future] = {}
+        #: request id -> what its live previews (Partial, image bytes) are handed to
+        self._partials: dict[str, Callable] = {}
         self._status_waiters: list[asyncio.Future] = []
         self._query_waiters: list[asyncio.Future] = []
         self._reader: asyncio.Task | None = None
@@ -110,9 +114,13 @@ class AsyncClient:
     def in_flight(self, request_id: str) -> asyncio.Future | None:
         return self._futures.get(request_id)
 
-    async def submit(self, request_id: str, params: GenerationParams, timeout_s: float | None = None) -> Outcome:
+    async def submit(self, request_id: str, params: GenerationParams, timeout_s: float | None = None,
+                     on_partial: Callable | None = None) -> Outcome:
         """Run one request; its Outcome once the orchestrator answers (a refusal is an Outcome too). The same id
-        twice, with the same parameters, waits for the one run."""
+        twice, with the same parameters, waits for the one run. `on_partial(Partial, image bytes)`: each live
+        preview of it (params.previews), called on the loop as it arrives."""
+        if on_partial is not None:
+            self._partials[request_id] = on_partial
         msg = self.book.submit(request_id, params, timeout_s, time.monotonic())
         if isinstance(msg, Outcome):
             return msg
@@ -138,6 +146,8 @@ class AsyncClient:
 
     def _settle(self, ended: list[Outcome | None]) -> None:
         for outcome in ended:
+            if outcome is not None:
+                self._partials.pop(outcome.request_id, None)
             fut = self._futures.pop(outcome.request_id, None) if outcome is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(outcome)
@@ -177,6 +187,10 @@ class AsyncClient:
         before = self.book.orchestrator_id
         ended, resend = self.book.on_reply(reply, frames, time.monotonic())
         self._settle(ended)
+        if isinstance(reply, Partial):
+            handler = self._partials.get(reply.request_id)
+            if handler is not None and frames:
+                handler(reply, bytes(frames[0]))
         if isinstance(reply, StatusReport):
             if resend:
                 log.info("the orchestrator restarted (%s, was %s); sending its %d pending requests again",

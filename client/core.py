@@ -17,6 +17,7 @@ from transport.messages import (
     ErrorCode,
     GenerationParams,
     MessageError,
+    Partial,
     Rejected,
     Result,
     StatusQuery,
@@ -138,6 +139,8 @@ class RequestBook:
                           for rid, p in self.pending.items()]
             self.orchestrator_id = oid
             return [], resend
+        if isinstance(reply, Partial):  # a live preview: the request goes on (the shells hand it to their caller)
+            return [], []
         rid = getattr(reply, "request_id", None)
         if isinstance(reply, Rejected) and rid is None:
             # the orchestrator could not read what we sent at all (e.g. a version without a field we sent):

@@ -24,6 +24,7 @@ from transport.messages import (
     GenerationParams,
     LauncherPoll,
     MessageError,
+    Partial,
     Rejected,
     Reroles,
     ServerReply,
@@ -246,11 +247,13 @@ class Client:
         ids: Iterable[str] | None = None,
         cancelled: Callable[[], bool] | None = None,
         arrivals: list[float] | None = None,
+        on_partial: Callable[[Partial, bytes], None] | None = None,
     ) -> list[Outcome]:
         """Submit every request, at most `concurrency` at a time; wait for each to end.
 
         With `arrivals` (seconds from the start, one per request) requests are sent at those
-        times instead, however many are pending (an open loop).
+        times instead, however many are pending (an open loop). `on_partial(Partial, image bytes)`: each live
+        preview (params.previews) as it arrives.
         """
         todo = list(params)
         id_list = list(ids) if ids is not None else [new_request_id() for _ in todo]
@@ -304,6 +307,8 @@ class Client:
                         if book.orchestrator_id != before:  # a successor: its own lane
                             self.open_lane(reply)
                     settle(ended)
+                    if on_partial is not None and isinstance(reply, Partial) and frames:
+                        on_partial(reply, bytes(frames[0]))
                     for msg in resend:
                         outbox.add(None, msg)
                 ended, to_send = book.tick(time.monotonic())

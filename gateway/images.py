@@ -51,17 +51,17 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     slo_ms: float | None = None
     #: a step cache for the denoiser: {"type": "first_block", "threshold": 0.2} (roles/step_cache.py)
     cache: dict | None = None
+    #: OpenAI's streaming: server-sent events, with this many partial images (live previews) before the image
+    stream: bool | None = None
+    partial_images: Annotated[int, Meta(ge=0, le=3)] | None = None
     extra_body: dict | None = None
 
 
 class ImageEditRequest(ImageRequest, forbid_unknown_fields=True, kw_only=True):
-    """OpenAI's images.edit form (its files apart); input_fidelity, partial_images and stream are accepted and
-    ignored, except that a stream is refused."""
+    """OpenAI's images.edit form (its files apart); input_fidelity is accepted and ignored."""
 
     strength: float | None = None
     input_fidelity: str | None = None
-    partial_images: int | None = None
-    stream: bool | None = None
 
 
 #: the largest images.edit body: an image and a mask at their limits, and the form's other fields
@@ -88,8 +88,6 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:
         raise field_error(exc) from None
-    if req.stream:
-        raise ApiError(400, "stream: streamed partial images are not served", param="stream", code="unsupported_parameter")
     return req, to_params(req, EDIT_EXTENSIONS, image=image, mask=mask)
 
 

@@ -90,10 +90,27 @@ class StatusCollector:
                 hits.add_metric([i.role, i.id], i.lora_hits)
                 held.add_metric([i.role, i.id], len(i.loras))
         yield from (loads, hits, held)
+        yield from conditioning_metrics(r)
         yield from slo_metrics(r)
         yield from rebalance_metrics(r)
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
+
+
+def conditioning_metrics(r: StatusReport):
+    """Encoders' conditioning caches: lookups and hits per instance, and the hit rate over all of them."""
+    lookups = CounterMetricFamily("disagg_conditioning_lookups", "Text requests an encoder looked up in its "
+                                  "conditioning cache", labels=["instance"])
+    hits = CounterMetricFamily("disagg_conditioning_hits", "Text requests an encoder took from its conditioning "
+                               "cache, computing nothing", labels=["instance"])
+    encoders = [i for i in r.instances if i.role == "encoder"]
+    for i in encoders:
+        lookups.add_metric([i.id], i.cond_lookups)
+        hits.add_metric([i.id], i.cond_hits)
+    total = sum(i.cond_lookups for i in encoders)
+    yield from (lookups, hits)
+    yield GaugeMetricFamily("disagg_conditioning_hit_ratio", "Conditioning-cache hits over lookups, all encoders, "
+                            "since they started", value=sum(i.cond_hits for i in encoders) / total if total else 0.0)
 
 
 def slo_metrics(r: StatusReport):

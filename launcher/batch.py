@@ -115,6 +115,22 @@ def outcome_record(outcome: Outcome, paths: list[Path], index: int | None = None
     }
 
 
+def save_preview(folder: Path, console: Console, quiet: bool):
+    """What `submit --previews DIR` does with each live preview: REQUEST-preview-N.EXT in DIR, as it arrives."""
+
+    def on_partial(partial, image: bytes) -> None:
+        path = folder / f"{partial.request_id}-preview-{partial.index}.{partial.image_format}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(image)
+        except OSError as exc:
+            console.print(f"cannot save a preview into {folder}: {exc.strerror or exc}", markup=False)
+            return
+        if not quiet:
+            console.print(f"preview {partial.request_id} step {partial.step}/{partial.steps} -> {path}", markup=False)
+    return on_partial
+
+
 def run_prompts(
     client: Client,
     params: list[GenerationParams],
@@ -125,6 +141,7 @@ def run_prompts(
     timeout_s: float | None = None,
     cancelled=None,
     model: str = "",
+    previews_dir: Path | None = None,
 ) -> int:
     """Run every prompt; save images and a manifest line each; print a summary (or JSON).
 
@@ -182,7 +199,8 @@ def run_prompts(
         task = progress.add_task("requests", total=len(params))
         try:
             client.run_all(params, concurrency=concurrency, timeout_s=timeout_s, on_outcome=on_outcome,
-                           ids=ids, cancelled=cancelled)
+                           ids=ids, cancelled=cancelled,
+                           on_partial=save_preview(previews_dir, progress.console, as_json) if previews_dir else None)
         except KeyboardInterrupt:
             code = 130
         finally:

@@ -194,18 +194,24 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool, ready_he
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=4, show_default=True, help="Requests in flight at once.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.001), help="Per-request deadline in seconds (default: the deployment's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every request's outcome and stage timings.")
-def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurrency: int, timeout_s, as_json: bool) -> None:
+@click.option("--previews", "previews_dir", type=click.Path(file_okay=False), help="Save live previews here as they arrive (REQUEST-preview-N.png): a decoder decodes the latents at evenly spaced steps; a prompt without `previews` gets 2.")
+def submit(prompts: str, endpoint: str, keys: str | None, out_dir: str, concurrency: int, timeout_s, as_json: bool,
+           previews_dir: str | None) -> None:
     """Run the prompts in PROMPTS (a JSON object, a list, or JSON Lines) and save the images."""
     try:
         params = load_prompts(prompts)
     except PromptError as exc:
         raise click.BadParameter(str(exc), param_hint="PROMPTS") from None
     _check_out(out_dir)
+    if previews_dir:
+        _check_out(previews_dir)
+        params = [p if p.previews is not None else msgspec.structs.replace(p, previews=2) for p in params]
     from launcher.batch import run_prompts
 
     with make_client(endpoint, keys) as client:
         try:
-            code = run_prompts(client, params, Path(out_dir), concurrency, make_console(), as_json, timeout_s)
+            code = run_prompts(client, params, Path(out_dir), concurrency, make_console(), as_json, timeout_s,
+                               previews_dir=Path(previews_dir) if previews_dir else None)
         except Unreachable as exc:
             exit_unreachable(exc)
     sys.exit(code)

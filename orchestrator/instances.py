@@ -81,6 +81,7 @@ class InstanceLifecycle:
             inst.batch_steps = msg.batch_steps
         inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
         inst.lora_slots = msg.lora_slots or inst.lora_slots
+        inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))

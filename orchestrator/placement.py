@@ -20,6 +20,8 @@ log = logging.getLogger("disagg.orchestrator")
 
 #: requests with adapters that wait for their holder at most at once per role (the queue behind them moves on)
 MAX_DEFERRED = 256
+#: the most prompts whose encoder the orchestrator remembers (conditioning_holders)
+MAX_CONDITIONING_HOLDERS = 65536
 
 
 class InlineCache(dict):
@@ -70,6 +72,8 @@ class Placement:
                                               rng=self.lora_rng, cost=self.lora_cost)
                 if inst is None:
                     break
+                if role == "encoder":
+                    inst = self.conditioning_holder(req, inst)
                 if self.worth_waiting(req, inst, candidates, now):
                     deferred.append(queue.popleft())
                     if len(deferred) >= MAX_DEFERRED:
@@ -84,6 +88,29 @@ class Placement:
         affinity decides."""
         return (self.config.schedule == "slo" and req.slo_deadline is not None and not self.registry.batching(role)
                 and not (req.params.loras and self.affinity_rule and role in AFFINITY_ROLES))
+
+    def conditioning_holder(self, req: Request, inst: Instance) -> Instance:
+        """The encoder that encoded this request's prompts last (its conditioning cache holds them, unless it
+        evicted them since), when it has a free slot; else `inst`, the policy's pick: a repeat never waits."""
+        key = req.conditioning_key
+        holder_id = self.conditioning_holders.get(key) if key else None
+        if holder_id is None or holder_id == inst.id:
+            return inst
+        holder = self.registry.get(holder_id)
+        if holder is None or holder.role != "encoder" or holder.state != "ready" or holder.free_slots <= 0:
+            return inst
+        return holder
+
+    def note_conditioning(self, req: Request, inst: Instance) -> None:
+        """`inst` encoded `req`: a repeat of its prompts goes there while it has room (bounded, oldest out)."""
+        key = req.conditioning_key
+        if not key:
+            return
+        holders = self.conditioning_holders
+        holders.pop(key, None)
+        holders[key] = inst.id
+        if len(holders) > MAX_CONDITIONING_HOLDERS:
+            del holders[next(iter(holders))]
 
     def lora_cost(self, inst: Instance, warm: bool) -> float:
         """The `cost` rule's estimate (orchestrator/loras.py) of when a request would finish on `inst`."""

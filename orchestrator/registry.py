@@ -69,6 +69,10 @@ class Instance:
     lora_slots: int = 0
     lora_loads: int = 0
     lora_hits: int = 0
+    #: an encoder's conditioning cache (Heartbeat.cond_*): lookups, hits, entries held
+    cond_lookups: int = 0
+    cond_hits: int = 0
+    cond_entries: int = 0
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
@@ -162,6 +166,9 @@ class Instance:
             lora_slots=self.lora_slots,
             lora_loads=self.lora_loads,
             lora_hits=self.lora_hits,
+            cond_lookups=self.cond_lookups,
+            cond_hits=self.cond_hits,
+            cond_entries=self.cond_entries,
         )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import msgspec
 
 from transport.messages import GenerationParams, Source
+from transport.params import conditioning_key
 
 STAGES = ("encoder", "denoiser", "decoder")
 #: a colocated instance runs all three stages of a request in one process
@@ -54,6 +56,11 @@ class Request:
     slo_deadline: float | None = None
     #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
     cache_steps: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def conditioning_key(self) -> str | None:
+        """What its encoding depends on (transport.params.conditioning_key); None with an input image."""
+        return conditioning_key(self.params)
 
     def params_for(self, role: str) -> GenerationParams:
         """What a stage's Run carries: the input image and mask go to the first stage only."""

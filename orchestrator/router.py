@@ -17,6 +17,7 @@ from orchestrator.loras import LoraCatalog
 from orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
+from orchestrator.previews import Previews
 from orchestrator.rebalance import Rebalance
 from orchestrator.recovery import Recovery
 from orchestrator.slo import Slo, SloCounts, StagePredictor
@@ -25,13 +26,13 @@ from orchestrator.registry import Registry
 from orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
 from transport.messages import (
-    ErrorCode, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Register, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
+    ErrorCode, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Preview, Register, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
     StatusReport, Stop, StopHost, Submit,
 )
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
+class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Previews):
     """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
 
     def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
@@ -73,6 +74,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
         self.lora_catalog = LoraCatalog(loras.dir, loras.adapters, any_name=self.config.sim,
                                         max_per_request=loras.max_per_request)
         self.lora_rng = random.Random(0)  # the two-choices rule's draws
+        #: prompts' conditioning key -> the encoder that encoded them last (orchestrator/placement.py)
+        self.conditioning_holders: dict[str, str] = {}
         #: role -> moving average of the seconds its adapter loads took (affinity's patience, worth_waiting)
         self.lora_load_s: dict[str, float] = {}
         #: stage times per role and shape, and deadlines met and missed (orchestrator/slo.py)
@@ -81,6 +84,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
         self.rebalance_init()  # the window, plan and moves of `rebalance` (orchestrator/rebalance.py)
+        self.previews_init()  # live previews' decodes (orchestrator/previews.py)
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -93,6 +97,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
+            Preview: self.handle_preview,
             Fetched: self.handle_fetched,
             Done: self.handle_done,
             Failed: self.handle_failed,
@@ -144,6 +149,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
             self.recovery.close_window(now, out)
         self.recovery.expire(now, out)
         self.rebalance_tick(now, out)
+        self.expire_previews(now, out)
         self.dispatch_queued(now, out)
         if self.draining and not self.requests and not self.stopping:
             log.info("drained; stopping")
@@ -248,6 +254,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
         if msg.lora_s:
             req.timings[f"lora_{role}"] = msg.lora_s
             self.note_lora_load(role, msg.lora_s)
+        if role == "encoder":
+            self.note_conditioning(req, inst)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = {"cache": msg.cache or "", "steps_computed": msg.steps_computed,
                                "steps_skipped": msg.steps_skipped or 0}
@@ -278,8 +286,10 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
                                 (), now, out)
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
-        self.folded_fetch(sender, msg, now, out)
         inst = self.registry.get(sender)
+        if self.preview_ended(inst, msg, frames, out):
+            return
+        self.folded_fetch(sender, msg, now, out)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)
@@ -310,6 +320,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance):
 
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
         inst = self.registry.get(sender)
+        if self.preview_ended(inst, msg, frames, out):
+            return
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             return

@@ -166,7 +166,7 @@ class StepBatcher:
                     e.device_s += share
                     if e.progress:
                         try:
-                            e.progress()
+                            e.progress(self.adapter.denoise_result(e.state))  # the latents: for a preview
                         except Exception as exc:  # cancelled: that request leaves the batch, the rest go on
                             self._settle(e, exc=exc)
                             active.remove(e)
@@ -255,7 +255,7 @@ class StepBatcher:
                 e.ticket.waiting_since = None
             if e.progress:
                 try:
-                    e.progress()
+                    e.progress(self.adapter.denoise_result(e.state))  # the latents: for a preview
                 except Exception as exc:  # cancelled: that request leaves, the rest go on
                     self._settle(e, exc=exc)
                     held.remove(e)

@@ -18,7 +18,7 @@ from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
 from transport.manifest import unpack
-from transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, Run, Staged
+from transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, Preview, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
@@ -31,6 +31,12 @@ RUN_INLINE_BELOW_S = 0.005
 #: and died with before the Result left is sent again to the next one (orchestrator/recovery.py)
 KEEP_RESULTS_S = 10.0
 KEEP_RESULTS_BYTES = 64 * 2**20
+
+
+def preview_steps(steps: int, previews: int) -> dict[int, int]:
+    """The steps after which a request's previews are staged -> their index: evenly spaced, never the last."""
+    at = sorted({max(1, round(steps * (i + 1) / (previews + 1))) for i in range(previews)} - {steps})
+    return {s: i for i, s in enumerate(at)}
 
 
 class Cancelled(Exception):
@@ -134,16 +140,33 @@ class StageRunner:
 
     def _stepper(self, run: Run):
         """The progress callback of one run: a denoising step counted (for the stall detector and the
-        request's own progress), and the point where a cancelled run stops."""
+        request's own progress), the point where a cancelled run stops, and where a preview is staged: the
+        callback's argument, where the adapter gives one, is the latents after the step."""
         done = [0, self.steps_of(run)]
         if self.stage.role in ("denoiser", "monolith"):  # the roles that denoise report their steps
             self.steps[run.request_id] = done
+        at = preview_steps(done[1], run.params.previews or 0) if self.stage.role == "denoiser" and not getattr(
+            self.stage.adapter, "video", False) else {}
 
-        def step(*_args) -> None:
+        def step(*args) -> None:
             self.progress += 1
             done[0] += 1
             self.check_cancelled(run)
+            if done[0] in at and args and isinstance(args[0], dict):
+                self.stage_preview(run, at[done[0]], done[0], args[0])
         return step
+
+    def stage_preview(self, run: Run, index: int, step: int, latents: dict) -> None:
+        """Stage a copy of the latents and tell the orchestrator (Preview); a full pool skips the preview."""
+        try:
+            slot = self.pool.stage(self.instance_id, {k: v for k, v in latents.items() if hasattr(v, "dtype")})
+        except PoolFull:
+            return
+        with self.lock:
+            self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
+                                            slot=slot, seed=run.params.seed)
+        extra = [self.inline_bytes(slot)] if run.inline_output else []
+        self.report(Preview(request_id=run.request_id, attempt=run.attempt, index=index, step=step, slot=slot), extra)
 
     def release(self, offset: int, request_id: str | None = None) -> bool:
         """Free the output staged at `offset`; False if none is, or it is another request's than
@@ -244,7 +267,7 @@ class StageRunner:
             else:
                 slot = self.pool.stage(self.instance_id, out.tensors)
                 with self.lock:
-                    self.computed += 1
+                    self.computed += not out.from_cache  # a conditioning-cache hit computed nothing
                     self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
                                                     slot=slot, seed=run.params.seed)
                 extra = [self.inline_bytes(slot)] if run.inline_output else []

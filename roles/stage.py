@@ -15,7 +15,7 @@ from roles.errors import RequestError
 from roles.media import check_format, encode_image, encode_mp4
 from roles.pipelines.conditioned import LAYOUT
 from transport.messages import GenerationParams
-from transport.params import lora_label
+from transport.params import conditioning_key, lora_label
 
 
 def one_forward_at_a_time(model) -> None:
@@ -49,6 +49,8 @@ class StageOutput:
     resolved: dict = field(default_factory=dict)
     #: a step cache's label and counts (cache, steps_computed, steps_skipped); empty without one
     cache_steps: dict = field(default_factory=dict)
+    #: an encoder's output taken from its conditioning cache: nothing was computed
+    from_cache: bool = False
 
 
 def params_dict(params: GenerationParams) -> dict:
@@ -77,12 +79,14 @@ class Stage:
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
     def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
-                 loras=None, schedule: str = "fifo", aging_s: float = 10.0, caches=None):
+                 loras=None, schedule: str = "fifo", aging_s: float = 10.0, caches=None, conditioning=None):
         self.role = role
         self.adapter = adapter
         self.model = model
         #: the step caches of a denoiser's transformer (roles/step_cache.py); None: it runs none
         self.caches = caches
+        #: an encoder's recent encodings (roles/conditioning.py); None: off
+        self.conditioning = conditioning if role == "encoder" else None
         #: the LoRA adapters this instance holds (roles/loras.py); None: it applies none
         self.loras = loras
         #: the first stage checks that a request's tensors fit every pool (roles/limits.py PoolFit)
@@ -186,6 +190,13 @@ class Stage:
                 raise stopped or Stopped("rank 0 stopped this request")
         return step
 
+    def _encode(self, p: dict, tasks) -> StageOutput:
+        if tasks is not None:
+            task = tasks.check(p)
+            if tasks.generic(task):  # the task pipeline up to its denoising loop (conditioned.py)
+                return StageOutput(tensors=tasks.encode(p, task))
+        return StageOutput(tensors=self.adapter.encode(p))
+
     # --- step caches (roles/step_cache.py) ------------------------------------------------------------------
 
     def _cache_spec(self, p: dict, given: dict) -> dict | None:
@@ -256,11 +267,15 @@ class Stage:
             raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask",
                              param="image")
         if self.role == "encoder":
-            if tasks is not None:
-                task = tasks.check(p)
-                if tasks.generic(task):  # the task pipeline up to its denoising loop (conditioned.py)
-                    return StageOutput(tensors=tasks.encode(p, task))
-            return StageOutput(tensors=self.adapter.encode(p))
+            key = conditioning_key(params) if self.conditioning is not None else None
+            if key is not None:
+                hit = self.conditioning.get(key)
+                if hit is not None:
+                    return StageOutput(tensors=hit, from_cache=True)
+                out = self._encode(p, tasks)
+                self.conditioning.put(key, out.tensors)
+                return out
+            return self._encode(p, tasks)
         cache = self._cache_spec(p, given) if self.role in ("denoiser", "monolith") else None
         if cache is not None and tasks is not None and (LAYOUT in inputs or tasks.generic(tasks.check(p))):
             raise RequestError("cache: image tasks run without a step cache", param="cache")

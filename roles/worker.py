@@ -169,8 +169,16 @@ class Worker(Link):
                 running=list(self.runner.busy),
                 computed=self.runner.computed,
                 **self.lora_state(),
+                **self.conditioning_state(),
             )
         )
+
+    def conditioning_state(self) -> dict:
+        """An encoder's conditioning cache: its lookups, hits and entries so far."""
+        cache = getattr(self.runner.stage, "conditioning", None)
+        if cache is None:
+            return {}
+        return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
 
     def lora_state(self, register: bool = False) -> dict:
         """The adapters it holds (and, registering, its slots; else its loads and hits so far)."""

@@ -298,6 +298,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A request's {type: none} runs without. {} = none. Models without a diffusers transformer (sim, payload) "
         "ignore it."),
         extra=use("role", flag=None))] = {}
+    conditioning_cache_mib: Annotated[int, Meta(ge=0, le=1 << 20, description=(
+        "Encoders: MiB of recent text encodings each keeps (an LRU on its device). A request whose prompt, "
+        "negative prompt, guidance and adapters equal a kept one reuses it and the encoder computes nothing; "
+        "the orchestrator sends a repeat to the encoder that holds it when that one has a free slot. 0 = off."),
+        extra=use("role"))] = 256
     admission: Annotated[Literal["off", "slo"], Meta(description=(
         "slo: a request whose deadline (slo_ms) cannot be met even if it ran at once, by the measured stage "
         "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "

@@ -484,3 +484,75 @@ def test_a_step_cache_through_http_and_submit_equals_the_pipeline_and_reports_sk
     with pytest.raises(openai.BadRequestError) as info:
         api.images.generate(prompt="a cat", size="64x64", extra_body={"cache": {"type": "teacache"}})
     assert info.value.body["param"] == "cache" and "type must be one of" in info.value.body["message"]
+
+
+def test_a_repeated_prompt_is_taken_from_the_encoders_conditioning_cache(tiny, api):
+    """The same prompt twice: the second time the encoder computes nothing (its computed count, in status, stays)
+    and the pixels are the same; the hit shows in status and /metrics."""
+
+    def encoder():
+        [enc] = [i for i in tiny.status().instances if i.role == "encoder"]
+        return enc
+
+    def generate(seed):
+        r = api.images.generate(prompt="a green tree by the river at night", size="64x64",
+                                extra_body={"seed": seed, "num_inference_steps": 2})
+        return png_pixels(base64.b64decode(r.data[0].b64_json))
+
+    start = encoder()
+    first = generate(11)
+    wait_until(lambda: encoder().computed > start.computed, 10)  # its heartbeat told the encode
+    before = encoder()
+    again = generate(11)
+    other_seed = generate(12)  # another seed, same prompt: the same encoding, other pixels
+    wait_until(lambda: encoder().cond_hits >= before.cond_hits + 2, 10)
+    after = encoder()
+    assert after.computed == before.computed
+    assert np.array_equal(first, again) and not np.array_equal(first, other_seed)
+    metrics = httpx.get(tiny.http + "/metrics", timeout=10).text
+    assert 'disagg_conditioning_hits_total{instance="encoder-0"}' in metrics
+    assert "disagg_conditioning_hit_ratio" in metrics
+
+
+def test_streamed_partial_images_with_the_openai_client_and_the_same_final_image(tiny, api):
+    """stream=True, partial_images=2: two partial events (decoded by the decoder from the denoiser's staged
+    latents), then the completed image, which equals the one the same request gets unstreamed."""
+    kw = dict(prompt="a blue house on the beach", size="64x64", extra_body={"seed": 9, "num_inference_steps": 6})
+    events = list(api.images.generate(stream=True, partial_images=2, **kw))
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    [completed] = [e for e in events if e.type == "image_generation.completed"]
+    assert [e.partial_image_index for e in partial] == [0, 1], [e.type for e in events]
+    previews = [png_pixels(base64.b64decode(e.b64_json)) for e in partial]
+    final = png_pixels(base64.b64decode(completed.b64_json))
+    assert all(p.shape == final.shape for p in previews) and not np.array_equal(previews[0], final)
+    plain = api.images.generate(**kw)
+    assert np.array_equal(final, png_pixels(base64.b64decode(plain.data[0].b64_json)))
+    assert tiny.status().orchestrator["previews_sent"] >= 2
+
+
+def test_submit_saves_previews_as_they_arrive(tiny, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text('{"prompt": "a red bird in the forest", "width": 64, "height": 64, "seed": 4, '
+                       '"num_inference_steps": 6}')
+    res = disagg("submit", str(prompts), "--endpoint", tiny.endpoint, "--out", str(tmp_path / "out"),
+                 "--previews", str(tmp_path / "previews"), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [png] = (tmp_path / "out").glob("*.png")
+    saved = sorted((tmp_path / "previews").glob("*-preview-*.png"))
+    assert [p.name for p in saved] == [f"{png.stem}-preview-{i}.png" for i in (0, 1)], res.stdout
+    assert all(png_pixels(p.read_bytes()).shape == (64, 64, 3) for p in saved)
+    assert "step 2/6" in res.stdout and "step 4/6" in res.stdout
+
+
+def test_a_client_that_hangs_up_mid_stream_cancels_the_request(tiny):
+    before = tiny.status().requests.cancelled
+    body = {"prompt": "a long night", "size": "64x64", "stream": True, "partial_images": 3,
+            "num_inference_steps": 1000}
+    with httpx.Client(base_url=tiny.http, timeout=60) as http, http.stream("POST", "/v1/images/generations",
+                                                                           json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: image_generation.partial_image"):
+                break  # the first preview (step 250 of 1000): hang up now
+    wait_until(lambda: tiny.status().requests.cancelled > before, 30)
+    wait_until(lambda: all(i.in_flight == 0 for i in tiny.status().instances), 30)

@@ -799,3 +799,28 @@ def test_an_inline_transfer_between_hosts_is_a_warning_status_shows():
     [warning] = after.warnings
     assert "inline" in warning and [line for line in events_between(before, after) if "warning" in line] == [
         f"warning: {warning}"]
+
+
+def test_a_repeated_prompt_goes_to_the_encoder_that_encoded_it_when_it_has_room():
+    """Conditioning affinity: round-robin would send the repeat elsewhere; the holder takes it while free, and
+    a repeat never waits for a busy holder."""
+    h = Harness(dispatch="round-robin")
+    h.add("encoder", 3, capacity=1)
+    h.add("denoiser")
+    [(first, _)] = runs(h.submit("r1", prompt="a red fox"))
+    h.role(first, staged(first, "r1"))  # it encoded "a red fox"
+    [(second, _)] = runs(h.submit("r2", prompt="a blue car"))
+    assert second != first
+    h.role(second, staged(second, "r2", offset=256))
+    [(again, _)] = runs(h.submit("r3", prompt="a red fox"))
+    assert again == first
+    # the holder busy (r3 runs there): the next repeat goes to a free encoder at once, and is remembered there
+    [(busy_case, _)] = runs(h.submit("r4", prompt="a red fox"))
+    assert busy_case != first
+    h.role(busy_case, staged(busy_case, "r4", offset=512))
+    assert h.router.conditioning_holders[h.router.requests["r4"].conditioning_key] == busy_case
+    # an image request has no key: the policy decides
+    from transport.params import conditioning_key
+
+    assert conditioning_key(GenerationParams(prompt="a red fox", image=b"1")) is None
+    assert conditioning_key(GenerationParams(prompt="a red fox", guidance_scale=5)) != h.router.requests["r1"].conditioning_key

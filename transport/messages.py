@@ -19,7 +19,7 @@ from transport.descriptors import (  # noqa: F401 - part of the wire schema, imp
 from transport.wire import Seconds, _Msg  # noqa: F401 - the base of every message
 from transport.params import MAX_INPUT_BYTES, GenerationParams, LoraName, LoraRef  # noqa: F401 - likewise
 from transport.role_messages import (  # noqa: F401 - role <-> orchestrator messages, imported from here too
-    Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Release, Done, Failed, Shutdown, Dead,
+    Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Preview, Release, Done, Failed, Shutdown, Dead,
 )
 from transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RebalanceStatus, RequestCounts, RoleMove, SplitRate, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
@@ -75,6 +75,17 @@ class Result(_Msg, tag="result", kw_only=True):
     #: why it failed, for programs (transport/codes.py), and the request field at fault if one is
     code: ErrorCode | None = None
     param: str | None = None
+
+
+class Partial(_Msg, tag="partial", kw_only=True):
+    """A live preview of a request (GenerationParams.previews): its `index`th, decoded from the latents after
+    denoising step `step` of `steps`. One raw frame follows: the image, in `image_format`."""
+
+    request_id: Id
+    index: Annotated[int, Meta(ge=0, le=2)]
+    step: Count
+    steps: Count
+    image_format: str = "png"
 
 
 class Rejected(_Msg, tag="rejected", kw_only=True):
@@ -227,8 +238,8 @@ class Reroles(_Msg, tag="reroles", kw_only=True):
 
 
 ClientMessage = Union[Submit, StatusQuery, Stop, StopHost, Cancel, RequestQuery, GatewayBeat, LauncherPoll]
-ServerReply = Union[Result, Rejected, StatusReport, Stopping, RequestStates, Reroles]
-RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Done, Failed, Dead]
+ServerReply = Union[Result, Partial, Rejected, StatusReport, Stopping, RequestStates, Reroles]
+RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Preview, Done, Failed, Dead]
 OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
 KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)
 

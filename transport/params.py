@@ -39,6 +39,20 @@ def cache_label(cache) -> str:
     return f"{cache.get('type')}{' ' + rest if rest else ''}"
 
 
+def conditioning_key(params) -> str | None:
+    """What an encoder's output depends on for a text request: its prompts, its guidance (a model with
+    classifier-free guidance encodes the negative prompt only when it is on) and its adapters (their
+    text-encoder parts). Requests with equal keys may reuse one encoding (roles/conditioning.py); None for a
+    request with an input image or mask, whose encoding is the image's too."""
+    import hashlib
+
+    if params.image is not None or params.mask is not None:
+        return None
+    blob = msgspec.json.encode([params.prompt, params.negative_prompt, params.guidance_scale,
+                                [[r.name, r.scale] for r in params.loras or ()]])
+    return hashlib.sha1(blob).hexdigest()[:20]
+
+
 def lora_key(loras) -> tuple:
     """The adapters of a request as a hashable key, in its order: requests may share a batched forward only
     when their keys are equal."""
@@ -91,3 +105,6 @@ class GenerationParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     #: denoisers: a step cache for this request (diffusers' cache hooks), e.g. {"type": "first_block",
     #: "threshold": 0.2}; {"type": "none"} turns the deployment's `cache` default off; None = that default
     cache: CacheSpec | None = None
+    #: live previews (OpenAI's partial_images): at this many evenly spaced steps the denoiser stages a copy of
+    #: the latents, a decoder decodes it, and the client gets a Partial; images only. None = 0
+    previews: Annotated[int, Meta(ge=0, le=3)] | None = None

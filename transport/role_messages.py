@@ -99,6 +99,10 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     lora_slots: Count = 0
     lora_loads: Count = 0
     lora_hits: Count = 0
+    #: an encoder's conditioning cache (roles/conditioning.py): lookups and hits since it started, entries held
+    cond_lookups: Count = 0
+    cond_hits: Count = 0
+    cond_entries: Count = 0
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
@@ -151,6 +155,17 @@ class Staged(_Msg, tag="staged", kw_only=True):
     cache: Annotated[str, Meta(max_length=1024)] | None = None
     steps_computed: Count | None = None
     steps_skipped: Count | None = None
+
+
+class Preview(_Msg, tag="preview", kw_only=True):
+    """A denoiser staged a copy of a request's latents after step `step`: its `index`th preview (0-based). The
+    orchestrator has a free decoder decode it (Run under `preview_id`), or releases it when none is free."""
+
+    request_id: Id
+    attempt: Count
+    index: Annotated[int, Meta(ge=0, le=2)]
+    step: Count
+    slot: SlotRef
 
 
 class Release(_Msg, tag="release", kw_only=True):

@@ -55,6 +55,10 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lora_slots: int = 0
     lora_loads: int = 0
     lora_hits: int = 0
+    #: an encoder's conditioning cache: lookups and hits so far (a hit computed nothing), entries it holds
+    cond_lookups: int = 0
+    cond_hits: int = 0
+    cond_entries: int = 0
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""

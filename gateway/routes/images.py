@@ -16,11 +16,13 @@ from gateway.errors import ApiError, from_outcome
 from gateway.fields import cache_headers, cache_report
 from gateway.images import (
     MAX_EDIT_BODY_BYTES,
+    ImageEditRequest,
     parse_edit_request,
     parse_image_request,
     to_params,
 )
 from gateway.state import gateway_of
+from gateway.streams import stream_images
 
 router = APIRouter()
 
@@ -60,6 +62,10 @@ async def answer_images(request: Request, req, params):
     if not REQUEST_ID.match(rid):
         raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
     headers = {"X-Request-Id": rid}
+    if req.stream:  # OpenAI's streaming: partial images as they come, then the completed images
+        kind = "image_edit" if isinstance(req, ImageEditRequest) else "image_generation"
+        params = msgspec.structs.replace(params, previews=req.partial_images or None)
+        return stream_images(gw, rid, params, kind, headers)
     asked = hashlib.sha1(msgspec.msgpack.encode(params)).hexdigest()
     answered = gw.recent.get(rid)
     if answered is not None:  # a resubmission of a finished request: the same answer, not a second run

@@ -100,7 +100,7 @@ class SimAdapter:
         for _ in range(p["num_inference_steps"]):
             self._busy(cost.step_ms(pixels))
             if progress:
-                progress()
+                progress(self._tensor("denoiser", p))  # the "latents" a preview is staged from
         return self._tensor("denoiser", p)
 
     # --- step-level batching (roles/batcher.py) ---

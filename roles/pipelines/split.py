@@ -35,7 +35,11 @@ def step_callback(progress):
         return None
 
     def on_step_end(pipe, step, timestep, kwargs):
-        progress()
+        latents = kwargs.get("latents")
+        if latents is None:
+            progress()
+        else:  # the latents after this step: a preview may be staged from them (roles/compute.py)
+            progress({"latents": latents})
         return kwargs
 
     return on_step_end

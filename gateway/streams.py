@@ -1,0 +1,74 @@
+"""OpenAI's image streaming (`stream: true`, `partial_images` 0-3): server-sent events
+`image_generation.partial_image` (or `image_edit.partial_image`) as the request's live previews arrive, then one
+`image_generation.completed` per image, or an `error` event. A client that hangs up mid-stream cancels the
+request. Also `GET /v1/videos/{id}/events`' progress events (gateway/routes/videos.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+from fastapi.responses import StreamingResponse
+
+from gateway.errors import from_outcome
+from gateway.fields import cache_report
+
+
+def sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def image_event(kind: str, what: str, image: bytes, fmt: str, size: str, **extra) -> bytes:
+    """One of OpenAI's ImageGen/ImageEdit stream events (its fields: quality and background as "auto")."""
+    return sse(f"{kind}.{what}", {"type": f"{kind}.{what}", "b64_json": base64.b64encode(image).decode(),
+                                  "created_at": int(time.time()), "size": size, "quality": "auto",
+                                  "background": "auto", "output_format": fmt, **extra})
+
+
+def stream_images(gw, rid: str, params, kind: str, headers: dict) -> StreamingResponse:
+    """The request run with its previews streamed; `kind`: image_generation or image_edit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    size = f"{params.width}x{params.height}"
+
+    async def events():
+        task = asyncio.ensure_future(gw.client.submit(rid, params, on_partial=lambda p, data: queue.put_nowait((p, data))))
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                partial, data = getter.result()
+                yield image_event(kind, "partial_image", data, partial.image_format, size,
+                                  partial_image_index=partial.index)
+            while not queue.empty():  # previews that came with the result
+                partial, data = queue.get_nowait()
+                yield image_event(kind, "partial_image", data, partial.image_format, size,
+                                  partial_image_index=partial.index)
+            outcome = task.result()
+            gw.metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
+            gw.activity.record(outcome.ok, outcome.latency_s)
+            if not outcome.ok:
+                err = from_outcome(outcome)
+                yield sse("error", {"type": "error", "error": {"message": err.message, "code": err.code,
+                                                                "param": err.param, "type": "invalid_request_error"}})
+                return
+            width, height = outcome.resolved.get("width"), outcome.resolved.get("height")
+            final = f"{width}x{height}" if width and height else size
+            usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                     "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
+            for image in outcome.images:
+                yield image_event(kind, "completed", image, outcome.image_format, final, usage=usage,
+                                  disagg={"request_id": rid, "seed": outcome.seed, "timings": outcome.timings,
+                                          **cache_report(outcome.resolved)})
+            if outcome.images:
+                gw.activity.show(rid, params.prompt, final, outcome.latency_s, outcome.images[0])
+        finally:
+            if not task.done():  # the client hung up: nobody reads the answer, the deployment stops the work
+                asyncio.ensure_future(gw.client.cancel(rid))
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={**headers, "Cache-Control": "no-cache"})
