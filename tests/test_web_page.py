@@ -39,7 +39,8 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
         base = dep.http
         wait_http(base + "/health")
         url = base + "/?prompt=a%20green%20square%20on%20the%20left&seed=3&generate=1"  # size auto: the model's
-        dom = browse(url, "--dump-dom")
+        # a streamed answer does not hold chromium's virtual time: a budget long enough for the whole stream
+        dom = browse(url, "--dump-dom", "--virtual-time-budget=600000")
         rows = re.findall(r"<tr><td[^>]*>(encoder|denoiser|decoder)</td><td[^>]*>([a-z]+-\d)</td>", dom)
         assert sorted(i for _, i in rows) == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0"], dom[:3000]
         assert dom.count(">ready</td>") == 4
@@ -47,6 +48,8 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(tmp_path):
         assert m, dom[-3000:]
         image = Image.open(io.BytesIO(base64.b64decode(m.group(1))))
         assert image.size == (64, 64) and "done in" in dom
+        # it streamed: two previews (decoded on the decoder) showed before the image
+        assert 'data-previews="2"' in dom and "after 2 previews" in dom, dom[-3000:]
         seen = verdict("green", "square", "left", 3, image)
         assert seen["colour_ok"] and seen["position_ok"], seen
         # issue 22: live charts (plain SVG, no CDN) and the last images with their prompts
