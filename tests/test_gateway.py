@@ -351,24 +351,27 @@ def test_videos_create_retrieve_download_with_the_openai_client(wan):
 
 @ON_WAN
 def test_video_progress_comes_from_the_denoising_steps(wan):
-    """A job long enough for heartbeats to report its steps mid-way (once a second)."""
+    """A job long enough for heartbeats to report its steps mid-way (once a second), followed on its event
+    stream (GET /v1/videos/{id}/events), as image streams carry their previews."""
+    import json
+
     # ~7 s here (tiny Wan at 256x256, 33 frames, 60 steps): several heartbeats report its steps
     r = httpx.post(wan.http + "/v1/videos", json={"prompt": "a slow one", "size": "256x256", "num_frames": 33,
                                                   "num_inference_steps": 60}, timeout=10)
     assert r.status_code == 200, r.text
     vid = r.json()["id"]
-    middle = []
-    deadline = time.monotonic() + 240
-    while True:
-        doc = httpx.get(f"{wan.http}/v1/videos/{vid}", timeout=10).json()
-        if doc["status"] in ("completed", "failed"):
-            break
-        if doc["status"] == "in_progress" and 5 < doc["progress"] < 95:
-            middle.append(doc["progress"])
-        assert time.monotonic() < deadline
-        time.sleep(0.25)
-    assert doc["status"] == "completed", doc
-    assert middle and middle == sorted(middle), middle
+    events = []
+    with httpx.stream("GET", f"{wan.http}/v1/videos/{vid}/events", timeout=240) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    *progress, last = events
+    assert last["type"] == "video.completed" and last["progress"] == 100 and last["id"] == vid, last
+    assert all(e["type"] == "video.progress" for e in progress)
+    middle = [e["progress"] for e in progress if e["status"] == "in_progress" and 5 < e["progress"] < 95]
+    assert middle and middle == sorted(middle), progress
+    assert httpx.get(f"{wan.http}/v1/videos/{vid}", timeout=10).json()["status"] == "completed"
 
 
 @ON_WAN

@@ -8,12 +8,13 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from client import Unreachable
 from gateway.errors import ApiError, from_outcome
 from gateway.fields import cache_report
 from gateway.state import gateway_of
+from gateway.streams import sse
 from gateway.videos import (
     DEFAULT_FPS,
     MAX_JOBS,
@@ -114,16 +115,50 @@ async def list_jobs(request: Request, limit: int = 20, after: str | None = None,
 
 async def retrieve(video_id: str, request: Request):
     job = get(request, video_id)
-    if job.status in ("queued", "in_progress"):
-        try:
-            states = await gateway_of(request).client.query([job.id])
-        except Unreachable:
-            return answer(job)
-        state = states.states.get(job.id)
-        if state is not None and state.state != "unknown" and job.status in ("queued", "in_progress"):
-            status, progress = progress_of(state)
-            job.status, job.progress = status, max(job.progress, progress)
+    await refresh(gateway_of(request), job)
     return answer(job)
+
+
+async def refresh(gw, job: VideoJob) -> None:
+    """A running job's status and progress, from its request's state (its denoising steps) at the orchestrator."""
+    if job.status not in ("queued", "in_progress"):
+        return
+    try:
+        states = await gw.client.query([job.id])
+    except Unreachable:
+        return
+    state = states.states.get(job.id)
+    if state is not None and state.state != "unknown" and job.status in ("queued", "in_progress"):
+        status, progress = progress_of(state)
+        job.status, job.progress = status, max(job.progress, progress)
+
+
+#: how often a job's progress stream looks at its request
+EVENTS_POLL_S = 0.25
+
+
+@router.get("/v1/videos/{video_id}/events")
+async def events(video_id: str, request: Request):
+    """The job's progress as server-sent events, as the image streams carry partial images: `video.progress`
+    ({id, status, progress}) at every change, then `video.completed` or `video.failed` (the job) and the end.
+    Hanging up leaves the job running (DELETE cancels it)."""
+    gw, job = gateway_of(request), get(request, video_id)
+
+    async def stream():
+        last = None
+        while True:
+            await refresh(gw, job)
+            if job.status in ("completed", "failed", "deleted"):
+                yield sse(f"video.{'completed' if job.status == 'completed' else 'failed'}",
+                          {"type": f"video.{'completed' if job.status == 'completed' else 'failed'}", **job.doc()})
+                return
+            if (job.status, job.progress) != last:
+                last = (job.status, job.progress)
+                yield sse("video.progress", {"type": "video.progress", "id": job.id, "status": job.status,
+                                             "progress": job.progress})
+            await asyncio.sleep(EVENTS_POLL_S)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/v1/videos/{video_id}/content")
