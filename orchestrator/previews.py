@@ -31,6 +31,8 @@ class PreviewRun:
     offset: int
     decoder: str
     started: float
+    steps: int = 0
+    staged_at: float = 0.0
 
 
 class Previews:
@@ -62,7 +64,8 @@ class Previews:
                   source=Source(slot=msg.slot, pool=producer.pool, engine=engine))
         decoder.free_slots -= 1
         decoder.running[pid] = req.attempt
-        self.previews[pid] = PreviewRun(req.id, msg.index, msg.step, producer.id, msg.slot.offset, decoder.id, now)
+        self.previews[pid] = PreviewRun(req.id, msg.index, msg.step, producer.id, msg.slot.offset, decoder.id, now,
+                                        msg.steps, msg.staged_at)
         out.append(to_instance(decoder.id, run, list(frames) if engine == "inline" else []))
 
     def preview_ended(self, inst, msg: Done | Failed, frames, out: list[Out]) -> bool:
@@ -77,8 +80,8 @@ class Previews:
         if not isinstance(msg, Done) or not frames or req is None or req.ended:
             self.previews_skipped += 1
             return True
-        steps = req.params.num_inference_steps or 0
-        partial = Partial(request_id=req.id, index=run.index, step=run.step, steps=steps, image_format=msg.image_format)
+        partial = Partial(request_id=req.id, index=run.index, step=run.step, steps=run.steps, image_format=msg.image_format,
+                          staged_at=run.staged_at)
         for client in req.clients:
             out.append(to_client(client, partial, frames[:1]))
         self.previews_sent += 1

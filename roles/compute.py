@@ -153,10 +153,10 @@ class StageRunner:
             done[0] += 1
             self.check_cancelled(run)
             if done[0] in at and args and isinstance(args[0], dict):
-                self.stage_preview(run, at[done[0]], done[0], args[0])
+                self.stage_preview(run, at[done[0]], done[0], done[1], args[0])
         return step
 
-    def stage_preview(self, run: Run, index: int, step: int, latents: dict) -> None:
+    def stage_preview(self, run: Run, index: int, step: int, steps: int, latents: dict) -> None:
         """Stage a copy of the latents and tell the orchestrator (Preview); a full pool skips the preview."""
         try:
             slot = self.pool.stage(self.instance_id, {k: v for k, v in latents.items() if hasattr(v, "dtype")})
@@ -166,7 +166,8 @@ class StageRunner:
             self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
                                             slot=slot, seed=run.params.seed)
         extra = [self.inline_bytes(slot)] if run.inline_output else []
-        self.report(Preview(request_id=run.request_id, attempt=run.attempt, index=index, step=step, slot=slot), extra)
+        self.report(Preview(request_id=run.request_id, attempt=run.attempt, index=index, step=step, steps=steps, slot=slot,
+                            staged_at=time.time()), extra)
 
     def release(self, offset: int, request_id: str | None = None) -> bool:
         """Free the output staged at `offset`; False if none is, or it is another request's than

@@ -86,6 +86,8 @@ class Partial(_Msg, tag="partial", kw_only=True):
     step: Count
     steps: Count
     image_format: str = "png"
+    #: when the denoiser staged its latents (Unix time, the denoiser's clock)
+    staged_at: float = 0.0
 
 
 class Rejected(_Msg, tag="rejected", kw_only=True):

@@ -165,7 +165,11 @@ class Preview(_Msg, tag="preview", kw_only=True):
     attempt: Count
     index: Annotated[int, Meta(ge=0, le=2)]
     step: Count
+    #: the request's denoising steps in all
+    steps: Count = 0
     slot: SlotRef
+    #: when it was staged (Unix time, the denoiser's clock): how old a preview is when it arrives
+    staged_at: float = 0.0
 
 
 class Release(_Msg, tag="release", kw_only=True):
