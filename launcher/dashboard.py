@@ -28,7 +28,9 @@ COLUMN_EXTRA = 3
 
 def _cells(i) -> dict[str, str]:
     return {
-        "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host, "state": i.state,
+        # a compiled denoiser warming up shows "compiling" while starting
+        "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host,
+        "state": i.phase if i.state == "starting" and i.phase else i.state,
         # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"
         "device": f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device,
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),

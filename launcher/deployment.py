@@ -186,6 +186,8 @@ class Deployment:
             loras=c.loras,
         )
         spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
+        if spec.compile and not spec.compile_cache_dir:  # this deployment's: its restarts and spares find it
+            spec.compile_cache_dir = str(self.run_dir / "inductor")
         if p.world > 1:
             return self._spawn_group(p, spec)
         env = self._env()

@@ -82,6 +82,7 @@ class InstanceLifecycle:
         inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
         inst.lora_slots = msg.lora_slots or inst.lora_slots
         inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
+        inst.phase, inst.compile_s = msg.phase, msg.compile_s
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))

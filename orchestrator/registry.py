@@ -73,6 +73,9 @@ class Instance:
     cond_lookups: int = 0
     cond_hits: int = 0
     cond_entries: int = 0
+    #: Heartbeat.phase and compile_s
+    phase: str = ""
+    compile_s: float = 0.0
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
@@ -169,6 +172,8 @@ class Instance:
             cond_lookups=self.cond_lookups,
             cond_hits=self.cond_hits,
             cond_entries=self.cond_entries,
+            phase=self.phase,
+            compile_s=self.compile_s,
         )
 
 

@@ -89,6 +89,9 @@ class Worker(Link):
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.ready = False
+        #: what it does before it is ready ("compiling"; "" otherwise), and how long its compile took
+        self.phase = ""
+        self.compile_s = 0.0
         self.components: dict[str, int] = {}
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
         self.limits = model_limits(spec.model)
@@ -170,6 +173,8 @@ class Worker(Link):
                 computed=self.runner.computed,
                 **self.lora_state(),
                 **self.conditioning_state(),
+                phase=self.phase,
+                compile_s=round(self.compile_s, 3),
             )
         )
 
@@ -199,6 +204,14 @@ class Worker(Link):
         try:
             stage = self.load_stage()
             self.components = stage.adapter.components_loaded()
+            if self.spec.compile and stage.role in ("denoiser", "monolith"):
+                from roles.compile import compile_stage
+
+                self.phase = "compiling"  # heartbeats say so: the live table shows it
+                self.compile_s = compile_stage(stage, self.spec.compile_mode, self.spec.compile_sizes,
+                                               self.spec.compile_cache_dir)
+                self.phase = ""
+                self.log.info("compiled in %.1f s", self.compile_s)
             self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process
             self.log.exception("cannot load the model")

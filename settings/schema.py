@@ -298,6 +298,21 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A request's {type: none} runs without. {} = none. Models without a diffusers transformer (sim, payload) "
         "ignore it."),
         extra=use("role", flag=None))] = {}
+    compile: Annotated[bool, Meta(description=(
+        "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
+        "boot at each of compile_sizes before the instance reports ready (the live table shows it compiling; "
+        "status its compile_s), so no request pays the compile."),
+        extra=use("role"))] = False
+    compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                            Meta(description="compile: torch.compile's mode.", extra=use("role"))] = "default"
+    compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
+        "compile: the WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
+        "default size."),
+        extra=use("role", flag=None))] = []
+    compile_cache_dir: Annotated[str, Meta(description=(
+        "compile: where inductor keeps its caches (TORCHINDUCTOR_CACHE_DIR), so an instance restarted or started "
+        "from a spare skips most of the compile. '' = <run dir>/inductor (this deployment's)."),
+        extra=use("role"))] = ""
     conditioning_cache_mib: Annotated[int, Meta(ge=0, le=1 << 20, description=(
         "Encoders: MiB of recent text encodings each keeps (an LRU on its device). A request whose prompt, "
         "negative prompt, guidance and adapters equal a kept one reuses it and the encoder computes nothing; "

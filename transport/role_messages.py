@@ -103,6 +103,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     cond_lookups: Count = 0
     cond_hits: Count = 0
     cond_entries: Count = 0
+    #: what it does before it is ready: "compiling" (compile: its warm-up), else ""; its compile's seconds
+    phase: Annotated[str, Meta(max_length=32)] = ""
+    compile_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Alive(_Msg, tag="alive", kw_only=True):

@@ -59,6 +59,9 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cond_lookups: int = 0
     cond_hits: int = 0
     cond_entries: int = 0
+    #: "compiling" while a compiled denoiser warms up (state starting); its compile's seconds once done
+    phase: str = ""
+    compile_s: float = 0.0
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""

@@ -1,0 +1,78 @@
+"""Compiled denoisers: torch.compile on the transformer (diffusers models' own `compile`, in place), warmed up at
+boot over the configured sizes before the instance reports ready, so no request pays the compile.
+
+Inductor's caches (FX graphs, AOT autograd, kernels) go to the deployment's `compile_cache_dir` (by default
+`<run dir>/inductor`): an instance restarted, or started from a spare, finds the compiled kernels there and
+skips most of the work (benchmarks/compile_boot.py measures it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+log = logging.getLogger("disagg.role")
+
+#: denoising steps of a warm-up run (enough that every step's graph has run once)
+WARMUP_STEPS = 2
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    w, _, h = size.lower().partition("x")
+    return int(w), int(h)
+
+
+def warmup_inputs(adapter) -> dict[str, torch.Tensor] | None:
+    """Encoder outputs of the right shapes (zeros) for a warm-up denoise; None when the adapter's family has none."""
+    pipe = adapter.pipe
+    cfg = pipe.transformer.config
+    dtype = next(pipe.transformer.parameters()).dtype
+    device = adapter.device
+    if hasattr(cfg, "pooled_projection_dim") and hasattr(cfg, "joint_attention_dim"):  # Flux
+        from roles.pipelines.flux import T5_MAX_LENGTH
+
+        return {"prompt_embeds": torch.zeros(1, T5_MAX_LENGTH, cfg.joint_attention_dim, dtype=dtype, device=device),
+                "pooled_prompt_embeds": torch.zeros(1, cfg.pooled_projection_dim, dtype=dtype, device=device)}
+    if hasattr(cfg, "text_dim"):  # Wan
+        from roles.pipelines.wan import MAX_SEQUENCE_LENGTH
+
+        embeds = torch.zeros(1, MAX_SEQUENCE_LENGTH, cfg.text_dim, dtype=dtype, device=device)
+        return {"prompt_embeds": embeds, "negative_prompt_embeds": embeds.clone()}
+    return None
+
+
+def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str) -> float:
+    """Compile the stage's transformer(s) and run a warm-up denoise at each size; the seconds it took."""
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    adapter = stage.adapter
+    pipe = getattr(adapter, "pipe", None)
+    models = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")] if pipe is not None else []
+    models = [m for m in models if isinstance(m, torch.nn.Module)]
+    if not models:
+        raise ValueError(f"model {stage.model!r} has no diffusers transformer to compile")
+    t0 = time.perf_counter()
+    for m in models:
+        m.compile(mode=mode)
+    inputs = warmup_inputs(adapter)
+    defaults = adapter.defaults()
+    for size in sizes or [f"{defaults['width']}x{defaults['height']}"]:
+        if inputs is None:
+            log.warning("no warm-up inputs for %s: its first request compiles", type(adapter).__name__)
+            break
+        w, h = parse_size(size)
+        p = {**defaults, "width": w, "height": h, "num_inference_steps": WARMUP_STEPS, "prompt": "warm-up",
+             "guidance_scale": defaults.get("guidance_scale", 1.0)}
+        with torch.inference_mode():
+            if stage.batcher is not None:  # the batched path's forward (one request: batch 1)
+                state = adapter.denoise_start(inputs, p)
+                while not state.done:
+                    adapter.denoise_steps([state])
+            else:
+                adapter.denoise(inputs, p)
+        log.info("compiled and warmed up at %s (%.1f s so far)", size, time.perf_counter() - t0)
+    return time.perf_counter() - t0
