@@ -91,6 +91,7 @@ if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   step parity 150 python3 benchmarks/gpu_e2e.py parity --device cpu --out "$OUT"
   step flux 150 python3 benchmarks/gpu_e2e.py flux --device cpu --size 128 --steps 2 --runs 1 --out "$OUT"
   step wan 150 python3 benchmarks/gpu_e2e.py wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --out "$OUT"
+  step compiled 150 python3 benchmarks/gpu_e2e.py compiled --device cpu --size 64 --steps 2 --runs 1 --out "$OUT"
 else
   step env 30 bash -c "nvidia-smi; python3 -c \"import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))\""
   step pytest_gpu 90 python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
@@ -98,7 +99,9 @@ else
     --sizes 16384,65536,262144,1048576,4194304,10485760,31457280 --repeats 20 --warmup 3 --json
   step parity 100 python3 benchmarks/gpu_e2e.py parity --device cuda:0 --out "$OUT"
   step flux 300 python3 benchmarks/gpu_e2e.py flux --device cuda:0 --size 1024 --steps 4 28 --runs 2 --out "$OUT"
-  # if time allows (the step's limit is what is left of TOTAL_S)
+  # the compiled denoiser's step time against eager (issue 27), then, if time allows (the step's limit is
+  # what is left of TOTAL_S), the video
+  step compiled 200 python3 benchmarks/gpu_e2e.py compiled --device cuda:0 --size 1024 --steps 28 --runs 2 --out "$OUT"
   step wan 240 python3 benchmarks/gpu_e2e.py wan --device cuda:0 --size 832 --height 480 --frames 33 --steps 4 --runs 1 --out "$OUT"
 fi
 
@@ -123,7 +126,7 @@ if log.is_file():
         doc["transfer"] = json.loads(text[text.index("{"):])
     except ValueError:
         pass
-for name in ("parity", "flux", "wan"):
+for name in ("parity", "flux", "wan", "compiled"):
     if (out / f"{name}.json").is_file():
         doc[name] = json.loads((out / f"{name}.json").read_text())
 (out / "gpu-h200.json").write_text(json.dumps(doc, indent=1))

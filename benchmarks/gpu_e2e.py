@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,14 +35,14 @@ from transport.messages import GenerationParams  # noqa: E402
 class Deployment:
     """`disagg launch` in the background, until every instance is ready; stopped on exit."""
 
-    def __init__(self, flags: list[str], log: Path, boot_s: float = 240):
+    def __init__(self, flags: list[str], log: Path, boot_s: float = 240, env: dict[str, str] | None = None):
         self.port = free_port_pair()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--no-dashboard", "--spares", "0",
                *flags]
         print("$", " ".join(cmd), flush=True)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + boot_s
         while True:
             if self.proc.poll() is not None:
@@ -178,9 +179,38 @@ def real_size(args, family: str) -> dict:
     return doc
 
 
+def compiled(args) -> dict:
+    """Flux's denoiser step time, 1:1:1, without and with compile (warmed up at the measured size at boot):
+    the compiled step-time row of the GPU table. Boot times include the compile."""
+    from benchmarks.gpu_models import write_flux
+
+    folder = write_flux(Path(tempfile.mkdtemp(prefix="disagg-flux-compiled-")),
+                        "real" if args.device.startswith("cuda") else "toy")
+    width, height = args.size, args.height or args.size
+    gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
+    doc = {"model": "FLUX.1-dev shapes, random weights", "size": f"{width}x{height}", "runs": args.runs, "modes": {}}
+    env_sizes = {"DISAGG_COMPILE_SIZES": json.dumps([f"{width}x{height}"])}
+    for name, flags in {"eager": [], "compiled": ["--compile"]}.items():
+        with Deployment(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", *flags, *gpu],
+                        Path(args.out) / f"flux-{name}.log", boot_s=args.boot_s, env=env_sizes) as dep:
+            res = {"boot_s": round(dep.boot_s, 1)}
+            for steps in args.steps:
+                params = [GenerationParams(prompt="a photo of a city at night", seed=i, width=width, height=height,
+                                           num_inference_steps=steps) for i in range(args.runs + 1)]
+                outcomes = dep.run(params)[1:]
+                compute = statistics.median(o.timings.get("compute_denoiser", 0.0) for o in outcomes)
+                res[f"{steps} steps"] = {"denoiser_s": round(compute, 4), "step_ms": round(1000 * compute / steps, 2)}
+        doc["modes"][name] = res
+        print(name, res, flush=True)
+    for steps in args.steps:
+        e, c = (doc["modes"][m][f"{steps} steps"]["step_ms"] for m in ("eager", "compiled"))
+        doc[f"speedup {steps} steps"] = round(e / c, 3) if c else None
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("step", choices=["parity", "flux", "wan"])
+    ap.add_argument("step", choices=["parity", "flux", "wan", "compiled"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--size", type=int, default=1024, help="width (and height, unless --height)")
@@ -191,7 +221,7 @@ def main() -> int:
     ap.add_argument("--boot-s", type=float, default=240)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    doc = {"parity": parity, "flux": flux, "wan": wan}[args.step](args)
+    doc = {"parity": parity, "flux": flux, "wan": wan, "compiled": compiled}[args.step](args)
     (Path(args.out) / f"{args.step}.json").write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -302,7 +302,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
         "boot at each of compile_sizes before the instance reports ready (the live table shows it compiling; "
         "status its compile_s), so no request pays the compile."),
-        extra=use("role"))] = False
+        extra=use("role", flag="--compile/--no-compile"))] = False
     compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                             Meta(description="compile: torch.compile's mode.", extra=use("role"))] = "default"
     compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(

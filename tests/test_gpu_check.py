@@ -21,12 +21,12 @@ def test_gpu_check_dry_run_writes_every_steps_result(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "gpu-h200.json").read_text())
     steps = {s["step"]: s for s in doc["steps"]}
-    assert list(steps) == ["install", "env", "pytest_gpu", "transfer", "parity", "flux", "wan"]
+    assert list(steps) == ["install", "env", "pytest_gpu", "transfer", "parity", "flux", "wan", "compiled"]
     if list((ROOT / ".whl").glob("*.whl")):  # wheels fetched: they install as the GPU machine would
         assert steps["install"]["rc"] == 0, (out / "install.log").read_text()
     else:
         assert "no wheels in .whl/" in (out / "install.log").read_text()
-    for name in ("env", "pytest_gpu", "transfer", "parity", "flux", "wan"):
+    for name in ("env", "pytest_gpu", "transfer", "parity", "flux", "wan", "compiled"):
         assert steps[name]["rc"] == 0, (out / f"{name}.log").read_text()[-3000:]
     assert set(doc["transfer"]["engines"]) == {"shm", "inline"}
     # within 1/255: a role computes with one thread, this process with several (sums in another order)
@@ -37,3 +37,5 @@ def test_gpu_check_dry_run_writes_every_steps_result(tmp_path):
     assert "compute_denoiser" in flux["layouts"]["1:1:1"]["2 steps"]["timings"]
     assert flux["overhead 2 steps"]["disaggregated_s"] > 0
     assert doc["wan"]["frames"] == 9 and set(doc["wan"]["layouts"]) == {"1:1:1", "colocated"}
+    # the compiled step-time row (issue 27): eager against compiled, each a step time
+    assert all(doc["compiled"]["modes"][m]["2 steps"]["step_ms"] > 0 for m in ("eager", "compiled")), doc["compiled"]
