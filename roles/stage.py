@@ -267,7 +267,8 @@ class Stage:
             raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask",
                              param="image")
         if self.role == "encoder":
-            key = conditioning_key(params) if self.conditioning is not None else None
+            key = conditioning_key(params, getattr(self.adapter, "conditioning_depends", ())) \
+                if self.conditioning is not None else None
             if key is not None:
                 hit = self.conditioning.get(key)
                 if hit is not None:

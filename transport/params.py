@@ -39,17 +39,20 @@ def cache_label(cache) -> str:
     return f"{cache.get('type')}{' ' + rest if rest else ''}"
 
 
-def conditioning_key(params) -> str | None:
+def conditioning_key(params, depends: tuple[str, ...] = ()) -> str | None:
     """What an encoder's output depends on for a text request: its prompts, its guidance (a model with
-    classifier-free guidance encodes the negative prompt only when it is on) and its adapters (their
-    text-encoder parts). Requests with equal keys may reuse one encoding (roles/conditioning.py); None for a
-    request with an input image or mask, whose encoding is the image's too."""
+    classifier-free guidance encodes the negative prompt only when it is on), its images per prompt (a task
+    pipeline's encode_prompt repeats its rows) and its adapters (their text-encoder parts), and `depends`: the
+    other fields a model's encoder reads (the compute-free models' payloads: their size, their seed). Requests
+    with equal keys may reuse one encoding (roles/conditioning.py); None for a request with an input image or
+    mask, whose encoding is the image's too."""
     import hashlib
 
     if params.image is not None or params.mask is not None:
         return None
     blob = msgspec.json.encode([params.prompt, params.negative_prompt, params.guidance_scale,
-                                [[r.name, r.scale] for r in params.loras or ()]])
+                                params.num_images_per_prompt, [[r.name, r.scale] for r in params.loras or ()],
+                                [getattr(params, name) for name in depends]])
     return hashlib.sha1(blob).hexdigest()[:20]
 
 

@@ -16,6 +16,8 @@ class PayloadAdapter:
 
     #: no per-call state: an instance's threads may run it at once
     thread_safe = True
+    #: what its encoding depends on besides the prompt (the conditioning cache's key: roles/conditioning.py)
+    conditioning_depends = ("seed", "width", "height")
 
     def __init__(self, role: str, device: str = "cpu"):
         self.role = role

@@ -77,6 +77,8 @@ class SimAdapter:
 
     #: a request may carry an input image: the profile's `image` cost is added to the encoder's
     takes_images = True
+    #: its payload's size follows the request's (the conditioning cache's key: roles/conditioning.py)
+    conditioning_depends = ("width", "height", "num_frames")
 
     def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
         with_image = role == "encoder" and p.get("image") is not None
