@@ -22,9 +22,9 @@ from pathlib import Path
 import zmq
 
 from roles.compute import StageRunner
-from roles.layout import describe_layout
-from roles.limits import device_memory, model_limits, param_bytes, served_model
+from roles.limits import model_limits, served_model
 from roles.link import Link
+from roles.reports import SelfReport
 from roles.spec import WorkerSpec
 from transport.auth import client_curve
 from transport.parent import LauncherWatch
@@ -39,11 +39,8 @@ from transport.messages import (
     Dead,
     ErrorCode,
     Failed,
-    Heartbeat,
     MessageError,
     OrchestratorCommand,
-    PoolInfo,
-    Register,
     Registered,
     Rejected,
     Release,
@@ -59,7 +56,7 @@ REPORTS = "inproc://reports"
 INLINE_BUDGET_S = 0.1
 
 
-class Worker(Link):
+class Worker(Link, SelfReport):
     """Drives a StageRunner from the orchestrator's messages."""
 
     def __init__(self, spec: WorkerSpec, load_stage, pool: Pool):
@@ -115,89 +112,6 @@ class Worker(Link):
         }
 
     # --- socket side (loop thread only) ----------------------------------------------------
-
-    def pool_info(self) -> PoolInfo:
-        advertised = {}
-        for engine in self.engines.values():
-            advertised.update(engine.advertise())
-        return PoolInfo(
-            host_id=self.spec.host_id,
-            engines=list(self.engines),
-            pool_name=self.pool.name,
-            pool_bytes=self.pool.nbytes,
-            device=self.pool.device,
-            **advertised,
-        )
-
-    def register(self) -> None:
-        self.send(
-            Register(
-                role=self.spec.role,
-                instance_id=self.spec.instance_id,
-                pid=os.getpid(),
-                host_id=self.spec.host_id,
-                device=self.spec.device,
-                capacity=self.spec.capacity,
-                max_batch=self.spec.max_batch,
-                pool=self.pool_info(),
-                ready=self.ready,
-                busy=dict(self.runner.busy),
-                # what it holds: a restarted orchestrator resumes requests from it, or releases it
-                held=self.runner.held(),
-                restarts=self.spec.restarts,
-                deployment_id=self.spec.deployment_id,
-                model=self.spec.model,
-                devices=self.spec.group_devices if self.spec.world > 1 else [],
-                parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
-                identity=self.identity,
-                launcher=self.spec.launcher_id,
-                memory_bytes=device_memory(self.spec.device),
-                **self.lora_state(register=True),
-                **self.limits,
-            )
-        )
-
-    def heartbeat(self) -> None:
-        self.send(
-            Heartbeat(
-                instance_id=self.spec.instance_id,
-                ready=self.ready,
-                in_flight=self.in_flight,
-                pool_free_bytes=self.pool.free_bytes,
-                progress=self.runner.progress,
-                components=self.components,
-                weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
-                steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
-                batch_steps=self.batch_steps(),
-                running=list(self.runner.busy),
-                computed=self.runner.computed,
-                **self.lora_state(),
-                **self.conditioning_state(),
-                phase=self.phase,
-                compile_s=round(self.compile_s, 3),
-            )
-        )
-
-    def conditioning_state(self) -> dict:
-        """An encoder's conditioning cache: its lookups, hits and entries so far."""
-        cache = getattr(self.runner.stage, "conditioning", None)
-        if cache is None:
-            return {}
-        return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
-
-    def lora_state(self, register: bool = False) -> dict:
-        """The adapters it holds (and, registering, its slots; else its loads and hits so far)."""
-        bank = getattr(self.runner.stage, "loras", None)
-        if bank is None:
-            return {}
-        if register:
-            return {"loras": bank.names(), "lora_slots": bank.slots}
-        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits}
-
-    def batch_steps(self) -> dict[int, int]:
-        stage = self.runner.stage
-        batcher = getattr(stage, "batcher", None)
-        return dict(batcher.batch_sizes) if batcher is not None else {}
 
     def boot(self) -> None:
         """Load the model off the loop thread, so heartbeats go on while it loads."""

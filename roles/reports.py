@@ -1,0 +1,98 @@
+"""What a role tells the orchestrator about itself: its Register (pool, capacity, what it holds, its limits) and
+its Heartbeat (progress, steps, what it holds and counts now). A mixin of Worker (roles/worker.py): it reads the
+worker's spec, pool, engines and runner."""
+
+from __future__ import annotations
+
+import os
+
+from roles.layout import describe_layout
+from roles.limits import device_memory, param_bytes
+from transport.messages import Heartbeat, PoolInfo, Register
+
+
+class SelfReport:
+    """Methods of Worker; see roles/worker.py for the state they read."""
+
+    def pool_info(self) -> PoolInfo:
+        advertised = {}
+        for engine in self.engines.values():
+            advertised.update(engine.advertise())
+        return PoolInfo(
+            host_id=self.spec.host_id,
+            engines=list(self.engines),
+            pool_name=self.pool.name,
+            pool_bytes=self.pool.nbytes,
+            device=self.pool.device,
+            **advertised,
+        )
+
+    def register(self) -> None:
+        self.send(
+            Register(
+                role=self.spec.role,
+                instance_id=self.spec.instance_id,
+                pid=os.getpid(),
+                host_id=self.spec.host_id,
+                device=self.spec.device,
+                capacity=self.spec.capacity,
+                max_batch=self.spec.max_batch,
+                pool=self.pool_info(),
+                ready=self.ready,
+                busy=dict(self.runner.busy),
+                # what it holds: a restarted orchestrator resumes requests from it, or releases it
+                held=self.runner.held(),
+                restarts=self.spec.restarts,
+                deployment_id=self.spec.deployment_id,
+                model=self.spec.model,
+                devices=self.spec.group_devices if self.spec.world > 1 else [],
+                parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
+                identity=self.identity,
+                launcher=self.spec.launcher_id,
+                memory_bytes=device_memory(self.spec.device),
+                **self.lora_state(register=True),
+                **self.limits,
+            )
+        )
+
+    def heartbeat(self) -> None:
+        self.send(
+            Heartbeat(
+                instance_id=self.spec.instance_id,
+                ready=self.ready,
+                in_flight=self.in_flight,
+                pool_free_bytes=self.pool.free_bytes,
+                progress=self.runner.progress,
+                components=self.components,
+                weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
+                steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
+                batch_steps=self.batch_steps(),
+                running=list(self.runner.busy),
+                computed=self.runner.computed,
+                **self.lora_state(),
+                **self.conditioning_state(),
+                phase=self.phase,
+                compile_s=round(self.compile_s, 3),
+            )
+        )
+
+    def conditioning_state(self) -> dict:
+        """An encoder's conditioning cache: its lookups, hits and entries so far."""
+        cache = getattr(self.runner.stage, "conditioning", None)
+        if cache is None:
+            return {}
+        return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
+
+    def lora_state(self, register: bool = False) -> dict:
+        """The adapters it holds (and, registering, its slots; else its loads and hits so far)."""
+        bank = getattr(self.runner.stage, "loras", None)
+        if bank is None:
+            return {}
+        if register:
+            return {"loras": bank.names(), "lora_slots": bank.slots}
+        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits}
+
+    def batch_steps(self) -> dict[int, int]:
+        stage = self.runner.stage
+        batcher = getattr(stage, "batcher", None)
+        return dict(batcher.batch_sizes) if batcher is not None else {}
