@@ -190,7 +190,8 @@ def compiled(args) -> dict:
     gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
     doc = {"model": "FLUX.1-dev shapes, random weights", "size": f"{width}x{height}", "runs": args.runs, "modes": {}}
     env_sizes = {"DISAGG_COMPILE_SIZES": json.dumps([f"{width}x{height}"])}
-    for name, flags in {"eager": [], "compiled": ["--compile"]}.items():
+    modes = {"eager": [], "compiled": ["--compile"]}
+    for name, flags in {m: modes[m] for m in args.modes.split(",")}.items():
         with Deployment(["--model", str(folder), "-e", "1", "-d", "1", "-k", "1", *flags, *gpu],
                         Path(args.out) / f"flux-{name}.log", boot_s=args.boot_s, env=env_sizes) as dep:
             res = {"boot_s": round(dep.boot_s, 1)}
@@ -202,7 +203,7 @@ def compiled(args) -> dict:
                 res[f"{steps} steps"] = {"denoiser_s": round(compute, 4), "step_ms": round(1000 * compute / steps, 2)}
         doc["modes"][name] = res
         print(name, res, flush=True)
-    for steps in args.steps:
+    for steps in args.steps if len(doc["modes"]) == 2 else []:
         e, c = (doc["modes"][m][f"{steps} steps"]["step_ms"] for m in ("eager", "compiled"))
         doc[f"speedup {steps} steps"] = round(e / c, 3) if c else None
     return doc
@@ -219,6 +220,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 28])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--boot-s", type=float, default=240)
+    ap.add_argument("--modes", default="eager,compiled", help="compiled: which of eager,compiled to run")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     doc = {"parity": parity, "flux": flux, "wan": wan, "compiled": compiled}[args.step](args)

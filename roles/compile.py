@@ -1,5 +1,6 @@
-"""Compiled denoisers: torch.compile on the transformer (diffusers models' own `compile`, in place), warmed up at
-boot over the configured sizes before the instance reports ready, so no request pays the compile.
+"""Compiled denoisers: torch.compile on the transformer (diffusers' own regional compilation,
+`compile_repeated_blocks`, or the model's `compile`, in place), warmed up at boot over the configured sizes
+before the instance reports ready, so no request pays the compile.
 
 Inductor's caches (FX graphs, AOT autograd, kernels) go to the deployment's `compile_cache_dir` (by default
 `<run dir>/inductor`): an instance restarted, or started from a spare, finds the compiled kernels there and
@@ -44,8 +45,10 @@ def warmup_inputs(adapter) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str) -> float:
-    """Compile the stage's transformer(s) and run a warm-up denoise at each size; the seconds it took."""
+def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = "blocks") -> float:
+    """Compile the stage's transformer(s) and run a warm-up denoise at each size; the seconds it took. `scope`:
+    blocks (diffusers' compile_repeated_blocks, where the model names its repeated blocks) or model (the whole
+    transformer)."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -57,7 +60,11 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str) -> float:
         raise ValueError(f"model {stage.model!r} has no diffusers transformer to compile")
     t0 = time.perf_counter()
     for m in models:
-        m.compile(mode=mode)
+        if scope == "blocks" and getattr(m, "_repeated_blocks", None):
+            # diffusers' regional compilation: each repeated block class compiles once, reused by every block
+            m.compile_repeated_blocks(mode=mode)
+        else:
+            m.compile(mode=mode)
     inputs = warmup_inputs(adapter)
     defaults = adapter.defaults()
     for size in sizes or [f"{defaults['width']}x{defaults['height']}"]:

@@ -123,7 +123,7 @@ class Worker(Link, SelfReport):
 
                 self.phase = "compiling"  # heartbeats say so: the live table shows it
                 self.compile_s = compile_stage(stage, self.spec.compile_mode, self.spec.compile_sizes,
-                                               self.spec.compile_cache_dir)
+                                               self.spec.compile_cache_dir, self.spec.compile_scope)
                 self.phase = ""
                 self.log.info("compiled in %.1f s", self.compile_s)
             self.runner.stage = stage

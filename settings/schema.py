@@ -124,6 +124,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("role", flag="--compile/--no-compile"))] = False
     compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                             Meta(description="compile: torch.compile's mode.", extra=use("role"))] = "default"
+    compile_scope: Annotated[Literal["blocks", "model"], Meta(description=(
+        "compile: blocks compiles each repeated transformer block class once (diffusers' "
+        "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
+        "model compiles the whole transformer."),
+        extra=use("role"))] = "blocks"
     compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
         "compile: the WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
         "default size."),

@@ -9,7 +9,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from transport.params import LoraName  # one adapter-name rule: requests' and the registry's
+from transport.params import (
+    LoraName,  # one adapter-name rule: requests' and the registry's
+)
 
 #: the processes a setting may be for
 PROCESSES = ("launcher", "orchestrator", "role", "gateway")

@@ -135,7 +135,7 @@ def test_progress_is_reported_each_step(family):
     p = {**family.roles["encoder"].defaults(), "prompt": "a cat", "width": 32, "height": 32,
          "num_inference_steps": 3}
     steps = []
-    family.roles["denoiser"].denoise(crossed(family.roles["encoder"].encode(p)), p, progress=lambda: steps.append(1))
+    family.roles["denoiser"].denoise(crossed(family.roles["encoder"].encode(p)), p, progress=lambda *_latents: steps.append(1))
     assert len(steps) == 3
 
 

@@ -123,7 +123,7 @@ def test_roles_load_only_their_components(variant, roles, reference):
 def test_split_equals_pipeline(variant, roles, reference, case):
     p = params(**case)
     steps = []
-    embeds, latents, videos = split_run(roles, p, progress=lambda: steps.append(1))
+    embeds, latents, videos = split_run(roles, p, progress=lambda *_latents: steps.append(1))
     assert ("negative_prompt_embeds" in embeds) == (p["guidance_scale"] > 1)
     assert embeds["prompt_embeds"].shape[0] == 1  # one copy per prompt; the denoiser repeats it
     assert len(steps) == p["num_inference_steps"]

@@ -37,5 +37,5 @@ def test_gpu_check_dry_run_writes_every_steps_result(tmp_path):
     assert "compute_denoiser" in flux["layouts"]["1:1:1"]["2 steps"]["timings"]
     assert flux["overhead 2 steps"]["disaggregated_s"] > 0
     assert doc["wan"]["frames"] == 9 and set(doc["wan"]["layouts"]) == {"1:1:1", "colocated"}
-    # the compiled step-time row (issue 27): eager against compiled, each a step time
-    assert all(doc["compiled"]["modes"][m]["2 steps"]["step_ms"] > 0 for m in ("eager", "compiled")), doc["compiled"]
+    # the compiled step-time row (issue 27; on the GPU against eager, here the compiled deployment alone)
+    assert doc["compiled"]["modes"]["compiled"]["2 steps"]["step_ms"] > 0, doc["compiled"]

@@ -30,7 +30,9 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
 
 
 def step_callback(progress):
-    """A diffusers step-end callback that reports progress (the stall detector's heartbeat)."""
+    """A diffusers step-end callback that reports progress (the stall detector's heartbeat): `progress(latents)`,
+    the latents after the step as {"latents": tensor} where the pipeline passes them (a preview may be staged
+    from them: roles/compute.py), else `progress()`."""
     if progress is None:
         return None
 
