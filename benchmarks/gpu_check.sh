@@ -91,7 +91,7 @@ if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   step parity 150 python3 benchmarks/gpu_e2e.py parity --device cpu --out "$OUT"
   step flux 150 python3 benchmarks/gpu_e2e.py flux --device cpu --size 128 --steps 2 --runs 1 --out "$OUT"
   step wan 150 python3 benchmarks/gpu_e2e.py wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --out "$OUT"
-  step compiled 150 python3 benchmarks/gpu_e2e.py compiled --device cpu --size 64 --steps 2 --runs 1 --modes compiled --out "$OUT"
+  step compiled 150 python3 benchmarks/gpu_e2e.py compiled --device cpu --size 64 --steps 2 --runs 1 --modes compiled --model tiny --out "$OUT"
 else
   step env 30 bash -c "nvidia-smi; python3 -c \"import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))\""
   step pytest_gpu 90 python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py

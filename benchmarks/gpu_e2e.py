@@ -184,8 +184,8 @@ def compiled(args) -> dict:
     the compiled step-time row of the GPU table. Boot times include the compile."""
     from benchmarks.gpu_models import write_flux
 
-    folder = write_flux(Path(tempfile.mkdtemp(prefix="disagg-flux-compiled-")),
-                        "real" if args.device.startswith("cuda") else "toy")
+    folder = args.model or write_flux(Path(tempfile.mkdtemp(prefix="disagg-flux-compiled-")),
+                                      "real" if args.device.startswith("cuda") else "toy")
     width, height = args.size, args.height or args.size
     gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
     doc = {"model": "FLUX.1-dev shapes, random weights", "size": f"{width}x{height}", "runs": args.runs, "modes": {}}
@@ -221,6 +221,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--boot-s", type=float, default=240)
     ap.add_argument("--modes", default="eager,compiled", help="compiled: which of eager,compiled to run")
+    ap.add_argument("--model", default="", help="compiled: this model instead of FLUX.1-dev shapes (the CPU dry run: "
+                    "tiny, whose compiled kernels tests/test_compile.py may have left in DISAGG_COMPILE_CACHE_DIR)")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     doc = {"parity": parity, "flux": flux, "wan": wan, "compiled": compiled}[args.step](args)

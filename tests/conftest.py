@@ -17,6 +17,9 @@ from launcher.ports import free_port_pair  # noqa: F401 - tests import it from h
 from transport.shm import pid_alive  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the compiled deployments' inductor cache (compile_cache_dir), shared by the tests that compile tiny at 64x64
+#: (tests/test_compile.py, the GPU script's dry run): the second of them finds the first's kernels
+COMPILE_CACHE = Path("/tmp") / f"disagg-tests-inductor-{os.getuid()}"
 
 
 #: the xdist group of the tests that take a shared tiny-checkpoint deployment (`checkpoint`): one worker runs

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import COMPILE_CACHE, ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +16,9 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_gpu_check_dry_run_writes_every_steps_result(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out), "--dry-run"], cwd=ROOT, capture_output=True,
+    # its compiled step finds tests/test_compile.py's kernels when that ran first (tests/conftest.py COMPILE_CACHE)
+    env = {**os.environ, "DISAGG_COMPILE_CACHE_DIR": str(COMPILE_CACHE)}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out), "--dry-run"], cwd=ROOT, capture_output=True, env=env,
                           text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "gpu-h200.json").read_text())
