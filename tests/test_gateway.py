@@ -559,3 +559,38 @@ def test_a_client_that_hangs_up_mid_stream_cancels_the_request(tiny):
                 break  # the first preview (step 250 of 1000): hang up now
     wait_until(lambda: tiny.status().requests.cancelled > before, 30)
     wait_until(lambda: all(i.in_flight == 0 for i in tiny.status().instances), 30)
+
+
+def test_two_requests_with_other_caches_in_flight_on_one_denoiser_each_equal_their_pipeline(tiny, api):
+    """Over HTTP, at once, on the deployment's one denoiser (capacity 2): first_block and mag, each equal to
+    diffusers' FluxPipeline with its own cache config."""
+    import threading
+
+    import torch
+
+    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from roles.step_cache import config_of
+
+    caches = [{"type": "first_block", "threshold": 0.3}, {"type": "mag"}]
+    got: list = [None, None]
+
+    def send(i):
+        r = api.images.generate(prompt=f"a cat number {i}", size="64x64",
+                                extra_body={"seed": 20 + i, "num_inference_steps": 8, "cache": caches[i]})
+        got[i] = (png_pixels(base64.b64decode(r.data[0].b64_json)), r.model_extra["disagg"]["cache"])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    pipe = build_tiny_flux_pipeline()
+    for i, (image, report) in enumerate(got):
+        assert report["cache"].startswith(caches[i]["type"]) and report["steps_skipped"] > 0, report
+        pipe.transformer.enable_cache(config_of(caches[i], "flux", 8, lambda: pipe.current_timestep))
+        try:
+            want = pipe(prompt=f"a cat number {i}", width=64, height=64, num_inference_steps=8, guidance_scale=3.5,
+                        generator=torch.Generator("cpu").manual_seed(20 + i)).images[0]
+        finally:
+            pipe.transformer.disable_cache()
+        assert np.abs(image - np.asarray(want, dtype=np.int16)).max() <= 1
