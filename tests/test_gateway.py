@@ -502,14 +502,15 @@ def test_a_repeated_prompt_is_taken_from_the_encoders_conditioning_cache(tiny, a
                                 extra_body={"seed": seed, "num_inference_steps": 2})
         return png_pixels(base64.b64decode(r.data[0].b64_json))
 
+    def settled(e):  # every text request it looked up was a hit or a compute: its heartbeat is up to date
+        return e.cond_lookups == e.cond_hits + e.computed
+
     start = encoder()
     first = generate(11)
-    wait_until(lambda: encoder().computed > start.computed, 10)  # its heartbeat told the encode
-    before = encoder()
+    before = wait_until(lambda: (e := encoder()).cond_lookups > start.cond_lookups and settled(e) and e, 10)
     again = generate(11)
     other_seed = generate(12)  # another seed, same prompt: the same encoding, other pixels
-    wait_until(lambda: encoder().cond_hits >= before.cond_hits + 2, 10)
-    after = encoder()
+    after = wait_until(lambda: (e := encoder()).cond_hits >= before.cond_hits + 2 and settled(e) and e, 10)
     assert after.computed == before.computed
     assert np.array_equal(first, again) and not np.array_equal(first, other_seed)
     metrics = httpx.get(tiny.http + "/metrics", timeout=10).text
