@@ -17,6 +17,7 @@ import msgspec
 from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
+from launcher.runs import prune_runs
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import Placement, cuda_env, place, rerole
 from settings import Settings
@@ -364,34 +365,6 @@ class Deployment:
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))
-
-
-#: default run folders ($TMPDIR/disagg/RUN_ID) kept: older ones go when a launch starts
-KEEP_RUNS = 20
-#: ...but never one whose logs were written this recently (a deployment still running)
-RUN_IDLE_S = 3600.0
-
-
-def prune_runs(parent: Path, keep: int = KEEP_RUNS) -> list[Path]:
-    """Remove all but the `keep` newest run folders under `parent` (their logs), leaving any written to within
-    RUN_IDLE_S; the folders removed."""
-    import re
-    import shutil
-
-    def last_write(run: Path) -> float:
-        return max([run.stat().st_mtime, *(f.stat().st_mtime for f in (run / "logs").glob("*"))], default=0.0)
-
-    try:
-        runs = sorted(((last_write(d), d) for d in parent.iterdir() if d.is_dir() and re.fullmatch(r"[0-9a-f]{8}", d.name)),
-                      reverse=True)
-    except OSError:
-        return []
-    removed = []
-    for when, run in runs[keep:]:
-        if time.time() - when > RUN_IDLE_S:
-            shutil.rmtree(run, ignore_errors=True)
-            removed.append(run)
-    return removed
 
 
 def _inode(path: str) -> tuple[int, int] | None:

@@ -173,7 +173,7 @@ def test_image_urls_open_without_the_key_and_the_scheme_is_case_insensitive():
 
 def test_old_run_folders_are_pruned_but_never_a_live_one(tmp_path):
     """L9: every launch left $TMPDIR/disagg/RUN_ID behind, for ever."""
-    from launcher.deployment import RUN_IDLE_S, prune_runs
+    from launcher.runs import RUN_IDLE_S, prune_runs
 
     old = time.time() - RUN_IDLE_S - 60
     for k in range(25):
