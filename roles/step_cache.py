@@ -10,7 +10,8 @@ hooks: a request with a cache enables its config when its denoising starts, keep
 step (it does not yield at step boundaries), and disables it at the end. So every cached request starts from
 a fresh state, and no other request's forward runs through its hooks.
 
-Steps computed and skipped: forward hooks on each attention's `to_q` count the attentions that ran. A step in
+Steps computed and skipped: forward hooks on each attention's `to_q`, registered while a cached request runs, count
+the attentions that ran. A step in
 which every attention of every forward ran is computed; one in which the cache stood in for any is skipped.
 """
 
@@ -141,11 +142,6 @@ class StepCaches:
         self.lock = threading.RLock()
         self._count: StepCount | None = None
         self._attentions = {id(m): [a for _, a in m.named_modules() if hasattr(a, "to_q")] for m in self.models}
-        for m in self.models:
-            n = len(self._attentions[id(m)])
-            m.register_forward_pre_hook(lambda *_a, n=n: self._forward(n))
-            for a in self._attentions[id(m)]:
-                a.to_q.register_forward_hook(lambda *_a: self._ran())
 
     @property
     def usable(self) -> bool:
@@ -179,13 +175,25 @@ class StepCaches:
             for m in self.models:
                 m.enable_cache(config_of(spec, self.family, steps, timestep))
             self._count = count = StepCount()
+            handles = self._counting_hooks()  # only while a cached request runs: no cost on other forwards
             try:
                 yield count
             finally:
                 self._count = None
+                for h in handles:
+                    h.remove()
                 for m in self.models:
                     m._reset_stateful_cache()
                     m.disable_cache()
+
+    def _counting_hooks(self) -> list:
+        """Hooks that count each forward's attentions and those that ran (StepCount)."""
+        handles = []
+        for m in self.models:
+            attentions = self._attentions[id(m)]
+            handles.append(m.register_forward_pre_hook(lambda *_a, n=len(attentions): self._forward(n)))
+            handles += [a.to_q.register_forward_hook(lambda *_a: self._ran()) for a in attentions]
+        return handles
 
 
 def make_caches(adapter, role: str, default: dict | None) -> StepCaches | None:
