@@ -41,11 +41,11 @@ SETUPS = {"no adapters": [], "off": ["--lora-affinity", "off"], "on (strict)": [
 REQUEST_S = 0.68  # 4 steps x 170 ms at 1024^2 on sim:flux-h200
 
 
-def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float) -> dict:
+def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float, extra: tuple = ()) -> dict:
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
-                                   "--spares", "0", *SETUPS[name]), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                   "--spares", "0", *SETUPS[name], *extra), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_ready(endpoint, proc)
         cmd = disagg("bench", "--endpoint", endpoint, "--request-rate", f"{rate:g}", "--num-requests", str(n),
@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=4, help="requests each denoiser holds (computing one, the rest "
                     "waiting their turn while their adapters load)")
     ap.add_argument("--only", help="comma-separated setups")
+    ap.add_argument("--launch-arg", action="append", default=[], help="an argument for every setup's `disagg launch` "
+                    "(repeat it: --launch-arg=--schedule --launch-arg=slo)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora-affinity.json"))
     args = ap.parse_args()
     setups = [s for s in SETUPS if not args.only or s in args.only.split(",")]
@@ -86,7 +88,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in setups}
     for k in range(args.runs):  # setups interleaved, so a slow minute of the machine hits all of them
         for s in setups:
-            runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf))
+            runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf, tuple(args.launch_arg)))
             print(f"run {k + 1} {s}: {runs[s][-1]}", flush=True)
     keys = ("p50_s", "p95_s", "cold_loads", "hit_rate", "max_share", "denoiser_utilization", "failed")
     medians = {s: {key: statistics.median(r[key] for r in runs[s]) for key in keys} for s in setups}
