@@ -82,7 +82,12 @@ class DiffusersLoras:
         if not state:
             return  # no part of it is for this role
         try:
-            self.pipe.load_lora_weights(dict(state), adapter_name=name)
+            if any(c in DENOISING for c in self.components):
+                self.pipe.load_lora_weights(dict(state), adapter_name=name)
+            else:  # an encoder: load_lora_weights reads the denoiser it lacks; each text encoder takes its part
+                for c in self.components:
+                    self.pipe.load_lora_into_text_encoder(dict(state), network_alphas=None, text_encoder=getattr(self.pipe, c),
+                                                          prefix=c, adapter_name=name, _pipeline=self.pipe)
         except Exception as exc:  # noqa: BLE001 - another architecture's adapter, wrong shapes
             self.forget(name)
             raise LoraError(f"adapter {name!r} does not fit this model: {type(exc).__name__}: {exc}") from None

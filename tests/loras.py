@@ -30,9 +30,12 @@ def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encode
         if text_encoder:
             import transformers
 
+            from peft import inject_adapter_in_model
+
             te = getattr(transformers, index["text_encoder"][1]).from_pretrained(checkpoint / "text_encoder")
-            te.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["q_proj", "k_proj", "v_proj", "out_proj"],
-                                      init_lora_weights=False))
+            # peft's own injection (transformers' add_adapter asks for a newer peft than PyPI has for transformers 5)
+            te = inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                                                    target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]), te)
             layers["text_encoder_lora_layers"] = get_peft_model_state_dict(te)
     # peft's random init draws lora_B small: scale it up, so an adapter visibly changes the image
     for part in layers.values():

@@ -208,9 +208,21 @@ def test_flux_with_batching_a_batch_holds_one_set_of_adapters(flux_files, module
 
 def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
     folder, lora_dir = family_setup(module_tmp, "sdxl")
-    for dep in served(module_tmp, "sdxl-run", folder, lora_dir, "--capacity", "1,3,1"):
-        outcomes = run(dep, [params(loras) for loras in CASES.values()])
-        for (name, loras), o in zip(CASES.items(), outcomes):
+    # T carries a text-encoder part too: it loads into the encoder, its UNet part into the denoiser. U is T's UNet
+    # part alone (same seed), for the check that the text-encoder part changes the image.
+    make_lora(folder, lora_dir / "T", seed=5, text_encoder=True)
+    make_lora(folder, module_tmp / "sdxl-unet-only" / "U", seed=5)
+    cases = {**CASES, "T": [("T", 0.8)], "T+A": [("T", 1.0), ("A", 0.5)]}
+    refs = {name: expected(folder, lora_dir, loras) for name, loras in cases.items()}
+    unet_only = expected(folder, module_tmp / "sdxl-unet-only", [("U", 0.8)])
+    assert np.abs(refs["T"] - unet_only).max() > 8, "the text-encoder part must change diffusers' image"
+    for dep in served(module_tmp, "sdxl-run", folder, lora_dir, "--capacity", "3,3,1"):
+        outcomes = run(dep, [params(loras) for loras in cases.values()], concurrency=5)
+        for name, o in zip(cases, outcomes):
             assert o.ok, o.error
-            diff = int(np.abs(pixels(o.images[0]) - expected(folder, lora_dir, loras)).max())
+            diff = int(np.abs(pixels(o.images[0]) - refs[name]).max())
             assert diff <= 1, f"{name}: worst pixel {diff}"
+        with Client(dep.endpoint) as client:
+            held = {i.role: set(i.loras or ()) for i in client.status().instances}
+        assert "T" in held["encoder"], held
+        assert {"A", "B", "T"} <= held["denoiser"], held
