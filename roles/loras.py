@@ -51,6 +51,10 @@ class DiffusersLoras:
             raise TypeError(f"{type(pipe).__name__} takes no LoRA adapters")
         #: component -> adapters loaded into it
         self.parts: dict[str, set[str]] = {c: set() for c in self.components}
+        #: adapter -> the peft adapter name its weights sit under (another's, once hotswapped into its place)
+        self.alias: dict[str, str] = {}
+        #: adapters loaded by hotswapping another's weights in place (install(into=...))
+        self.hotswaps = 0
         import importlib.util
 
         self.peft = importlib.util.find_spec("peft") is not None
@@ -78,9 +82,16 @@ class DiffusersLoras:
         mine = {k: v for k, v in state.items() if k.split(".", 1)[0] in self.components}
         return mine, sum(v.numel() * v.element_size() for v in mine.values())
 
-    def install(self, name: str, state: dict) -> None:
+    def install(self, name: str, state: dict, into: str | None = None) -> bool:
+        """Load adapter `name`; with `into` (an adapter being unloaded for it), first try diffusers' hotswap: its
+        weights replace `into`'s in place (same layers, same rank), with no peft layers removed or added (and so
+        no recompile of a compiled denoiser). Returns whether it hotswapped; `into` is gone either way."""
+        if into is not None:
+            if self._hotswap(name, state, into):
+                return True
+            self.forget(into)
         if not state:
-            return  # no part of it is for this role
+            return False  # no part of it is for this role
         try:
             if any(c in DENOISING for c in self.components):
                 self.pipe.load_lora_weights(dict(state), adapter_name=name)
@@ -94,11 +105,35 @@ class DiffusersLoras:
         for c, held in self.pipe.get_list_adapters().items():
             if c in self.parts and name in held:
                 self.parts[c].add(name)
+        self.alias[name] = name
+        return False
+
+    def _hotswap(self, name: str, state: dict, into: str) -> bool:
+        """`name`'s weights in place of `into`'s, where both have parts for the same components, all of them
+        denoising ones (load_lora_weights(hotswap=True)); False where diffusers refuses (other layers or rank)."""
+        mine = {c for c in self.components if into in self.parts[c]}
+        theirs = {k.split(".", 1)[0] for k in state}
+        if not state or not mine or mine != theirs or not mine <= set(DENOISING):
+            return False
+        internal = self.alias.get(into, into)
+        try:
+            self.pipe.load_lora_weights(dict(state), adapter_name=internal, hotswap=True)
+        except Exception as exc:  # noqa: BLE001 - other target layers or ranks: unload and load instead
+            log.info("adapter %s cannot take %s's place (%s): loading it instead", name, into, exc)
+            return False
+        for c in mine:
+            self.parts[c].discard(into)
+            self.parts[c].add(name)
+        del self.alias[into]
+        self.alias[name] = internal
+        self.hotswaps += 1
+        return True
 
     def forget(self, name: str) -> None:
-        if any(name in held for held in self.parts.values()) or name in {
+        internal = self.alias.pop(name, name)
+        if any(name in held for held in self.parts.values()) or internal in {
                 n for held in self.pipe.get_list_adapters().values() for n in held}:
-            self.pipe.delete_adapters(name)
+            self.pipe.delete_adapters(internal)
         for held in self.parts.values():
             held.discard(name)
 
@@ -117,7 +152,7 @@ class DiffusersLoras:
             if not use:
                 module.disable_lora() if is_model else disable_lora_for_text_encoder(module)
                 continue
-            names, weights = [n for n, _ in use], [w for _, w in use]
+            names, weights = [self.alias.get(n, n) for n, _ in use], [w for _, w in use]
             if is_model:
                 module.enable_lora()
                 module.set_adapters(names, weights)
@@ -141,8 +176,8 @@ class SimLoras:
         time.sleep(self.load_s)
         return {}, 0
 
-    def install(self, name: str, state: dict) -> None:
-        pass
+    def install(self, name: str, state: dict, into: str | None = None) -> bool:
+        return False
 
     def forget(self, name: str) -> None:
         pass
@@ -208,20 +243,22 @@ class LoraBank:
                 raise LoraError(f"adapter {name!r}: no source given (the orchestrator did not resolve it)")
             state, nbytes = self.backend.read(name, source)
             with self.model_lock:
-                self._make_room(nbytes)
-                self.backend.install(name, state)
+                into = self._make_room(nbytes)
+                swapped = self.backend.install(name, state, into=into)
                 self._active = None
             with self._state:
                 self.held[name] = nbytes
                 self.pins[name] += 1
                 self.loads += 1
-            log.info("loaded adapter %s (%.1f MiB)", name, nbytes / 2**20)
+            log.info("loaded adapter %s (%.1f MiB)%s", name, nbytes / 2**20, f" in place of {into} (hotswap)" if swapped else "")
         finally:
             with self._state:
                 self.loading.pop(name).set()
 
-    def _make_room(self, nbytes: int) -> None:
-        """Unload least recently used adapters no request uses, past slots or MiB (under the model lock)."""
+    def _make_room(self, nbytes: int) -> str | None:
+        """Unload least recently used adapters no request uses, past slots or MiB (under the model lock); the
+        last of them is left for the new adapter to take the place of (install(into=...): a hotswap, or its
+        unload), and returned."""
         with self._state:
             victims = []
             count, total = len(self.held), sum(self.held.values())
@@ -233,9 +270,11 @@ class LoraBank:
                     count, total = count - 1, total - self.held[name]
             for name in victims:
                 del self.held[name]
+        into = victims.pop() if victims else None
         for name in victims:
             self.backend.forget(name)
             log.info("unloaded adapter %s", name)
+        return into
 
     def release(self, names) -> None:
         with self._state:

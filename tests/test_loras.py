@@ -206,6 +206,23 @@ def test_flux_with_batching_a_batch_holds_one_set_of_adapters(flux_files, module
             assert diff <= 1, f"{name}: worst pixel {diff}"
 
 
+def test_with_one_slot_the_next_adapter_is_hotswapped_into_the_last_ones_place(flux_files, module_tmp):
+    folder, lora_dir, refs = flux_files
+    b_ref = expected(folder, lora_dir, [("B", 0.5)])
+    for dep in served(module_tmp, "flux-one-slot", folder, lora_dir, "--lora-slots", "1"):
+        for name, loras, ref in (("A", CASES["A"], refs["A"]), ("B", [("B", 0.5)], b_ref), ("A again", CASES["A"], refs["A"])):
+            (o,) = run(dep, [params(loras)])  # one at a time: each evicts the last one
+            assert o.ok, o.error
+            diff = int(np.abs(pixels(o.images[0]) - ref).max())
+            assert diff <= 1, f"{name}: worst pixel {diff}"
+        logs = "".join(f.read_text(errors="replace") for f in dep.run_dir.rglob("*.log"))
+        assert "loaded adapter B (" in logs and "in place of A (hotswap)" in logs, logs[-3000:]
+        assert "in place of B (hotswap)" in logs, logs[-3000:]
+        with Client(dep.endpoint) as client:
+            held = {i.role: list(i.loras or ()) for i in client.status().instances}
+        assert held["denoiser"] == ["A"], held
+
+
 def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
     folder, lora_dir = family_setup(module_tmp, "sdxl")
     # T carries a text-encoder part too: it loads into the encoder, its UNet part into the denoiser. U is T's UNet
