@@ -85,7 +85,8 @@ step install 90 bash -c "$(declare -f do_install); do_install"
 [ -z "$DRY" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
-  step env 20 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  # 60 s: the imports take ~4 s, but one dry run here saw them take over 20 s right after a full test run
+  step env 60 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   step pytest_gpu 60 python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
   step transfer 120 python3 -m launcher bench transfer --engines shm,inline --sizes 16384,4194304 --repeats 3 --warmup 1 --json
   step parity 150 python3 benchmarks/gpu_e2e.py parity --device cpu --out "$OUT"
