@@ -62,6 +62,7 @@ def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: 
     return {"p50_s": doc["latency_s"]["p50"], "p95_s": doc["latency_s"]["p95"], "failed": doc["failed"],
             "denoiser_utilization": round(statistics.fmean(util), 3), "cold_loads": lora.get("cold_loads", 0),
             "hit_rate": lora.get("hit_rate", 0.0), "max_share": lora.get("max_share", 0.0),
+            "stages": doc.get("stages", {}),
             "command": " ".join(cmd[2:])}
 
 
