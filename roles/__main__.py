@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         from roles.loras import make_bank
 
         # an instance over several ranks applies no adapters (each rank would have to load them in lockstep)
-        loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown) \
-            if group is None else None
+        loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown,
+                          compiled=spec.compile) if group is None else None
         from roles.step_cache import make_caches
 
         caches = make_caches(adapter, spec.role, spec.cache or None) if group is None else None

@@ -41,8 +41,15 @@ class LoraError(RequestError):
 class DiffusersLoras:
     """A diffusers pipeline's LoRA state: load, unload, and which adapters each forward applies."""
 
-    def __init__(self, pipe, role: str):
+    def __init__(self, pipe, role: str, compiled: bool = False):
         self.pipe = pipe
+        #: a compiled denoiser: its models keep every loaded adapter active and take each request's scales by
+        #: writing them into peft's scaling tensors in place (0: not applied), so that neither a new scale, another
+        #: set of adapters, nor a request without any changes what torch.compile guards on (set_adapters and
+        #: disable_lora would: a recompile each); only a new adapter's layers do, once
+        self.compiled = compiled
+        #: (module id) -> the loaded peft adapter names it keeps active, and each LoRA layer's scaling at weight 1
+        self._static: dict[int, tuple[tuple, list]] = {}
         prefixes = {"denoiser": DENOISING, "encoder": TEXT}.get(role, DENOISING + TEXT)
         #: the components this role holds that may carry an adapter's part
         self.components = [c for c in getattr(pipe, "_lora_loadable_modules", ()) if c in prefixes
@@ -149,16 +156,54 @@ class DiffusersLoras:
                 continue
             use = [(n, w) for n, w in key if n in held]
             is_model = isinstance(module, ModelMixin)
+            if not use and is_model and self.compiled:
+                self._scale_in_place(module, {})
+                continue
             if not use:
                 module.disable_lora() if is_model else disable_lora_for_text_encoder(module)
                 continue
             names, weights = [self.alias.get(n, n) for n, _ in use], [w for _, w in use]
+            if is_model and self.compiled:
+                self._scale_in_place(module, dict(zip(names, weights)))
+                continue
             if is_model:
                 module.enable_lora()
                 module.set_adapters(names, weights)
             else:
                 enable_lora_for_text_encoder(module)
                 set_adapters_for_text_encoder(names, module, weights)
+
+
+    def _scale_in_place(self, module, weights: dict[str, float]) -> None:
+        """A compiled model: every adapter it holds active, each LoRA layer's scaling a tensor set in place to
+        weight x its scaling at weight 1 (0 for adapters the request does not apply)."""
+        import torch
+        from peft.tuners.lora import LoraLayer
+
+        loaded = tuple(sorted(getattr(module, "peft_config", {})))
+        if not loaded:
+            return
+        state = self._static.get(id(module))
+        if state is None or state[0] != loaded:  # a new adapter's layers (or one gone): set once, base scalings read
+            module.enable_lora()
+            module.set_adapters(list(loaded), [1.0] * len(loaded))
+            layers = []
+            for layer in module.modules():
+                if isinstance(layer, LoraLayer):
+                    base = {}
+                    for n in loaded:
+                        if n in layer.scaling:
+                            v = layer.scaling[n]
+                            base[n] = float(v) if not isinstance(v, torch.Tensor) else float(v.item())
+                            layer.scaling[n] = torch.tensor(base[n], device=layer.lora_A[n].weight.device)
+                    layers.append((layer, base))
+            state = self._static[id(module)] = (loaded, layers)
+        for layer, base in state[1]:
+            for n, one in base.items():
+                t = layer.scaling[n]
+                if not isinstance(t, torch.Tensor):  # a hotswap wrote a float back
+                    t = layer.scaling[n] = torch.tensor(one, device=layer.lora_A[n].weight.device)
+                t.fill_(weights.get(n, 0.0) * one)
 
 
 class SimLoras:
@@ -311,9 +356,10 @@ class LoraBank:
         module.forward = guarded
 
 
-def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.0) -> LoraBank | None:
+def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.0,
+              compiled: bool = False) -> LoraBank | None:
     """The bank of an adapter that takes LoRA adapters in `role`; None when it takes none (then a request with
-    adapters fails, naming the model)."""
+    adapters fails, naming the model). `compiled`: the role compiles its denoiser (DiffusersLoras.compiled)."""
     if role == "decoder":
         return None
     profile = getattr(adapter, "profile", None)
@@ -325,7 +371,7 @@ def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.
     if pipe is None:
         return None
     try:
-        backend = DiffusersLoras(pipe, role)
+        backend = DiffusersLoras(pipe, role, compiled=compiled and role in ("denoiser", "monolith"))
     except TypeError:
         return None
     return LoraBank(backend, slots, max_mib << 20)

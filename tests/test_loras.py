@@ -243,3 +243,50 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
             held = {i.role: set(i.loras or ()) for i in client.status().instances}
         assert "T" in held["encoder"], held
         assert {"A", "B", "T"} <= held["denoiser"], held
+
+
+def test_a_compiled_denoiser_takes_other_scales_no_adapter_and_a_hotswap_without_recompiling(flux_files, module_tmp):
+    """The piece alone, in this process (dynamo's graph count is visible here): a compiled transformer whose bank
+    keeps every adapter active and writes each request's scales in place."""
+    import diffusers
+    import torch._dynamo.utils as dynamo_utils
+
+    from roles.loras import DiffusersLoras, LoraBank
+
+    folder, lora_dir, refs = flux_files
+    make_lora(folder, module_tmp / "compiled-extra" / "C", seed=3)
+    sources = {"A": str(lora_dir / "A"), "B": str(lora_dir / "B"), "C": str(module_tmp / "compiled-extra" / "C")}
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    bank = LoraBank(DiffusersLoras(pipe, "denoiser", compiled=True), slots=2, max_bytes=1 << 30)
+    pipe.transformer.compile_repeated_blocks(fullgraph=True)
+
+    def generate(loras):
+        wanted = [LoraRef(name=n, scale=s) for n, s in loras]
+        bank.acquire(wanted, sources)
+        try:
+            with bank.use(wanted):
+                image = pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
+                             generator=torch.Generator("cpu").manual_seed(3)).images[0]
+        finally:
+            bank.release([n for n, _ in loras])
+        return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+    def ref(loras, folders):
+        pipe = reference(folder, [(n, folders / n, s) for n, s in loras])
+        image = pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
+                     generator=torch.Generator("cpu").manual_seed(3)).images[0]
+        return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+    got = {"A+B": generate(CASES["A+B"])}  # both adapters' layers appear: the one recompile
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    got["A"] = generate(CASES["A"])
+    got["none"] = generate(CASES["none"])
+    got["B 0.3"] = generate([("B", 0.3)])
+    got["C"] = generate([("C", 1.0)])  # two slots: C is hotswapped into the least recently used one's place
+    assert bank.backend.hotswaps == 1 and len(bank.held) == 2, (bank.backend.hotswaps, bank.held)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "a scale, no adapter or a hotswap recompiled"
+    want = {**refs, "B 0.3": ref([("B", 0.3)], lora_dir), "C": ref([("C", 1.0)], module_tmp / "compiled-extra")}
+    for name, image in got.items():
+        diff = int(np.abs(image - want[name]).max())
+        assert diff <= 2, f"{name}: worst pixel {diff}"
