@@ -48,8 +48,9 @@ class DiffusersLoras:
         #: set of adapters, nor a request without any changes what torch.compile guards on (set_adapters and
         #: disable_lora would: a recompile each); only a new adapter's layers do, once
         self.compiled = compiled
-        #: (module id) -> the loaded peft adapter names it keeps active, and each LoRA layer's scaling at weight 1
-        self._static: dict[int, tuple[tuple, list]] = {}
+        #: (module id) -> the loaded peft adapter names it keeps active; per adapter, each LoRA layer's scaling tensor
+        #: with its value at weight 1; and the weight each adapter's tensors hold now
+        self._static: dict[int, tuple[tuple, dict, dict]] = {}
         prefixes = {"denoiser": DENOISING, "encoder": TEXT}.get(role, DENOISING + TEXT)
         #: the components this role holds that may carry an adapter's part
         self.components = [c for c in getattr(pipe, "_lora_loadable_modules", ()) if c in prefixes
@@ -58,7 +59,7 @@ class DiffusersLoras:
             raise TypeError(f"{type(pipe).__name__} takes no LoRA adapters")
         #: component -> adapters loaded into it
         self.parts: dict[str, set[str]] = {c: set() for c in self.components}
-        #: adapter -> the peft adapter name its weights sit under (another's, once hotswapped into its place)
+        #: adapter -> the peft adapter name its weights sit under, where it was hotswapped into another's place
         self.alias: dict[str, str] = {}
         #: adapters loaded by hotswapping another's weights in place (install(into=...))
         self.hotswaps = 0
@@ -112,7 +113,6 @@ class DiffusersLoras:
         for c, held in self.pipe.get_list_adapters().items():
             if c in self.parts and name in held:
                 self.parts[c].add(name)
-        self.alias[name] = name
         return False
 
     def _hotswap(self, name: str, state: dict, into: str) -> bool:
@@ -131,8 +131,10 @@ class DiffusersLoras:
         for c in mine:
             self.parts[c].discard(into)
             self.parts[c].add(name)
-        del self.alias[into]
+        self.alias.pop(into, None)
         self.alias[name] = internal
+        for _, _, applied in self._static.values():  # peft set the slot's scalings back to weight 1
+            applied.pop(internal, None)
         self.hotswaps += 1
         return True
 
@@ -155,16 +157,13 @@ class DiffusersLoras:
             if not held:
                 continue
             use = [(n, w) for n, w in key if n in held]
+            names, weights = [self.alias.get(n, n) for n, _ in use], [w for _, w in use]
             is_model = isinstance(module, ModelMixin)
-            if not use and is_model and self.compiled:
-                self._scale_in_place(module, {})
+            if is_model and self.compiled:
+                self._scale_in_place(module, dict(zip(names, weights)))
                 continue
             if not use:
                 module.disable_lora() if is_model else disable_lora_for_text_encoder(module)
-                continue
-            names, weights = [self.alias.get(n, n) for n, _ in use], [w for _, w in use]
-            if is_model and self.compiled:
-                self._scale_in_place(module, dict(zip(names, weights)))
                 continue
             if is_model:
                 module.enable_lora()
@@ -176,34 +175,34 @@ class DiffusersLoras:
 
     def _scale_in_place(self, module, weights: dict[str, float]) -> None:
         """A compiled model: every adapter it holds active, each LoRA layer's scaling a tensor set in place to
-        weight x its scaling at weight 1 (0 for adapters the request does not apply)."""
-        import torch
-        from peft.tuners.lora import LoraLayer
-
+        weight x its scaling at weight 1 (0 for adapters the request does not apply). Only the adapters whose
+        weight changed since the last request are written."""
         loaded = tuple(sorted(getattr(module, "peft_config", {})))
         if not loaded:
             return
         state = self._static.get(id(module))
         if state is None or state[0] != loaded:  # a new adapter's layers (or one gone): set once, base scalings read
+            import torch
+            from peft.tuners.lora import LoraLayer
+
             module.enable_lora()
-            module.set_adapters(list(loaded), [1.0] * len(loaded))
-            layers = []
+            module.set_adapters(list(loaded), [1.0] * len(loaded))  # scalings at weight 1, as floats
+            scalings: dict[str, list] = {n: [] for n in loaded}
             for layer in module.modules():
                 if isinstance(layer, LoraLayer):
-                    base = {}
                     for n in loaded:
                         if n in layer.scaling:
-                            v = layer.scaling[n]
-                            base[n] = float(v) if not isinstance(v, torch.Tensor) else float(v.item())
-                            layer.scaling[n] = torch.tensor(base[n], device=layer.lora_A[n].weight.device)
-                    layers.append((layer, base))
-            state = self._static[id(module)] = (loaded, layers)
-        for layer, base in state[1]:
-            for n, one in base.items():
-                t = layer.scaling[n]
-                if not isinstance(t, torch.Tensor):  # a hotswap wrote a float back
-                    t = layer.scaling[n] = torch.tensor(one, device=layer.lora_A[n].weight.device)
-                t.fill_(weights.get(n, 0.0) * one)
+                            one = float(layer.scaling[n])
+                            layer.scaling[n] = torch.tensor(one, device=layer.lora_A[n].weight.device)
+                            scalings[n].append((layer.scaling[n], one))
+            state = self._static[id(module)] = (loaded, scalings, {})
+        _, scalings, applied = state
+        for n in loaded:
+            w = weights.get(n, 0.0)
+            if applied.get(n) != w:
+                for tensor, one in scalings[n]:
+                    tensor.fill_(w * one)
+                applied[n] = w
 
 
 class SimLoras:
