@@ -81,6 +81,7 @@ class InstanceLifecycle:
             inst.batch_steps = msg.batch_steps
         inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
         inst.lora_slots = msg.lora_slots or inst.lora_slots
+        inst.lora_load_s = msg.lora_load_s or inst.lora_load_s
         inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
         inst.phase, inst.compile_s = msg.phase, msg.compile_s
         if msg.progress != inst.progress:

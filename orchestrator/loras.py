@@ -114,7 +114,8 @@ def holds(inst: Instance, names) -> bool:
 
 def note_assigned(inst: Instance, names) -> None:
     """What the instance will hold once it loaded the request's adapters (its next heartbeat says for sure):
-    the names move to the most recently used end, the least recent fall off past its slots."""
+    the names move to the end, the first in the role's unload order (heartbeats list them so) fall off past its
+    slots. A guess until then: the role unloads the adapter its latest requests used least (roles/loras.py)."""
     if not names:
         return
     kept = [n for n in inst.loras if n not in names] + list(names)
@@ -123,18 +124,18 @@ def note_assigned(inst: Instance, names) -> None:
     inst.loras = kept
 
 
-def expected_finish(inst: Instance, warm: bool, load_s: float) -> float:
-    """When a request would finish on `inst`, from now, in seconds (the `cost` rule): the work it already holds
-    (each request's remaining share of its steps, as its heartbeats said, times what one request alone costs
-    it) or, when the request's adapters must be loaded first, that load if longer (a load overlaps the device's
-    other work); then its own compute; and, when the load evicts an adapter, EVICTION_COST loads more."""
-    unit = inst.solo_s or inst.stage_s_avg
-    held = 0.0
-    for rid in inst.running:
-        done, total = inst.steps.get(rid, (0, 0))
-        held += 1.0 - done / total if total else 1.0
-    evicts = not warm and inst.lora_slots and len(inst.loras) >= inst.lora_slots
-    return max(0.0 if warm else load_s, held * unit) + unit + (EVICTION_COST * load_s if evicts else 0.0)
+def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool) -> float:
+    """When a request would finish on an instance, from now, in seconds (the `cost` rule): `held_s`, the device
+    time the requests it holds still need, or, when the request's adapters must be loaded first, that load if
+    longer (a load overlaps the device's other work); then `own_s`, its own compute; and, when the load evicts an
+    adapter (`evicts`), EVICTION_COST loads more."""
+    return max(0.0 if warm else load_s, held_s) + own_s + (EVICTION_COST * load_s if evicts else 0.0)
+
+
+def evicts(inst: Instance, names) -> bool:
+    """Loading the adapters of `names` it lacks takes an adapter slot some other adapter holds."""
+    missing = sum(1 for n in names if n not in inst.loras)
+    return bool(missing and inst.lora_slots and len(inst.loras) + missing > inst.lora_slots)
 
 
 def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None,

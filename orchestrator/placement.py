@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from orchestrator.loras import AFFINITY_RULES, expected_finish, holds, note_assigned
+from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, note_assigned
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -67,9 +67,10 @@ class Placement:
                     inst = self.policy.pick(role, self.slo_pick(req, candidates, now), prefer,
                                             req.source.slot.nbytes if req.source is not None else 0)
                 else:
+                    cost = self.lora_cost(req, now) if req.params.loras and self.affinity_rule == "cost" else None
                     inst = pick_joining_batch(self.policy, role, candidates, req, self.requests, prefer,
                                               batching=self.registry.batching(role), affinity=self.affinity_rule,
-                                              rng=self.lora_rng, cost=self.lora_cost)
+                                              rng=self.lora_rng, cost=cost)
                 if inst is None:
                     break
                 if role == "encoder":
@@ -112,9 +113,27 @@ class Placement:
         if len(holders) > MAX_CONDITIONING_HOLDERS:
             del holders[next(iter(holders))]
 
-    def lora_cost(self, inst: Instance, warm: bool) -> float:
-        """The `cost` rule's estimate (orchestrator/loras.py) of when a request would finish on `inst`."""
-        return expected_finish(inst, warm, self.lora_load_s.get(inst.role, 0.0))
+    def lora_cost(self, req: Request, now: float):
+        """The `cost` rule's estimate (orchestrator/loras.py) for `req`: instance, warm -> seconds until it would
+        finish there. Device times come from what the role measured (StagePredictor: each request the instance
+        holds, less the steps its heartbeats say it did; the request's own; before any, what one request alone
+        took it), a load from what the instance's loads took (its heartbeats), else from the role's loads as the
+        requests' timings saw them."""
+        names = [r.name for r in req.params.loras or ()]
+
+        def cost(inst: Instance, warm: bool) -> float:
+            fallback = inst.solo_s or inst.stage_s_avg
+            own = self.predictor.predict(inst.role, req.params) or fallback
+            held = 0.0
+            for rid in inst.running:
+                other = self.requests.get(rid)
+                alone = (self.predictor.predict(inst.role, other.params) if other is not None else None) or fallback
+                done, total = inst.steps.get(rid, (0, 0))
+                held += alone * (1.0 - done / total if total else 1.0)
+            load = inst.lora_load_s or self.lora_load_s.get(inst.role, 0.0)
+            return expected_finish(warm, held, own, load, evicts(inst, names))
+
+        return cost
 
     def note_lora_load(self, role: str, seconds: float) -> None:
         avg = self.lora_load_s.get(role)

@@ -63,12 +63,14 @@ class Instance:
     vanished: dict[str, float] = field(default_factory=dict)
     #: stages the process finished since it started, by its own count (Heartbeat.computed)
     computed: int = 0
-    #: LoRA adapters it holds, least recently used first (its heartbeats, and what was just sent to it), of
+    #: LoRA adapters it holds, the next to unload first (its heartbeats, and what was just sent to it), of
     #: lora_slots; its loads and hits as it counts them
     loras: list[str] = field(default_factory=list)
     lora_slots: int = 0
     lora_loads: int = 0
     lora_hits: int = 0
+    #: what one load takes it, as its heartbeats say (Heartbeat.lora_load_s; 0 before its first load)
+    lora_load_s: float = 0.0
     #: an encoder's conditioning cache (Heartbeat.cond_*): lookups, hits, entries held
     cond_lookups: int = 0
     cond_hits: int = 0

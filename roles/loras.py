@@ -1,6 +1,7 @@
 """The LoRA adapters one role instance holds, loaded with diffusers' own LoRA support (peft).
 
-`LoraBank` keeps an LRU of loaded adapters, bounded by `loras.slots` and `loras.max_mib`. A request's
+`LoraBank` keeps loaded adapters, bounded by `loras.slots` and `loras.max_mib`; the one it unloads for a new
+one is the least used over its last USE_WINDOW x slots acquires, the least recently used among equals. A request's
 adapters are loaded when its Run arrives (`acquire`), on its executor thread: while another request
 computes, so a load overlaps compute where capacity allows. They stay pinned until its compute ends.
 What the model applies is set per forward: every forward of the modules that hold adapters runs under
@@ -230,8 +231,14 @@ class SimLoras:
         pass
 
 
+#: how many of an instance's latest adapter acquires, per adapter slot, count towards which adapter it keeps: a
+#: popular adapter is not unloaded for one a single request used (least used first, then least recently used;
+#: BENCHMARKS.md, LoRA affinity)
+USE_WINDOW = 32
+
+
 class LoraBank:
-    """The adapters one instance holds, least recently used first, and the loads and hits so far."""
+    """The adapters one instance holds, the next to unload first, and the loads and hits so far."""
 
     def __init__(self, backend, slots: int, max_bytes: int):
         self.backend = backend
@@ -239,9 +246,14 @@ class LoraBank:
         self.max_bytes = max_bytes
         self.held: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> bytes
         self.pins: collections.Counter[str] = collections.Counter()
+        #: acquires of each adapter among the latest USE_WINDOW x slots (`recent`)
+        self.uses: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[str] = collections.deque()
         self.loading: dict[str, threading.Event] = {}
         self.loads = 0
         self.hits = 0
+        #: seconds one load takes (moving average over its loads: reading the file and installing it)
+        self.load_s = 0.0
         self._state = threading.Lock()  # held, pins, loading, counters
         self.model_lock = threading.Lock()  # the model's adapters: loads, unloads, set_adapters, forwards
         self._active: tuple | None = None
@@ -250,8 +262,23 @@ class LoraBank:
             self._guard(module)
 
     def names(self) -> list[str]:
+        """Held adapters, the next to unload first, then those loading."""
         with self._state:
-            return list(self.held) + [n for n in self.loading if n not in self.held]
+            return self._unload_order() + [n for n in self.loading if n not in self.held]
+
+    def _unload_order(self) -> list[str]:
+        """Held adapters, least used over the window first, least recently used among equals (held's order)."""
+        rank = {name: k for k, name in enumerate(self.held)}
+        return sorted(self.held, key=lambda name: (self.uses[name], rank[name]))
+
+    def _used(self, name: str) -> None:
+        self.uses[name] += 1
+        self.recent.append(name)
+        if len(self.recent) > USE_WINDOW * max(self.slots, 1):
+            old = self.recent.popleft()
+            self.uses[old] -= 1
+            if self.uses[old] <= 0:
+                del self.uses[old]
 
     def acquire(self, loras, sources: dict[str, str]) -> float:
         """Load what of `loras` is not held yet and pin them all; the seconds it waited for loads."""
@@ -276,12 +303,14 @@ class LoraBank:
                     self.held.move_to_end(name)
                     self.pins[name] += 1
                     self.hits += 1
+                    self._used(name)
                     return
                 wait = self.loading.get(name)
                 if wait is None:
                     self.loading[name] = threading.Event()
                     break
             wait.wait()  # another request loads it: then it is held (or failed: then try ourselves)
+        t0 = time.perf_counter()
         try:
             if not source and self.backend.components:
                 raise LoraError(f"adapter {name!r}: no source given (the orchestrator did not resolve it)")
@@ -294,19 +323,22 @@ class LoraBank:
                 self.held[name] = nbytes
                 self.pins[name] += 1
                 self.loads += 1
+                self._used(name)
+                took = time.perf_counter() - t0
+                self.load_s = took if not self.load_s else 0.8 * self.load_s + 0.2 * took
             log.info("loaded adapter %s (%.1f MiB)%s", name, nbytes / 2**20, f" in place of {into} (hotswap)" if swapped else "")
         finally:
             with self._state:
                 self.loading.pop(name).set()
 
     def _make_room(self, nbytes: int) -> str | None:
-        """Unload least recently used adapters no request uses, past slots or MiB (under the model lock); the
-        last of them is left for the new adapter to take the place of (install(into=...): a hotswap, or its
-        unload), and returned."""
+        """Unload adapters no request uses, past slots or MiB (under the model lock), in unload order (least used,
+        then least recently used); the last of them is left for the new adapter to take the place of
+        (install(into=...): a hotswap, or its unload), and returned."""
         with self._state:
             victims = []
             count, total = len(self.held), sum(self.held.values())
-            for name in list(self.held):
+            for name in self._unload_order():
                 if count + 1 <= self.slots and total + nbytes <= self.max_bytes:
                     break
                 if self.pins[name] == 0:

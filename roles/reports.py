@@ -90,7 +90,8 @@ class SelfReport:
             return {}
         if register:
             return {"loras": bank.names(), "lora_slots": bank.slots}
-        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits}
+        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits,
+                "lora_load_s": round(bank.load_s, 6)}
 
     def batch_steps(self) -> dict[int, int]:
         stage = self.runner.stage

@@ -148,7 +148,8 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_per_request: Annotated[int, Meta(ge=1, le=16, description="The most adapters one request may apply.",
                                          extra=use("orchestrator", flag=None))] = 4
     slots: Annotated[int, Meta(ge=1, le=1024, description=(
-        "Adapters each instance keeps loaded at once; the least recently used one is unloaded for a new one."),
+        "Adapters each instance keeps loaded at once; for a new one it unloads the one its latest requests used "
+        "least (the least recently used among equals)."),
         extra=use("role", flag="--lora-slots"))] = 8
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),

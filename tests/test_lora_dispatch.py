@@ -114,6 +114,25 @@ def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_
                    for i in (d0, d1))
 
 
+def test_the_cost_rule_counts_a_load_at_what_the_instances_own_loads_took(tmp_path):
+    h = lora_harness(tmp_path, affinity="cost")
+    h.add("encoder", capacity=8), h.add("decoder")
+    d0, d1 = h.add("denoiser", 2, capacity=4)
+    for iid in (d0, d1):
+        h.router.registry.get(iid).solo_s = 0.7
+    h.router.lora_load_s["denoiser"] = 0.8  # the requests' waits for loads, before any heartbeat says better
+    holding(h, d1, ["A"])
+    assert [to_denoiser(h, f"r{k}")[0] for k in range(2)] == [d1, d1]  # warm: 0.7 s, then 1.4 s; cold 1.5 s
+    # d0's loads take it 3 s: A warm behind two (2.1 s) beats loading it there (3.7 s)
+    h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_load_s=3.0))
+    assert to_denoiser(h, "r2")[0] == d1
+    # now they take 0.5 s: behind three (2.8 s) it loads on d0 instead (1.2 s)
+    h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_load_s=0.5))
+    assert to_denoiser(h, "r3")[0] == d0
+    # a request without adapters is placed by the policy as ever
+    assert to_denoiser(h, "n1", names=())[0] in (d0, d1)
+
+
 @pytest.mark.parametrize("affinity", ["off", "on", "two-choices"])
 def test_the_other_rules(tmp_path, affinity):
     h = lora_harness(tmp_path, affinity=affinity)
@@ -160,3 +179,25 @@ def test_bench_over_http_sends_the_adapters():
     body = image_body(GenerationParams(prompt="x", loras=[LoraRef(name="sim-lora-3", scale=0.5)]))
     assert body["loras"] == [{"name": "sim-lora-3", "scale": 0.5}]
     assert "loras" not in image_body(GenerationParams(prompt="x"))
+
+
+def test_a_bank_unloads_the_adapter_least_used_of_late_not_a_popular_one():
+    from roles.loras import USE_WINDOW, LoraBank, SimLoras
+
+    bank = LoraBank(SimLoras(0.0), slots=2, max_bytes=1 << 30)
+
+    def use(name):
+        ref = [LoraRef(name=name)]
+        bank.acquire(ref, {})
+        bank.release([name])
+
+    for name in ("A", "A", "A", "B"):
+        use(name)
+    assert bank.names() == ["B", "A"]  # the next to unload first: B, used once, though A was used before it
+    use("C")  # least recently used would unload A; B goes
+    assert sorted(bank.names()) == ["A", "C"] and bank.loads == 3 and bank.hits == 2
+    # uses age out: after a window of C alone, A is no more used than C, and the least recent goes
+    for _ in range(USE_WINDOW * 2):
+        use("C")
+    use("D")
+    assert sorted(bank.names()) == ["C", "D"]

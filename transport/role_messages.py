@@ -93,12 +93,13 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: stages this process finished since it started, by its own count (an orchestrator's count
     #: starts again when it restarts; this one shows whether work was done twice)
     computed: Count = 0
-    #: LoRA adapters loaded here now, least recently used first, of lora_slots; adapter loads (misses) and hits
-    #: since it started
+    #: LoRA adapters loaded here now, the next to unload first, of lora_slots; adapter loads (misses) and hits
+    #: since it started; the seconds one load takes here (moving average of its loads: reading and installing)
     loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
     lora_slots: Count = 0
     lora_loads: Count = 0
     lora_hits: Count = 0
+    lora_load_s: Annotated[float, Meta(ge=0)] = 0.0
     #: an encoder's conditioning cache (roles/conditioning.py): lookups and hits since it started, entries held
     cond_lookups: Count = 0
     cond_hits: Count = 0

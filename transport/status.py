@@ -50,7 +50,7 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: str = ""
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
-    #: LoRA adapters it holds (least recently used first) of its lora_slots; its adapter loads and hits so far
+    #: LoRA adapters it holds (the next to unload first) of its lora_slots; its adapter loads and hits so far
     loras: list[str] = []
     lora_slots: int = 0
     lora_loads: int = 0
