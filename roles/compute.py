@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from roles.errors import RequestError
-from roles.loras import LoraError
+from roles.lora_backends import LoraError
 from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError

@@ -182,7 +182,8 @@ def test_bench_over_http_sends_the_adapters():
 
 
 def test_a_bank_unloads_the_adapter_least_used_of_late_not_a_popular_one():
-    from roles.loras import USE_WINDOW, LoraBank, SimLoras
+    from roles.lora_backends import SimLoras
+    from roles.loras import USE_WINDOW, LoraBank
 
     bank = LoraBank(SimLoras(0.0), slots=2, max_bytes=1 << 30)
 

@@ -251,7 +251,8 @@ def test_a_compiled_denoiser_takes_other_scales_no_adapter_and_a_hotswap_without
     import diffusers
     import torch._dynamo.utils as dynamo_utils
 
-    from roles.loras import DiffusersLoras, LoraBank
+    from roles.lora_backends import DiffusersLoras
+    from roles.loras import LoraBank
 
     folder, lora_dir, refs = flux_files
     make_lora(folder, module_tmp / "compiled-extra" / "C", seed=3)
