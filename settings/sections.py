@@ -159,7 +159,7 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "them, the request waits for one at most as long as a load takes, then goes elsewhere (the load rule, "
         "BENCHMARKS.md). cost: the free denoiser where the request is expected to finish first, counting the "
         "work each holds, a load where its adapters are not held (and half a load more when it evicts one); measured, "
-        "not chosen: it loads more and its tail is no shorter. "
+        "not chosen: its tail is shorter but it loads 0.71x of off's, against on's 0.47x. "
         "off: adapters play no part in dispatch. slack (a holder unless another has more than one free slot "
         "more) and two-choices (the freer of two holders drawn at random) are rules it was measured against, "
         "kept to compare."),
