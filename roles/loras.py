@@ -26,13 +26,16 @@ from roles.lora_backends import DiffusersLoras, LoraError, SimLoras
 
 log = logging.getLogger("disagg.role")
 
-__all__ = ["USE_WINDOW", "LoraBank", "make_bank"]
+__all__ = ["MAX_EMPTY", "USE_WINDOW", "LoraBank", "make_bank"]
 
 
 #: how many of an instance's latest adapter acquires, per adapter slot, count towards which adapter it keeps: a
 #: popular adapter is not unloaded for one a single request used (least used first, then least recently used;
 #: BENCHMARKS.md, LoRA affinity)
 USE_WINDOW = 32
+#: the most adapters an instance holds as names only (no part for its components: an encoder and an adapter
+#: without text-encoder parts), besides its slots; they take no slot, the oldest go past this many
+MAX_EMPTY = 1024
 
 
 class LoraBank:
@@ -47,6 +50,9 @@ class LoraBank:
         #: acquires of each adapter among the latest USE_WINDOW x slots (`recent`)
         self.uses: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[str] = collections.deque()
+        #: held adapters with nothing loaded here (no part for this instance's components): known, so their files
+        #: are not read again, and taking no slot
+        self.empty: set[str] = set()
         self.loading: dict[str, threading.Event] = {}
         self.loads = 0
         self.hits = 0
@@ -113,11 +119,18 @@ class LoraBank:
             if not source and self.backend.components:
                 raise LoraError(f"adapter {name!r}: no source given (the orchestrator did not resolve it)")
             state, nbytes = self.backend.read(name, source)
-            with self.model_lock:
-                into = self._make_room(nbytes)
-                swapped = self.backend.install(name, state, into=into)
-                self._active = None
+            empty = not state and bool(self.backend.components)
+            swapped, into = False, None
+            if empty:
+                self._drop_empty()
+            else:
+                with self.model_lock:
+                    into = self._make_room(nbytes)
+                    swapped = self.backend.install(name, state, into=into)
+                    self._active = None
             with self._state:
+                if empty:
+                    self.empty.add(name)
                 self.held[name] = nbytes
                 self.pins[name] += 1
                 self.loads += 1
@@ -129,17 +142,25 @@ class LoraBank:
             with self._state:
                 self.loading.pop(name).set()
 
+    def _drop_empty(self) -> None:
+        """Forget the oldest names-only adapters no request uses, past MAX_EMPTY (nothing to unload)."""
+        with self._state:
+            extra = len(self.empty) + 1 - MAX_EMPTY
+            for name in [n for n in self.held if n in self.empty and self.pins[n] == 0][:max(extra, 0)]:
+                del self.held[name]
+                self.empty.discard(name)
+
     def _make_room(self, nbytes: int) -> str | None:
         """Unload adapters no request uses, past slots or MiB (under the model lock), in unload order (least used,
         then least recently used); the last of them is left for the new adapter to take the place of
         (install(into=...): a hotswap, or its unload), and returned."""
         with self._state:
             victims = []
-            count, total = len(self.held), sum(self.held.values())
+            count, total = len(self.held) - len(self.empty), sum(self.held.values())
             for name in self._unload_order():
                 if count + 1 <= self.slots and total + nbytes <= self.max_bytes:
                     break
-                if self.pins[name] == 0:
+                if self.pins[name] == 0 and name not in self.empty:
                     victims.append(name)
                     count, total = count - 1, total - self.held[name]
             for name in victims:

@@ -202,3 +202,39 @@ def test_a_bank_unloads_the_adapter_least_used_of_late_not_a_popular_one():
         use("C")
     use("D")
     assert sorted(bank.names()) == ["C", "D"]
+
+
+def test_an_adapter_with_no_part_for_the_instance_takes_no_slot():
+    from roles.loras import LoraBank
+
+    class TextEncoders:  # an encoder's backend: "u*" adapters have no text-encoder part
+        components = ("text_encoder",)
+
+        def __init__(self):
+            self.installed, self.forgotten = [], []
+
+        def modules(self):
+            return []
+
+        def read(self, name, source):
+            return ({}, 0) if name.startswith("u") else ({"text_encoder.w": 1}, 10)
+
+        def install(self, name, state, into=None):
+            if into is not None:
+                self.forget(into)
+            self.installed.append(name)
+            return False
+
+        def forget(self, name):
+            self.forgotten.append(name)
+
+    backend = TextEncoders()
+    bank = LoraBank(backend, slots=1, max_bytes=1 << 30)
+    for name in ("T1", "u1", "u2", "u1"):
+        bank.acquire([LoraRef(name=name)], {name: f"/{name}"})
+        bank.release([name])
+    # T1 keeps the one slot: the names-only ones took none, unloaded nothing, and u1 was not read again
+    assert sorted(bank.names()) == ["T1", "u1", "u2"] and backend.installed == ["T1"] and backend.forgotten == []
+    assert bank.loads == 3 and bank.hits == 1
+    bank.acquire([LoraRef(name="T2")], {"T2": "/T2"})
+    assert backend.forgotten == ["T1"] and sorted(bank.names()) == ["T2", "u1", "u2"]
