@@ -22,10 +22,16 @@ import collections
 import heapq
 import itertools
 import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrator.loras import expected_finish  # the cost rule's own formula
+from roles.loras import USE_WINDOW as WINDOW  # the role's window of uses
 
 STEP_S, STEPS, LOAD_S, ENCODE_S, DECODE_S = 0.17, 4, 0.8, 0.024, 0.085
 DENOISERS, CAPACITY, SLOTS, ADAPTERS, ZIPF = 4, 4, 4, 32, 1.1
-EVICTION_COST, WINDOW = 0.5, 32
 
 
 def zipf(n: int, s: float) -> list[float]:
@@ -105,10 +111,9 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
                 pick = min(free, key=lambda k: (len(inst[k]["adm"]), rng.random()))
             elif rule == "cost":
                 def finish(k, a=a):
-                    if holds(k, a):
-                        return backlog(k) + STEPS * STEP_S
-                    full = len(inst[k]["held"]) >= SLOTS
-                    return max(LOAD_S, backlog(k)) + STEPS * STEP_S + (EVICTION_COST * LOAD_S if full else 0.0)
+                    warm = holds(k, a)
+                    return expected_finish(warm, backlog(k), STEPS * STEP_S, LOAD_S,
+                                           not warm and len(inst[k]["held"]) >= SLOTS)
                 pick = min(free, key=lambda k: (finish(k), not holds(k, a), len(inst[k]["adm"])))
             else:  # on
                 warm = [k for k in free if holds(k, a)]

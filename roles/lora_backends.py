@@ -83,13 +83,12 @@ class DiffusersLoras:
     def install(self, name: str, state: dict, into: str | None = None) -> bool:
         """Load adapter `name`; with `into` (an adapter being unloaded for it), first try diffusers' hotswap: its
         weights replace `into`'s in place (same layers, same rank), with no peft layers removed or added (and so
-        no recompile of a compiled denoiser). Returns whether it hotswapped; `into` is gone either way."""
+        no recompile of a compiled denoiser). Returns whether it hotswapped; `into` is gone either way. `state` holds
+        a part for this role (LoraBank keeps an adapter without any as a name only, installing nothing)."""
         if into is not None:
             if self._hotswap(name, state, into):
                 return True
             self.forget(into)
-        if not state:
-            return False  # no part of it is for this role
         try:
             if any(c in DENOISING for c in self.components):
                 self.pipe.load_lora_weights(dict(state), adapter_name=name)
@@ -110,7 +109,7 @@ class DiffusersLoras:
         denoising ones (load_lora_weights(hotswap=True)); False where diffusers refuses (other layers or rank)."""
         mine = {c for c in self.components if into in self.parts[c]}
         theirs = {k.split(".", 1)[0] for k in state}
-        if not state or not mine or mine != theirs or not mine <= set(DENOISING):
+        if not mine or mine != theirs or not mine <= set(DENOISING):
             return False
         internal = self.alias.get(into, into)
         try:

@@ -9,6 +9,8 @@ import pytest
 
 from launcher.bench_load import zipf_names
 from orchestrator.loras import LoraCatalog, scan
+from roles.lora_backends import SimLoras
+from roles.loras import USE_WINDOW, LoraBank
 from roles.pipelines.sim_profile import load_profile
 from settings.schema import LoraSettings
 from tests.test_router import Harness, runs, staged
@@ -182,9 +184,6 @@ def test_bench_over_http_sends_the_adapters():
 
 
 def test_a_bank_unloads_the_adapter_least_used_of_late_not_a_popular_one():
-    from roles.lora_backends import SimLoras
-    from roles.loras import USE_WINDOW, LoraBank
-
     bank = LoraBank(SimLoras(0.0), slots=2, max_bytes=1 << 30)
 
     def use(name):
@@ -205,8 +204,6 @@ def test_a_bank_unloads_the_adapter_least_used_of_late_not_a_popular_one():
 
 
 def test_an_adapter_with_no_part_for_the_instance_takes_no_slot():
-    from roles.loras import LoraBank
-
     class TextEncoders:  # an encoder's backend: "u*" adapters have no text-encoder part
         components = ("text_encoder",)
 
