@@ -77,7 +77,9 @@ class DiffusersLoras:
         if not parts & loadable:  # another architecture's (an SDXL UNet's adapter for Flux)
             raise LoraError(f"adapter {name!r} does not fit this model: its parts are for {', '.join(sorted(parts))}; "
                             f"{type(self.pipe).__name__} takes {', '.join(sorted(loadable))}")
-        mine = {k: v for k, v in state.items() if k.split(".", 1)[0] in self.components}
+        # copies: safetensors maps the file into memory, and a file rewritten in place under a loaded adapter would
+        # then fault the process (SIGBUS) on its next forward
+        mine = {k: v.clone() for k, v in state.items() if k.split(".", 1)[0] in self.components}
         return mine, sum(v.numel() * v.element_size() for v in mine.values())
 
     def install(self, name: str, state: dict, into: str | None = None) -> bool:

@@ -223,6 +223,28 @@ def test_with_one_slot_the_next_adapter_is_hotswapped_into_the_last_ones_place(f
         assert held["denoiser"] == ["A"], held
 
 
+def test_an_adapter_file_rewritten_in_place_does_not_fault_the_instance_that_loaded_it(flux_files, module_tmp):
+    import diffusers
+
+    from roles.lora_backends import DiffusersLoras
+    from roles.loras import LoraBank
+
+    folder, lora_dir, refs = flux_files
+    shutil.copytree(lora_dir / "A", module_tmp / "rewritten" / "A")
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    bank = LoraBank(DiffusersLoras(pipe, "denoiser"), slots=2, max_bytes=1 << 30)
+    wanted = [LoraRef(name="A")]
+    bank.acquire(wanted, {"A": str(module_tmp / "rewritten" / "A")})
+    # a user copies a new version over the file (safetensors had mapped it: the next forward faulted, SIGBUS)
+    (module_tmp / "rewritten" / "A" / "pytorch_lora_weights.safetensors").write_bytes(b"a newer version")
+    with bank.use(wanted):
+        image = pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
+                     generator=torch.Generator("cpu").manual_seed(3)).images[0]
+    bank.release(["A"])
+    assert int(np.abs(np.asarray(image.convert("RGB"), dtype=np.int16) - refs["A"]).max()) <= 1
+
+
 def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
     folder, lora_dir = family_setup(module_tmp, "sdxl")
     # T carries a text-encoder part too: it loads into the encoder, its UNet part into the denoiser. U is T's UNet
