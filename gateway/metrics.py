@@ -84,12 +84,18 @@ class StatusCollector:
         hits = CounterMetricFamily("disagg_lora_hits", "Requests' LoRA adapters the instance held already",
                                    labels=["role", "instance"])
         held = GaugeMetricFamily("disagg_lora_held", "LoRA adapters the instance holds now", labels=["role", "instance"])
+        restores = CounterMetricFamily("disagg_lora_restores", "LoRA adapters the instance copied back from host "
+                                       "memory (loras.host_slots) instead of loading them", labels=["role", "instance"])
+        host = GaugeMetricFamily("disagg_lora_host_held", "LoRA adapters the instance keeps in host memory now",
+                                 labels=["role", "instance"])
         for i in r.instances:
             if i.lora_slots:
                 loads.add_metric([i.role, i.id], i.lora_loads)
                 hits.add_metric([i.role, i.id], i.lora_hits)
                 held.add_metric([i.role, i.id], len(i.loras))
-        yield from (loads, hits, held)
+                restores.add_metric([i.role, i.id], i.lora_restores)
+                host.add_metric([i.role, i.id], len(i.lora_host))
+        yield from (loads, hits, held, restores, host)
         yield from conditioning_metrics(r)
         yield from slo_metrics(r)
         yield from rebalance_metrics(r)

@@ -66,9 +66,10 @@ def zipf_names(n: int, s: float, count: int, rng: random.Random) -> list[str]:
 
 def lora_report(before: StatusReport, after: StatusReport) -> dict:
     """Adapter loads and hits on the instances that apply them, and each one's share of the requests, between
-    two status reports: cold_loads, hits, hit_rate, max_share (the busiest instance's requests / the mean)."""
+    two status reports: cold_loads, restores (adapters copied back from host memory: loras.host_slots), hits,
+    hit_rate (hits / all three), max_share (the busiest instance's requests / the mean)."""
     start = {i.id: i for i in before.instances}
-    loads = hits = 0
+    loads = hits = restores = 0
     served = {}
     for i in after.instances:
         if i.role not in LORA_ROLES:
@@ -76,9 +77,10 @@ def lora_report(before: StatusReport, after: StatusReport) -> dict:
         b = start.get(i.id)
         loads += i.lora_loads - (b.lora_loads if b else 0)
         hits += i.lora_hits - (b.lora_hits if b else 0)
+        restores += i.lora_restores - (b.lora_restores if b else 0)
         served[i.id] = i.completed - (b.completed if b else 0)
     mean = statistics.fmean(served.values()) if served else 0.0
-    return {"cold_loads": loads, "hits": hits, "hit_rate": round(hits / max(loads + hits, 1), 4),
+    return {"cold_loads": loads, "restores": restores, "hits": hits, "hit_rate": round(hits / max(loads + restores + hits, 1), 4),
             "max_share": round(max(served.values()) / mean, 4) if mean else 0.0, "served": served}
 
 

@@ -28,13 +28,14 @@ from transport.selection import CHOICES as TRANSFER_CHOICES
 @click.option("--slo-factor", type=click.FloatRange(0.0, min_open=True), default=2.0, show_default=True, help="slo_attainment: share of requests within this many times the unloaded latency.")
 @click.option("--loras", type=click.IntRange(0, 100_000), default=0, help="Each measured request applies one LoRA adapter, drawn from this many names (sim-lora-0 ...; a sim model takes any name). Reports cold loads, hits and each instance's share.")
 @click.option("--lora-zipf", type=click.FloatRange(0.0), default=1.1, show_default=True, help="With --loras: adapters are drawn with Zipf of this exponent (0: uniform).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the open loop's arrivals and the adapters drawn (another seed: another draw of the same load).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Replay this JSON Lines trace open-loop (one request per line: t, width, height, num_inference_steps, and optionally num_frames, priority, slo_ms; benchmarks/traces/mixed.py makes one). Lines without slo_ms get --slo-factor x their class's standalone latency, measured first. Reports SLO attainment and goodput, overall and per class.")
 @click.option("--rate-scale", type=click.FloatRange(0.0, min_open=True), default=1.0, show_default=True, help="With --trace: divide every arrival time by this (2: twice the rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--http", "http_url", metavar="URL", help="Drive the HTTP gateway at URL (e.g. http://127.0.0.1:8000) instead of the ZeroMQ endpoint.")
 @click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
 @click.pass_context
-def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, loras, lora_zipf, trace_path, rate_scale, as_json, http_url, api_key) -> None:
+def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, loras, lora_zipf, seed, trace_path, rate_scale, as_json, http_url, api_key) -> None:
     """Load a running deployment and report throughput, latency, stage times, utilization.
 
     `disagg bench transfer` instead measures the stage handoff per transfer engine.
@@ -68,7 +69,7 @@ def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, 
     with load_client as client:
         try:
             doc = run_load(client, workload, num_requests, concurrency, request_rate, warmup, slo_factor,
-                           loras=loras, lora_zipf=lora_zipf)
+                           seed=seed, loras=loras, lora_zipf=lora_zipf)
         except Unreachable as exc:
             exit_unreachable(exc)
     doc["path"] = "http" if http_url else "zeromq"

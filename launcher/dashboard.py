@@ -38,7 +38,9 @@ def _cells(i) -> dict[str, str]:
         "restarts": str(i.restarts),
         # LoRA adapters held / slots, then hits and loads: "2/8 A,B (hits 10, loads 2)"
         "adapters": (f"{len(i.loras)}/{i.lora_slots} {','.join(i.loras[-3:])}{',..' if len(i.loras) > 3 else ''}"
-                     f" (hits {i.lora_hits}, loads {i.lora_loads})" if i.lora_slots and i.role != "encoder" else ""),
+                     f" (hits {i.lora_hits}, loads {i.lora_loads}"
+                     + (f", host {len(i.lora_host)}, restores {i.lora_restores}" if i.lora_host or i.lora_restores else "")
+                     + ")" if i.lora_slots and i.role != "encoder" else ""),
     }
 
 
@@ -179,7 +181,7 @@ def bench_view(doc: dict) -> Group:
         served = lora.get("served", {})
         parts.append(Text.assemble(
             ("LoRA ", "bold"), f"{lora['adapters']} adapters, Zipf {lora['zipf']:g}: cold loads {lora['cold_loads']}  "
-            f"hits {lora['hits']} ({lora['hit_rate']:.1%})  busiest instance {lora['max_share']:.2f} x the mean share  ",
+            f"hits {lora['hits']} ({lora['hit_rate']:.1%})  restores {lora.get('restores', 0)}  busiest instance {lora['max_share']:.2f} x the mean share  ",
             " ".join(f"{k} {v}" for k, v in served.items())))
     if doc.get("failures"):
         failures = Table(title="failures", title_justify="left")

@@ -9,8 +9,9 @@ Affinity: of the instances the policy may pick from, those that hold every adapt
 "warm"; a warm one gets the request whenever one is free (`on`). The load rule that keeps a popular
 adapter from making a hotspot is the instance's capacity (a full holder takes nothing more) and the
 patience (orchestrator/placement.py worth_waiting): a request waits for a busy holder at most as long
-as a load takes, then goes cold, so the adapter spreads to a second instance. A cold pick prefers
-instances with an adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA
+as a load takes (a restore, where a free instance keeps the adapters in host memory: loras.host_slots),
+then goes cold, so the adapter spreads to a second instance. A cold pick prefers instances that keep the
+adapters in host memory, then those with an adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA
 affinity) measures this against `slack` (a holder unless the best other one has more than
 AFFINITY_SLACK more free slots) and `two-choices`.
 """
@@ -112,24 +113,36 @@ def holds(inst: Instance, names) -> bool:
     return all(n in inst.loras for n in names)
 
 
+def in_host(inst: Instance, names) -> bool:
+    """Every adapter of `names` the instance lacks on its device, it keeps in host memory (a restore, not a load)."""
+    return all(n in inst.loras or n in inst.lora_host for n in names)
+
+
 def note_assigned(inst: Instance, names) -> None:
     """What the instance will hold once it loaded the request's adapters (its next heartbeat says for sure):
     the names move to the end, the first in the role's unload order (heartbeats list them so) fall off past its
-    slots. A guess until then: the role unloads the adapter its latest requests used least (roles/loras.py)."""
+    slots, into its host memory where it keeps some. A guess until then: the role unloads the adapter its latest
+    requests used least (roles/loras.py)."""
     if not names:
         return
     kept = [n for n in inst.loras if n not in names] + list(names)
+    host = [n for n in inst.lora_host if n not in names]
     if inst.lora_slots and len(kept) > inst.lora_slots:
-        kept = kept[len(kept) - inst.lora_slots:]
-    inst.loras = kept
+        off, kept = kept[:len(kept) - inst.lora_slots], kept[len(kept) - inst.lora_slots:]
+        if inst.lora_host_slots:
+            host = (host + off)[-inst.lora_host_slots:]
+    inst.loras, inst.lora_host = kept, host
 
 
-def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool) -> float:
+def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool,
+                    reload_s: float | None = None) -> float:
     """When a request would finish on an instance, from now, in seconds (the `cost` rule): `held_s`, the device
-    time the requests it holds still need, or, when the request's adapters must be loaded first, that load if
-    longer (a load overlaps the device's other work); then `own_s`, its own compute; and, when the load evicts an
-    adapter (`evicts`), EVICTION_COST loads more."""
-    return max(0.0 if warm else load_s, held_s) + own_s + (EVICTION_COST * load_s if evicts else 0.0)
+    time the requests it holds still need, or, when the request's adapters must be loaded first, that load (or
+    restore) if longer (a load overlaps the device's other work); then `own_s`, its own compute; and, when the
+    load evicts an adapter (`evicts`), EVICTION_COST times what bringing it back would take (`reload_s`: a
+    restore where the instance keeps it in host memory; by default a load)."""
+    return max(0.0 if warm else load_s, held_s) + own_s + (
+        EVICTION_COST * (load_s if reload_s is None else reload_s) if evicts else 0.0)
 
 
 def evicts(inst: Instance, names) -> bool:
@@ -161,6 +174,9 @@ def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None
         warm_best = max(i.free_slots for i in warm)
         if cold_best - warm_best <= AFFINITY_SLACK:
             return [i for i in warm if i.free_slots == warm_best]
-    # cold: where a load evicts nothing, if any instance has an adapter slot to spare
+    # cold: where the adapters wait in host memory (a restore), else where a load evicts nothing
+    restore = [i for i in ready if not holds(i, names) and in_host(i, names)]
+    if restore:
+        return restore
     roomy = [i for i in ready if not holds(i, names) and (not i.lora_slots or len(i.loras) + len(names) <= i.lora_slots)]
     return roomy or None

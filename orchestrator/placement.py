@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, note_assigned
+from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, in_host, note_assigned
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -118,7 +118,8 @@ class Placement:
         finish there. Device times come from what the role measured (StagePredictor: each request the instance
         holds, less the steps its heartbeats say it did; the request's own; before any, what one request alone
         took it), a load from what the instance's loads took (its heartbeats), else from the role's loads as the
-        requests' timings saw them."""
+        requests' timings saw them; where the instance keeps the adapters in host memory, a restore (what its
+        restores took; before its first, a load)."""
         names = [r.name for r in req.params.loras or ()]
 
         def cost(inst: Instance, warm: bool) -> float:
@@ -131,7 +132,10 @@ class Placement:
                 done, total = inst.steps.get(rid, (0, 0))
                 held += alone * (1.0 - done / total if total else 1.0)
             load = inst.lora_load_s or self.lora_load_s.get(inst.role, 0.0)
-            return expected_finish(warm, held, own, load, evicts(inst, names))
+            restore = inst.lora_restore_s or load
+            reload = restore if inst.lora_host_slots else load
+            return expected_finish(warm, held, own, restore if in_host(inst, names) else load, evicts(inst, names),
+                                   reload)
 
         return cost
 
@@ -142,13 +146,16 @@ class Placement:
     def worth_waiting(self, req: Request, inst: Instance, candidates: list[Instance], now: float) -> bool:
         """Affinity's patience: `inst` lacks some of the request's adapters, and an instance that holds them all
         is busy. Loading costs about what the role's loads took so far (their moving average), so the request
-        waits for the holder that long at most, then takes the cold instance (and the adapter spreads)."""
+        waits for the holder that long at most, then takes the cold instance (and the adapter spreads); where
+        `inst` keeps the adapters in host memory, as long as its restores take."""
         if not req.params.loras or self.affinity_rule in (None, "cost") or inst.role not in AFFINITY_ROLES:
             return False
         names = [r.name for r in req.params.loras]
         if holds(inst, names):
             return False
         patience = self.lora_load_s.get(inst.role, 0.0)
+        if in_host(inst, names):
+            patience = min(patience, inst.lora_restore_s or patience)
         if now - req.marks.get(f"queued_{inst.role}", now) >= patience:
             return False
         return any(i.state == "ready" and holds(i, names) for i in candidates)

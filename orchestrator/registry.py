@@ -71,6 +71,12 @@ class Instance:
     lora_hits: int = 0
     #: what one load takes it, as its heartbeats say (Heartbeat.lora_load_s; 0 before its first load)
     lora_load_s: float = 0.0
+    #: adapters it keeps in host memory (Heartbeat.lora_host), the next to forget first, of lora_host_slots; its
+    #: restores, and what one takes it
+    lora_host: list[str] = field(default_factory=list)
+    lora_host_slots: int = 0
+    lora_restores: int = 0
+    lora_restore_s: float = 0.0
     #: an encoder's conditioning cache (Heartbeat.cond_*): lookups, hits, entries held
     cond_lookups: int = 0
     cond_hits: int = 0
@@ -170,6 +176,8 @@ class Instance:
             loras=list(self.loras),
             lora_slots=self.lora_slots,
             lora_loads=self.lora_loads,
+            lora_host=list(self.lora_host),
+            lora_restores=self.lora_restores,
             lora_hits=self.lora_hits,
             cond_lookups=self.cond_lookups,
             cond_hits=self.cond_hits,

@@ -1,5 +1,6 @@
 """How a LoRA adapter gets into a model, for `LoraBank` (roles/loras.py): read, install (or hotswap into an
-unloaded one's place), forget, and which adapters and scales each forward applies.
+unloaded one's place), offload to host memory and restore, forget, and which adapters and scales each forward
+applies.
 
 `DiffusersLoras` (a pipeline's components, with diffusers' own LoRA support through peft: an adapter's
 text-encoder parts load where the text encoders are, its transformer / UNet parts where the denoiser is) and
@@ -38,6 +39,9 @@ class DiffusersLoras:
         #: set of adapters, nor a request without any changes what torch.compile guards on (set_adapters and
         #: disable_lora would: a recompile each); only a new adapter's layers do, once
         self.compiled = compiled
+        #: whether an adapter unloaded from the device may stay in host memory (offload / restore, diffusers'
+        #: set_lora_device): not on a compiled denoiser, whose forwards keep every adapter it holds active
+        self.offloads = not compiled
         #: (module id) -> the loaded peft adapter names it keeps active; per adapter, each LoRA layer's scaling tensor
         #: with its value at weight 1; and the weight each adapter's tensors hold now
         self._static: dict[int, tuple[tuple, dict, dict]] = {}
@@ -129,6 +133,20 @@ class DiffusersLoras:
         self.hotswaps += 1
         return True
 
+    def _device(self):
+        for module in self.modules():
+            for p in module.parameters():
+                return p.device
+        return "cpu"
+
+    def offload(self, name: str) -> None:
+        """Move `name`'s weights to host memory (it must not be applied until restored)."""
+        self.pipe.set_lora_device([self.alias.get(name, name)], "cpu")
+
+    def restore(self, name: str) -> None:
+        """Move an offloaded adapter's weights back to the model's device."""
+        self.pipe.set_lora_device([self.alias.get(name, name)], self._device())
+
     def forget(self, name: str) -> None:
         internal = self.alias.pop(name, name)
         if any(name in held for held in self.parts.values()) or internal in {
@@ -197,12 +215,15 @@ class DiffusersLoras:
 
 
 class SimLoras:
-    """A sim model's adapters: any name; each load takes the profile's `load_ms` (times the slowdown)."""
+    """A sim model's adapters: any name; each load takes the profile's `load_ms`, each restore from host memory its
+    `restore_ms` (times the slowdown)."""
 
     components = ()
+    offloads = True
 
-    def __init__(self, load_ms: float, slowdown: float = 1.0):
+    def __init__(self, load_ms: float, slowdown: float = 1.0, restore_ms: float = 0.0):
         self.load_s = load_ms * slowdown / 1000
+        self.restore_s = restore_ms * slowdown / 1000
 
     def modules(self):
         return []
@@ -213,6 +234,12 @@ class SimLoras:
 
     def install(self, name: str, state: dict, into: str | None = None) -> bool:
         return False
+
+    def offload(self, name: str) -> None:
+        pass
+
+    def restore(self, name: str) -> None:
+        time.sleep(self.restore_s)
 
     def forget(self, name: str) -> None:
         pass

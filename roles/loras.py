@@ -1,7 +1,10 @@
 """The LoRA adapters one role instance holds, loaded with diffusers' own LoRA support (peft).
 
 `LoraBank` keeps loaded adapters, bounded by `loras.slots` and `loras.max_mib`; the one it unloads for a new
-one is the least used over its last USE_WINDOW x slots acquires, the least recently used among equals. A request's
+one is the least used over its last USE_WINDOW x slots acquires, the least recently used among equals. With
+`loras.host_slots`, an unloaded adapter moves to host memory instead (its weights copied off the device, its
+layers kept), up to that many, the least recently unloaded forgotten first; a request for it copies it back
+(a restore) rather than reading and installing its file again (a load). A request's
 adapters are loaded when its Run arrives (`acquire`), on its executor thread: while another request
 computes, so a load overlaps compute where capacity allows. They stay pinned until its compute ends.
 What the model applies is set per forward: every forward of the modules that hold adapters runs under
@@ -41,11 +44,15 @@ MAX_EMPTY = 1024
 class LoraBank:
     """The adapters one instance holds, the next to unload first, and the loads and hits so far."""
 
-    def __init__(self, backend, slots: int, max_bytes: int):
+    def __init__(self, backend, slots: int, max_bytes: int, host_slots: int = 0):
         self.backend = backend
         self.slots = slots
         self.max_bytes = max_bytes
+        #: adapters kept in host memory once unloaded from the device (0: none; a backend that cannot: none)
+        self.host_slots = host_slots if getattr(backend, "offloads", False) else 0
         self.held: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> bytes
+        #: adapters in host memory, the next to forget first: name -> bytes
+        self.host: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.pins: collections.Counter[str] = collections.Counter()
         #: acquires of each adapter among the latest USE_WINDOW x slots (`recent`)
         self.uses: collections.Counter[str] = collections.Counter()
@@ -56,8 +63,11 @@ class LoraBank:
         self.loading: dict[str, threading.Event] = {}
         self.loads = 0
         self.hits = 0
-        #: seconds one load takes (moving average over its loads: reading the file and installing it)
+        self.restores = 0
+        #: seconds one load takes (moving average over its loads: reading the file and installing it), and one
+        #: restore (copying an adapter back from host memory)
         self.load_s = 0.0
+        self.restore_s = 0.0
         self._state = threading.Lock()  # held, pins, loading, counters
         self.model_lock = threading.Lock()  # the model's adapters: loads, unloads, set_adapters, forwards
         self._active: tuple | None = None
@@ -69,6 +79,11 @@ class LoraBank:
         """Held adapters, the next to unload first, then those loading."""
         with self._state:
             return self._unload_order() + [n for n in self.loading if n not in self.held]
+
+    def host_names(self) -> list[str]:
+        """Adapters in host memory, the next to forget first."""
+        with self._state:
+            return list(self.host)
 
     def _unload_order(self) -> list[str]:
         """Held adapters, least used over the window first, least recently used among equals (held's order)."""
@@ -112,9 +127,13 @@ class LoraBank:
                 wait = self.loading.get(name)
                 if wait is None:
                     self.loading[name] = threading.Event()
+                    offloaded = self.host.pop(name, None)
                     break
             wait.wait()  # another request loads it: then it is held (or failed: then try ourselves)
         t0 = time.perf_counter()
+        if offloaded is not None:
+            self._restore(name, offloaded, t0)
+            return
         try:
             if not source and self.backend.components:
                 raise LoraError(f"adapter {name!r}: no source given (the orchestrator did not resolve it)")
@@ -142,6 +161,29 @@ class LoraBank:
             with self._state:
                 self.loading.pop(name).set()
 
+    def _restore(self, name: str, nbytes: int, t0: float) -> None:
+        """Copy an adapter back from host memory (the loading event for `name` is set; cleared here)."""
+        try:
+            with self.model_lock:
+                self._make_room(nbytes)
+                try:
+                    self.backend.restore(name)
+                except BaseException:
+                    self.backend.forget(name)
+                    raise
+                self._active = None
+            with self._state:
+                self.held[name] = nbytes
+                self.pins[name] += 1
+                self.restores += 1
+                self._used(name)
+                took = time.perf_counter() - t0
+                self.restore_s = took if not self.restore_s else 0.8 * self.restore_s + 0.2 * took
+            log.info("restored adapter %s from host memory", name)
+        finally:
+            with self._state:
+                self.loading.pop(name).set()
+
     def _drop_empty(self) -> None:
         """Forget the oldest names-only adapters no request uses, past MAX_EMPTY (nothing to unload)."""
         with self._state:
@@ -163,8 +205,19 @@ class LoraBank:
                 if self.pins[name] == 0 and name not in self.empty:
                     victims.append(name)
                     count, total = count - 1, total - self.held[name]
+            sizes = [self.held.pop(name) for name in victims]
+        if self.host_slots:  # each to host memory; past host_slots, the least recently unloaded are forgotten
             for name in victims:
-                del self.held[name]
+                self.backend.offload(name)
+                log.info("unloaded adapter %s to host memory", name)
+            with self._state:
+                for name, size in zip(victims, sizes):
+                    self.host[name] = size
+                gone = [self.host.popitem(last=False)[0] for _ in range(len(self.host) - self.host_slots)]
+            for name in gone:
+                self.backend.forget(name)
+                log.info("forgot adapter %s (host memory full)", name)
+            return None
         into = victims.pop() if victims else None
         for name in victims:
             self.backend.forget(name)
@@ -207,16 +260,19 @@ class LoraBank:
 
 
 def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.0,
-              compiled: bool = False) -> LoraBank | None:
+              compiled: bool = False, host_slots: int = 0) -> LoraBank | None:
     """The bank of an adapter that takes LoRA adapters in `role`; None when it takes none (then a request with
-    adapters fails, naming the model). `compiled`: the role compiles its denoiser (DiffusersLoras.compiled)."""
+    adapters fails, naming the model). `compiled`: the role compiles its denoiser (DiffusersLoras.compiled);
+    `host_slots`: loras.host_slots (a sim profile's lora.host_slots first)."""
     if role == "decoder":
         return None
     profile = getattr(adapter, "profile", None)
     if profile is not None and hasattr(profile, "lora"):  # sim: its adapters are the denoiser's weights
         if role not in ("denoiser", "monolith"):
             return LoraBank(SimLoras(0.0), 1 << 20, max_mib << 20)  # takes any name, at no cost
-        return LoraBank(SimLoras(profile.lora.load_ms, slowdown), profile.lora.slots or slots, max_mib << 20)
+        cost = profile.lora
+        return LoraBank(SimLoras(cost.load_ms, slowdown, cost.restore_ms), cost.slots or slots, max_mib << 20,
+                        cost.host_slots or host_slots)
     pipe = getattr(adapter, "pipe", None)
     if pipe is None:
         return None
@@ -224,4 +280,4 @@ def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.
         backend = DiffusersLoras(pipe, role, compiled=compiled and role in ("denoiser", "monolith"))
     except TypeError:
         return None
-    return LoraBank(backend, slots, max_mib << 20)
+    return LoraBank(backend, slots, max_mib << 20, host_slots)

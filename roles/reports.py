@@ -84,14 +84,16 @@ class SelfReport:
         return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
 
     def lora_state(self, register: bool = False) -> dict:
-        """The adapters it holds (and, registering, its slots; else its loads and hits so far)."""
+        """The adapters it holds (and, registering, its slots; else those in host memory, its loads, restores and
+        hits so far)."""
         bank = getattr(self.runner.stage, "loras", None)
         if bank is None:
             return {}
         if register:
             return {"loras": bank.names(), "lora_slots": bank.slots}
         return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits,
-                "lora_load_s": round(bank.load_s, 6)}
+                "lora_load_s": round(bank.load_s, 6), "lora_host": bank.host_names(), "lora_host_slots": bank.host_slots,
+                "lora_restores": bank.restores, "lora_restore_s": round(bank.restore_s, 6)}
 
     def batch_steps(self) -> dict[int, int]:
         stage = self.runner.stage

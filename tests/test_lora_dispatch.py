@@ -161,9 +161,10 @@ def test_batching_joins_only_a_batch_with_the_same_adapters_and_scales(tmp_path)
 
 def test_sim_profiles_load_from_a_path_and_take_a_lora_cost(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("denoiser: {per_step_ms: 10}\nlora: {load_ms: 800, slots: 4}\n")
+    path.write_text("denoiser: {per_step_ms: 10}\nlora: {load_ms: 800, slots: 4, host_slots: 32, restore_ms: 50}\n")
     profile = load_profile(str(path))
     assert profile.lora.load_ms == 800 and profile.lora.slots == 4 and profile.denoiser.per_step_ms == 10
+    assert profile.lora.host_slots == 32 and profile.lora.restore_ms == 50
     with pytest.raises(ValueError, match="no simulation profile"):
         load_profile(str(tmp_path / "missing.yaml"))
 
@@ -235,3 +236,77 @@ def test_an_adapter_with_no_part_for_the_instance_takes_no_slot():
     assert bank.loads == 3 and bank.hits == 1
     bank.acquire([LoraRef(name="T2")], {"T2": "/T2"})
     assert backend.forgotten == ["T1"] and sorted(bank.names()) == ["T2", "u1", "u2"]
+
+
+class Recorder(SimLoras):
+    """SimLoras that records what the bank asks of it."""
+
+    def __init__(self, offloads=True):
+        super().__init__(0.0)
+        self.offloads, self.calls = offloads, []
+
+    def read(self, name, source):
+        self.calls.append(("read", name))
+        return {}, 0
+
+    def offload(self, name):
+        self.calls.append(("offload", name))
+
+    def restore(self, name):
+        self.calls.append(("restore", name))
+
+    def forget(self, name):
+        self.calls.append(("forget", name))
+
+
+def test_with_host_slots_an_unloaded_adapter_waits_in_host_memory_and_comes_back_without_a_read():
+    backend = Recorder()
+    bank = LoraBank(backend, slots=1, max_bytes=1 << 30, host_slots=2)
+
+    def use(name):
+        bank.acquire([LoraRef(name=name)], {})
+        bank.release([name])
+
+    for name in ("A", "B", "C"):
+        use(name)
+    # one device slot: A then B went to host memory, nothing forgotten yet
+    assert bank.names() == ["C"] and bank.host_names() == ["A", "B"] and bank.loads == 3
+    use("A")  # back from host memory: copied, not read; C takes its place there
+    assert backend.calls[-2:] == [("offload", "C"), ("restore", "A")] and ("read", "A") not in backend.calls[1:]
+    assert bank.names() == ["A"] and bank.host_names() == ["B", "C"] and bank.restores == 1 and bank.loads == 3
+    use("D")  # A to host memory: past 2 there, B (the least recently unloaded) is forgotten
+    assert bank.host_names() == ["C", "A"] and ("forget", "B") in backend.calls
+    use("B")  # forgotten: read and installed again (a load); D to host memory, C forgotten
+    assert backend.calls[-3:] == [("read", "B"), ("offload", "D"), ("forget", "C")]
+    assert bank.loads == 5 and bank.restores == 1
+    assert bank.restore_s >= 0 and bank.hits == 0
+
+
+def test_a_backend_that_cannot_offload_forgets_as_before():
+    backend = Recorder(offloads=False)  # a compiled denoiser: every adapter it holds stays active
+    bank = LoraBank(backend, slots=1, max_bytes=1 << 30, host_slots=4)
+    for name in ("A", "B"):
+        bank.acquire([LoraRef(name=name)], {})
+        bank.release([name])
+    # A was unloaded for B (install(into=A): a hotswap or its unload), not moved to host memory
+    assert bank.host_slots == 0 and bank.host_names() == [] and bank.names() == ["B"]
+    assert [c for c in backend.calls if c[0] != "read"] == []
+
+
+def test_dispatch_prefers_an_instance_that_keeps_the_adapter_in_host_memory(tmp_path):
+    for affinity in ("on", "cost"):
+        (tmp_path / affinity).mkdir()
+        h = lora_harness(tmp_path / affinity, affinity=affinity)
+        h.add("encoder", capacity=8), h.add("decoder")
+        d0, d1, d2 = h.add("denoiser", 3, capacity=4)
+        for iid in (d0, d1, d2):
+            h.router.registry.get(iid).solo_s = 0.7
+        h.router.lora_load_s["denoiser"] = 0.8
+        full = ["C", "D", "E", "F"]
+        h.role(d0, Heartbeat(instance_id=d0, loras=full, lora_slots=4, lora_load_s=0.8))
+        h.role(d1, Heartbeat(instance_id=d1, loras=full, lora_slots=4, lora_load_s=0.8, lora_host=["A"],
+                             lora_host_slots=8, lora_restore_s=0.05))
+        h.role(d2, Heartbeat(instance_id=d2, loras=full, lora_slots=4, lora_load_s=0.8))
+        assert to_denoiser(h, "r1")[0] == d1, affinity  # A is a restore there, a load elsewhere
+        inst = h.router.registry.get(d1)
+        assert "A" in inst.loras and "A" not in inst.lora_host and "C" in inst.lora_host  # until its heartbeat

@@ -245,6 +245,35 @@ def test_an_adapter_file_rewritten_in_place_does_not_fault_the_instance_that_loa
     assert int(np.abs(np.asarray(image.convert("RGB"), dtype=np.int16) - refs["A"]).max()) <= 1
 
 
+def test_with_host_slots_an_unloaded_adapter_comes_back_from_host_memory_without_its_file(flux_files, module_tmp):
+    folder, lora_dir, refs = flux_files
+    b_ref = expected(folder, lora_dir, [("B", 0.5)])
+    mine = module_tmp / "host-loras"  # a copy: A's file is broken below
+    for name in ("A", "B"):
+        shutil.copytree(lora_dir / name, mine / name)
+    for dep in served(module_tmp, "flux-host", folder, mine, "--lora-slots", "1", "--lora-host-slots", "4"):
+        for name, loras, ref in (("A", CASES["A"], refs["A"]), ("B", [("B", 0.5)], b_ref)):
+            (o,) = run(dep, [params(loras)])  # B's load moves A to host memory
+            assert o.ok, o.error
+            assert int(np.abs(pixels(o.images[0]) - ref).max()) <= 1, name
+        # A's file is no longer readable: only its copy in host memory can serve it
+        (mine / "A" / "pytorch_lora_weights.safetensors").write_bytes(b"broken")
+        (o,) = run(dep, [params(CASES["A"])])
+        assert o.ok, o.error
+        diff = int(np.abs(pixels(o.images[0]) - refs["A"]).max())
+        assert diff <= 1, f"A restored: worst pixel {diff}"
+
+        def denoiser(dep=dep):
+            with Client(dep.endpoint) as client:
+                [den] = [i for i in client.status().instances if i.role == "denoiser"]
+            return den if den.lora_restores >= 1 else None
+
+        den = wait_until(denoiser, timeout=10)  # its next heartbeat tells
+        assert den.loras == ["A"] and den.lora_host == ["B"] and den.lora_loads == 2 and den.lora_restores == 1
+        logs = "".join(f.read_text(errors="replace") for f in dep.run_dir.rglob("*.log"))
+        assert "restored adapter A from host memory" in logs and "hotswap" not in logs, logs[-3000:]
+
+
 def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
     folder, lora_dir = family_setup(module_tmp, "sdxl")
     # T carries a text-encoder part too: it loads into the encoder, its UNet part into the denoiser. U is T's UNet

@@ -100,6 +100,12 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     lora_loads: Count = 0
     lora_hits: Count = 0
     lora_load_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: adapters it keeps in host memory (loras.host_slots), the next to forget first, of lora_host_slots; its
+    #: restores (an adapter copied back from host memory) and the seconds one takes (moving average)
+    lora_host: Annotated[list[LoraName], Meta(max_length=65536)] = []
+    lora_host_slots: Count = 0
+    lora_restores: Count = 0
+    lora_restore_s: Annotated[float, Meta(ge=0)] = 0.0
     #: an encoder's conditioning cache (roles/conditioning.py): lookups and hits since it started, entries held
     cond_lookups: Count = 0
     cond_hits: Count = 0

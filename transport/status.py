@@ -54,6 +54,10 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     loras: list[str] = []
     lora_slots: int = 0
     lora_loads: int = 0
+    #: adapters it keeps in host memory (loras.host_slots), the next to forget first; adapters it copied back
+    #: from there (restores, not loads)
+    lora_host: list[str] = []
+    lora_restores: int = 0
     lora_hits: int = 0
     #: an encoder's conditioning cache: lookups and hits so far (a hit computed nothing), entries it holds
     cond_lookups: int = 0

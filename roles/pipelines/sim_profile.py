@@ -45,10 +45,13 @@ class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class LoraCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A sim model's LoRA adapters: any name is one (no files); loading one takes load_ms; an instance holds
-    `slots` at once (0: loras.slots)."""
+    `slots` at once (0: loras.slots), and `host_slots` more in host memory (0: loras.host_slots), each copied back
+    to the device in restore_ms."""
 
     load_ms: float = 0.0
     slots: int = 0
+    host_slots: int = 0
+    restore_ms: float = 0.0
 
 
 class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
