@@ -1,15 +1,19 @@
 """LoRA adapter affinity on `sim`: cold loads, p95 and the busiest denoiser's share, per load rule, in one run.
 
-    python benchmarks/lora_affinity.py                    # 3 runs of every setup (~15 min on 2 cores)
+    python benchmarks/lora_affinity.py                    # 3 runs of every setup (~25 min on 2 cores)
     python benchmarks/lora_affinity.py --runs 1 --num-requests 120
+    python benchmarks/lora_affinity.py --warm-requests 200 --only "no adapters,off,on (strict),cost,off + host,on + host,cost + host"
 
 The issue's setup: 4 denoisers, each on its own simulated device with 4 adapter slots; 32 adapters drawn with
 Zipf 1.1; 800 ms per load; Flux.1 at 1024^2, 4 steps (sim:flux-h200's 680 ms per request), at a Poisson rate
 that keeps the denoisers about 70% busy. Setups, each a fresh deployment: no adapters; --lora-affinity off;
 on (a holder whenever one is free, a busy holder waited for at most a load's time); cost (the earliest expected
 finish, a load and an eviction counted); slack (a holder unless another has more than one free slot more);
-two-choices (the freer of two holders drawn at random). Writes benchmarks/results/lora-affinity.json,
-a table (stdout, .md) and a plot (.png).
+two-choices (the freer of two holders drawn at random); and off, on and cost with a host-memory tier
+(`--lora-host-slots 32`: an adapter unloaded from a device waits in host memory, and comes back in RESTORE_MS
+instead of a load). `--warm-requests N` runs N requests of the same load first, unmeasured, so that the
+measured ones meet the adapters a deployment serving a while holds. Writes benchmarks/results/lora-affinity.json
+(`--out`), a table (stdout, .md) and a plot (.png).
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from launcher.ports import free_port_pair  # noqa: E402
 
-PROFILE = (ROOT / "configs" / "sim" / "flux-h200.yaml").read_text() + "\nlora: {load_ms: 800, slots: 4}\n"
+#: a restore from host memory (loras.host_slots): a Flux adapter of ~100 MiB over PCIe at ~10 GB/s, plus moving
+#: its ~1,000 LoRA tensors one by one (diffusers' set_lora_device); an estimate, not measured on a GPU here
+RESTORE_MS = 50
+PROFILE = ((ROOT / "configs" / "sim" / "flux-h200.yaml").read_text()
+           + f"\nlora: {{load_ms: 800, slots: 4, restore_ms: {RESTORE_MS}}}\n")
+HOST = ["--lora-host-slots", "32"]
 #: every role on its own simulated device, so a denoiser's requests take turns as on a GPU
 CONFIG = """model: sim:{profile}
 encoders: {{count: 1, capacity: 4, gpus: [4]}}
@@ -37,20 +46,27 @@ decoders: {{count: 1, capacity: 4, gpus: [5]}}
 """
 SETUPS = {"no adapters": [], "off": ["--lora-affinity", "off"], "on (strict)": ["--lora-affinity", "on"],
           "cost": ["--lora-affinity", "cost"], "slack": ["--lora-affinity", "slack"],
-          "two-choices": ["--lora-affinity", "two-choices"]}
+          "two-choices": ["--lora-affinity", "two-choices"], "off + host": ["--lora-affinity", "off", *HOST],
+          "on + host": ["--lora-affinity", "on", *HOST], "cost + host": ["--lora-affinity", "cost", *HOST]}
 REQUEST_S = 0.68  # 4 steps x 170 ms at 1024^2 on sim:flux-h200
 
 
-def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float, extra: tuple = ()) -> dict:
+def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float, extra: tuple = (),
+             warm: int = 0) -> dict:
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
                                    "--spares", "0", *SETUPS[name], *extra), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_ready(endpoint, proc)
-        cmd = disagg("bench", "--endpoint", endpoint, "--request-rate", f"{rate:g}", "--num-requests", str(n),
-                     "--warmup", "2", "--width", "1024", "--height", "1024", "--steps", "4", "--json",
-                     *(["--loras", str(adapters), "--lora-zipf", f"{zipf:g}"] if name != "no adapters" else []))
+        load = ["--request-rate", f"{rate:g}", "--width", "1024", "--height", "1024", "--steps", "4", "--json",
+                *(["--loras", str(adapters), "--lora-zipf", f"{zipf:g}"] if name != "no adapters" else [])]
+        if warm:  # the same load, another draw, not measured: adapters loaded as a deployment serving a while has
+            res = subprocess.run(disagg("bench", "--endpoint", endpoint, "--num-requests", str(warm), "--warmup", "1",
+                                        "--seed", "1", *load), capture_output=True, text=True, timeout=1800, check=False)
+            if res.returncode not in (0, 1):
+                raise SystemExit(f"warm-up bench failed: {res.stderr[-2000:]}")
+        cmd = disagg("bench", "--endpoint", endpoint, "--num-requests", str(n), "--warmup", "2", *load)
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if res.returncode not in (0, 1):
             raise SystemExit(f"bench failed: {res.stderr[-2000:]}")
@@ -61,6 +77,7 @@ def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: 
     lora = doc.get("lora", {})
     return {"p50_s": doc["latency_s"]["p50"], "p95_s": doc["latency_s"]["p95"], "failed": doc["failed"],
             "denoiser_utilization": round(statistics.fmean(util), 3), "cold_loads": lora.get("cold_loads", 0),
+            "restores": lora.get("restores", 0),
             "hit_rate": lora.get("hit_rate", 0.0), "max_share": lora.get("max_share", 0.0),
             "stages": doc.get("stages", {}),
             "command": " ".join(cmd[2:])}
@@ -76,6 +93,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=4, help="requests each denoiser holds (computing one, the rest "
                     "waiting their turn while their adapters load)")
     ap.add_argument("--only", help="comma-separated setups")
+    ap.add_argument("--warm-requests", type=int, default=0, help="before each measured run, this many requests of "
+                    "the same load (another draw), not measured: the adapters a deployment serving a while holds, in "
+                    "device and host memory")
     ap.add_argument("--launch-arg", action="append", default=[], help="an argument for every setup's `disagg launch` "
                     "(repeat it: --launch-arg=--schedule --launch-arg=slo)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora-affinity.json"))
@@ -89,9 +109,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in setups}
     for k in range(args.runs):  # setups interleaved, so a slow minute of the machine hits all of them
         for s in setups:
-            runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf, tuple(args.launch_arg)))
+            runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf, tuple(args.launch_arg),
+                                    args.warm_requests))
             print(f"run {k + 1} {s}: {runs[s][-1]}", flush=True)
-    keys = ("p50_s", "p95_s", "cold_loads", "hit_rate", "max_share", "denoiser_utilization", "failed")
+    keys = ("p50_s", "p95_s", "cold_loads", "restores", "hit_rate", "max_share", "denoiser_utilization", "failed")
     medians = {s: {key: statistics.median(r[key] for r in runs[s]) for key in keys} for s in setups}
     base_p95 = medians.get("no adapters", {}).get("p95_s")
     off_loads = medians.get("off", {}).get("cold_loads")
@@ -99,16 +120,18 @@ def main() -> None:
         m["p95_vs_no_adapters"] = round(m["p95_s"] / base_p95, 3) if base_p95 else None
         m["cold_loads_vs_off"] = round(m["cold_loads"] / off_loads, 3) if off_loads else None
     doc = {"setup": {"denoisers": 4, "capacity": args.capacity, "slots": 4, "adapters": args.adapters, "zipf": args.zipf, "load_ms": 800,
+                     "host_slots (+ host setups)": 32, "restore_ms": RESTORE_MS, "warm_requests": args.warm_requests,
                      "request_rate": rate, "num_requests": args.num_requests, "runs": args.runs,
                      "profile": "sim:flux-h200 at 1024x1024, 4 steps"},
            "medians": medians, "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    lines = ["| setup | cold loads | vs off | hit rate | p50 s | p95 s | p95 vs no adapters | busiest share | denoisers busy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setup | cold loads | vs off | restores | hit rate | p50 s | p95 s | p95 vs no adapters | busiest share | denoisers busy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s, m in medians.items():
         lines.append(f"| {s} | {m['cold_loads']:g} | {m['cold_loads_vs_off'] if m['cold_loads_vs_off'] is not None else '-'} "
+                     f"| {m['restores']:g} "
                      f"| {m['hit_rate']:.1%} | {m['p50_s']:.3f} | {m['p95_s']:.3f} | {m['p95_vs_no_adapters']} "
                      f"| {m['max_share']:.2f} | {m['denoiser_utilization']:.0%} |")
     table = "\n".join(lines)
@@ -122,12 +145,13 @@ def plot(medians: dict, path: Path) -> None:
     from PIL import Image, ImageDraw
 
     names = list(medians)
-    colors = ["#999999", "#d62728", "#2ca02c", "#ff7f0e", "#1f77b4", "#9467bd"]
+    colors = ["#999999", "#d62728", "#2ca02c", "#ff7f0e", "#1f77b4", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
     panels = (("cold_loads", "cold adapter loads"), ("p95_s", "p95 latency (s)"), ("max_share", "busiest / mean share"))
     w, h, pad = 380, 300, 40
     img = Image.new("RGB", (w * len(panels), h + 30), "white")
     d = ImageDraw.Draw(img)
-    d.text((10, 5), "LoRA affinity (sim: 4 denoisers x 4 slots, 32 adapters Zipf 1.1, 800 ms loads, ~70% busy)",
+    d.text((10, 5), "LoRA affinity (sim: 4 denoisers x 4 slots, 32 adapters Zipf 1.1, 800 ms loads, ~70% busy; "
+           f"+ host: 32 host slots, {RESTORE_MS} ms restores)",
            fill="black")
     for k, (key, title) in enumerate(panels):
         x0 = k * w
