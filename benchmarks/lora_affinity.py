@@ -10,8 +10,8 @@ that keeps the denoisers about 70% busy. Setups, each a fresh deployment: no ada
 on (a holder whenever one is free, a busy holder waited for at most a load's time); cost (the earliest expected
 finish, a load and an eviction counted); slack (a holder unless another has more than one free slot more);
 two-choices (the freer of two holders drawn at random); and off, on and cost with a host-memory tier
-(`--lora-host-slots 32`: an adapter unloaded from a device waits in host memory, and comes back in RESTORE_MS
-instead of a load). `--warm-requests N` runs N requests of the same load first, unmeasured, so that the
+(`--lora-host-slots 8`, HOST_SLOTS: an adapter unloaded from a device waits in host memory, and comes back in
+RESTORE_MS instead of a load). `--warm-requests N` runs N requests of the same load first, unmeasured, so that the
 measured ones meet the adapters a deployment serving a while holds. Writes benchmarks/results/lora-affinity.json
 (`--out`), a table (stdout, .md) and a plot (.png).
 """
@@ -37,7 +37,11 @@ from launcher.ports import free_port_pair  # noqa: E402
 RESTORE_MS = 50
 PROFILE = ((ROOT / "configs" / "sim" / "flux-h200.yaml").read_text()
            + f"\nlora: {{load_ms: 800, slots: 4, restore_ms: {RESTORE_MS}}}\n")
-HOST = ["--lora-host-slots", "32"]
+#: host-memory slots per denoiser in the "+ host" setups: 4 + 8 = 12 adapters an instance keeps, 48 in all, which
+#: covers the 32 adapters only where the instances keep different ones (what affinity does); 32 each would let
+#: every instance keep every adapter, and loads would stop after each one's first
+HOST_SLOTS = 8
+HOST = ["--lora-host-slots", str(HOST_SLOTS)]
 #: every role on its own simulated device, so a denoiser's requests take turns as on a GPU
 CONFIG = """model: sim:{profile}
 encoders: {{count: 1, capacity: 4, gpus: [4]}}
@@ -120,7 +124,7 @@ def main() -> None:
         m["p95_vs_no_adapters"] = round(m["p95_s"] / base_p95, 3) if base_p95 else None
         m["cold_loads_vs_off"] = round(m["cold_loads"] / off_loads, 3) if off_loads else None
     doc = {"setup": {"denoisers": 4, "capacity": args.capacity, "slots": 4, "adapters": args.adapters, "zipf": args.zipf, "load_ms": 800,
-                     "host_slots (+ host setups)": 32, "restore_ms": RESTORE_MS, "warm_requests": args.warm_requests,
+                     "host_slots (+ host setups)": HOST_SLOTS, "restore_ms": RESTORE_MS, "warm_requests": args.warm_requests,
                      "request_rate": rate, "num_requests": args.num_requests, "runs": args.runs,
                      "profile": "sim:flux-h200 at 1024x1024, 4 steps"},
            "medians": medians, "runs": runs}
@@ -151,7 +155,7 @@ def plot(medians: dict, path: Path) -> None:
     img = Image.new("RGB", (w * len(panels), h + 30), "white")
     d = ImageDraw.Draw(img)
     d.text((10, 5), "LoRA affinity (sim: 4 denoisers x 4 slots, 32 adapters Zipf 1.1, 800 ms loads, ~70% busy; "
-           f"+ host: 32 host slots, {RESTORE_MS} ms restores)",
+           f"+ host: {HOST_SLOTS} host slots, {RESTORE_MS} ms restores)",
            fill="black")
     for k, (key, title) in enumerate(panels):
         x0 = k * w

@@ -2,6 +2,7 @@
 
     python benchmarks/lora_model.py                 # 20,000 requests per case, ~1 min
     python benchmarks/lora_model.py --requests 5000
+    python benchmarks/lora_model.py --host-slots 32 --restore-ms 50   # with a host-memory tier
 
 This is not the system: it is a discrete-event model of `benchmarks/lora_affinity.py`'s setup, to tell what
 the rules could reach at all, free of the 200-request runs' noise. 4 denoisers, capacity 4, 4 adapter slots
@@ -11,7 +12,9 @@ request to its end, then the next one ready, drawn at random (as the role's lock
 admitted`) the earliest admitted. Rules as orchestrator/loras.py defines them: `off`; `on` (a free holder, else
 wait up to a load's time for one); `cost` (the earliest expected finish, EVICTION_COST loads more where a load
 evicts). Eviction: least recently used, or least used over the instance's latest 32 x slots acquires (`lfu`,
-roles/loras.py). It also prints the bound the issue's p95 target meets: the share of requests whose adapter is
+roles/loras.py). `--host-slots N`: an unloaded adapter waits in host memory (N per instance) and comes back in
+`--restore-ms` instead of a load; `on`'s cold pick then prefers an instance keeping it there, and `cost` prices a
+restore. It also prints the bound the issue's p95 target meets: the share of requests whose adapter is
 not among the 16 most popular (16 slots cannot hold more), each of which costs at least a load plus its compute.
 """
 
@@ -32,6 +35,7 @@ from roles.loras import USE_WINDOW as WINDOW  # the role's window of uses
 
 STEP_S, STEPS, LOAD_S, ENCODE_S, DECODE_S = 0.17, 4, 0.8, 0.024, 0.085
 DENOISERS, CAPACITY, SLOTS, ADAPTERS, ZIPF = 4, 4, 4, 32, 1.1
+HOST_SLOTS, RESTORE_S = 0, 0.05  # the host-memory tier (--host-slots, --restore-ms)
 
 
 def zipf(n: int, s: float) -> list[float]:
@@ -44,19 +48,23 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
     p = zipf(ADAPTERS, ZIPF)
     rate = 0.7 * DENOISERS / (STEPS * STEP_S)
     inst = [{"adm": {}, "held": collections.OrderedDict(), "pins": collections.Counter(), "uses": collections.Counter(),
-             "recent": collections.deque(), "free_at": 0.0, "cur": None} for _ in range(DENOISERS)]
+             "recent": collections.deque(), "host": collections.OrderedDict(), "free_at": 0.0, "cur": None}
+            for _ in range(DENOISERS)]
     reqs, done, queue, events, seq = {}, {}, collections.deque(), [], itertools.count()
     t = 0.0
     for i in range(n):
         t += rng.expovariate(rate)
         heapq.heappush(events, (t + ENCODE_S, next(seq), "arrive", i, rng.choices(range(ADAPTERS), p)[0] if adapters else None))
-    loads = hits = 0
+    loads = hits = restores = 0
 
     def backlog(k):
         return sum(r["steps"] for r in inst[k]["adm"].values()) * STEP_S
 
     def holds(k, a):
         return a is None or a in inst[k]["held"]
+
+    def in_host(k, a):
+        return a in inst[k]["host"]
 
     def use(I, a):
         I["uses"][a] += 1
@@ -65,7 +73,7 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
             I["uses"][I["recent"].popleft()] -= 1
 
     def admit(k, r, now):
-        nonlocal loads, hits
+        nonlocal loads, hits, restores
         I, a = inst[k], r["a"]
         I["adm"][r["i"]], r["admitted"] = r, now
         r["ready"] = now
@@ -75,13 +83,21 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
                 hits += 1
                 r["ready"] = max(now, I["held"][a])  # its load may still run
             else:
-                loads += 1
+                took = LOAD_S
+                if I["host"].pop(a, None) is not None:
+                    restores, took = restores + 1, RESTORE_S
+                else:
+                    loads += 1
                 if len(I["held"]) >= SLOTS:
                     free = [x for x in I["held"] if I["pins"][x] == 0]
                     rank = {x: j for j, x in enumerate(I["held"])}
                     victim = min(free, key=lambda x: (I["uses"][x], rank[x])) if evict == "lfu" else free[0]
                     del I["held"][victim]
-                I["held"][a] = r["ready"] = now + LOAD_S
+                    if HOST_SLOTS:
+                        I["host"][victim] = True
+                        if len(I["host"]) > HOST_SLOTS:
+                            I["host"].popitem(last=False)
+                I["held"][a] = r["ready"] = now + took
             I["pins"][a] += 1
             use(I, a)
         heapq.heappush(events, (r["ready"], next(seq), "ready", k, None))
@@ -112,21 +128,23 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
             elif rule == "cost":
                 def finish(k, a=a):
                     warm = holds(k, a)
-                    return expected_finish(warm, backlog(k), STEPS * STEP_S, LOAD_S,
-                                           not warm and len(inst[k]["held"]) >= SLOTS)
+                    return expected_finish(warm, backlog(k), STEPS * STEP_S, RESTORE_S if in_host(k, a) else LOAD_S,
+                                           not warm and len(inst[k]["held"]) >= SLOTS,
+                                           RESTORE_S if HOST_SLOTS else LOAD_S)
                 pick = min(free, key=lambda k: (finish(k), not holds(k, a), len(inst[k]["adm"])))
             else:  # on
                 warm = [k for k in free if holds(k, a)]
                 if warm:
                     pick = min(warm, key=lambda k: len(inst[k]["adm"]))
-                elif any(holds(k, a) for k in range(DENOISERS)) and now - r["arrived"] < LOAD_S:
+                elif any(holds(k, a) for k in range(DENOISERS)) and now - r["arrived"] < (
+                        RESTORE_S if any(in_host(k, a) for k in free) else LOAD_S):
                     deferred.append(queue.popleft())
                     if not r.get("retry"):
                         r["retry"] = True
                         heapq.heappush(events, (r["arrived"] + LOAD_S, next(seq), "retry", None, None))
                     continue
                 else:
-                    roomy = [k for k in free if len(inst[k]["held"]) < SLOTS]
+                    roomy = [k for k in free if in_host(k, a)] or [k for k in free if len(inst[k]["held"]) < SLOTS]
                     pick = min(roomy or free, key=lambda k: len(inst[k]["adm"]))
             queue.popleft()
             admit(pick, r, now)
@@ -153,7 +171,7 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
                 place(now)
             run_next(x, now)
     lat = sorted(done[i] for i in range(n // 10, n))  # the first tenth warms the slots up
-    return {"p50": lat[len(lat) // 2], "p95": lat[int(0.95 * len(lat))], "loads": loads}
+    return {"p50": lat[len(lat) // 2], "p95": lat[int(0.95 * len(lat))], "loads": loads, "restores": restores}
 
 
 def main() -> None:
@@ -161,7 +179,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--order", choices=("random", "admitted"), default="random")
+    ap.add_argument("--host-slots", type=int, default=0, help="adapters each instance keeps in host memory")
+    ap.add_argument("--restore-ms", type=float, default=50.0, help="a restore from host memory")
     args = ap.parse_args()
+    global HOST_SLOTS, RESTORE_S
+    HOST_SLOTS, RESTORE_S = args.host_slots, args.restore_ms / 1000
     top = sum(sorted(zipf(ADAPTERS, ZIPF), reverse=True)[:DENOISERS * SLOTS])
     floor = ENCODE_S + LOAD_S + STEPS * STEP_S + DECODE_S
     base = simulate("off", "lru", args.order, args.requests, args.seed, adapters=False)
@@ -172,10 +194,13 @@ def main() -> None:
     for rule in ("off", "on", "cost"):
         for evict in ("lru", "lfu"):
             cases[rule, evict] = simulate(rule, evict, args.order, args.requests, args.seed)
-    print("| rule | eviction | cold loads vs off (same eviction) | p50 s | p95 s | p95 vs no adapters |")
-    print("|---|---|---|---|---|---|")
+    print("| rule | eviction | cold loads | vs off (same eviction) | restores | device loads vs off | p50 s | p95 s "
+          "| p95 vs no adapters |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (rule, evict), c in cases.items():
-        print(f"| {rule} | {evict} | {c['loads'] / cases['off', evict]['loads']:.2f} | {c['p50']:.3f} | {c['p95']:.3f} "
+        off = cases["off", evict]
+        print(f"| {rule} | {evict} | {c['loads']} | {c['loads'] / off['loads']:.2f} | {c['restores']} "
+              f"| {(c['loads'] + c['restores']) / (off['loads'] + off['restores']):.2f} | {c['p50']:.3f} | {c['p95']:.3f} "
               f"| {c['p95'] / base['p95']:.2f} |")
 
 
