@@ -147,19 +147,28 @@ class LoraBank:
                     into = self._make_room(nbytes)
                     swapped = self.backend.install(name, state, into=into)
                     self._active = None
-            with self._state:
-                if empty:
-                    self.empty.add(name)
-                self.held[name] = nbytes
-                self.pins[name] += 1
-                self.loads += 1
-                self._used(name)
-                took = time.perf_counter() - t0
-                self.load_s = took if not self.load_s else 0.8 * self.load_s + 0.2 * took
+            self._now_held(name, nbytes, t0, restored=False, empty=empty)
             log.info("loaded adapter %s (%.1f MiB)%s", name, nbytes / 2**20, f" in place of {into} (hotswap)" if swapped else "")
         finally:
             with self._state:
                 self.loading.pop(name).set()
+
+    def _now_held(self, name: str, nbytes: int, t0: float, restored: bool, empty: bool = False) -> None:
+        """`name` is held (as a name only: `empty`), pinned once, loaded (or restored) since `t0`: count it, and its
+        time in the average."""
+        with self._state:
+            if empty:
+                self.empty.add(name)
+            self.held[name] = nbytes
+            self.pins[name] += 1
+            self._used(name)
+            took = time.perf_counter() - t0
+            if restored:
+                self.restores += 1
+                self.restore_s = took if not self.restore_s else 0.8 * self.restore_s + 0.2 * took
+            else:
+                self.loads += 1
+                self.load_s = took if not self.load_s else 0.8 * self.load_s + 0.2 * took
 
     def _restore(self, name: str, nbytes: int, t0: float) -> None:
         """Copy an adapter back from host memory (the loading event for `name` is set; cleared here)."""
@@ -172,13 +181,7 @@ class LoraBank:
                     self.backend.forget(name)
                     raise
                 self._active = None
-            with self._state:
-                self.held[name] = nbytes
-                self.pins[name] += 1
-                self.restores += 1
-                self._used(name)
-                took = time.perf_counter() - t0
-                self.restore_s = took if not self.restore_s else 0.8 * self.restore_s + 0.2 * took
+            self._now_held(name, nbytes, t0, restored=True)
             log.info("restored adapter %s from host memory", name)
         finally:
             with self._state:
