@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.loras import expected_finish  # the cost rule's own formula
+from orchestrator.loras import expected_finish, reload_s  # the cost rule's own formulas
 from roles.loras import USE_WINDOW as WINDOW  # the role's window of uses
 
 STEP_S, STEPS, LOAD_S, ENCODE_S, DECODE_S = 0.17, 4, 0.8, 0.024, 0.085
@@ -130,7 +130,8 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
                     warm = holds(k, a)
                     return expected_finish(warm, backlog(k), STEPS * STEP_S, RESTORE_S if in_host(k, a) else LOAD_S,
                                            not warm and len(inst[k]["held"]) >= SLOTS,
-                                           RESTORE_S if HOST_SLOTS else LOAD_S)
+                                           reload_s(LOAD_S, RESTORE_S, HOST_SLOTS,
+                                                    len(inst[k]["host"]) >= HOST_SLOTS, not in_host(k, a)))
                 pick = min(free, key=lambda k: (finish(k), not holds(k, a), len(inst[k]["adm"])))
             else:  # on
                 warm = [k for k in free if holds(k, a)]

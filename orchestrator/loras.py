@@ -145,6 +145,16 @@ def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evic
         EVICTION_COST * (load_s if reload_s is None else reload_s) if evicts else 0.0)
 
 
+def reload_s(load_s: float, restore_s: float, host_slots: int, host_full: bool, cold: bool) -> float:
+    """What bringing back the adapter a load evicts would take (the `cost` rule's price of an eviction): a load; where
+    the instance keeps unloaded adapters in host memory (`host_slots`), a restore, plus a load where that memory is
+    full and the request's adapters are not in it (`cold`): the evicted one then pushes the oldest there out, which
+    a later request must load again."""
+    if not host_slots:
+        return load_s
+    return restore_s + (load_s if cold and host_full else 0.0)
+
+
 def evicts(inst: Instance, names) -> bool:
     """Loading the adapters of `names` it lacks takes an adapter slot some other adapter holds."""
     missing = sum(1 for n in names if n not in inst.loras)

@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, in_host, note_assigned
+from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, in_host, note_assigned, reload_s
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -133,9 +133,9 @@ class Placement:
                 held += alone * (1.0 - done / total if total else 1.0)
             load = inst.lora_load_s or self.lora_load_s.get(inst.role, 0.0)
             restore = inst.lora_restore_s or load
-            reload = restore if inst.lora_host_slots else load
-            return expected_finish(warm, held, own, restore if in_host(inst, names) else load, evicts(inst, names),
-                                   reload)
+            kept = in_host(inst, names)
+            reload = reload_s(load, restore, inst.lora_host_slots, len(inst.lora_host) >= inst.lora_host_slots, not kept)
+            return expected_finish(warm, held, own, restore if kept else load, evicts(inst, names), reload)
 
         return cost
 

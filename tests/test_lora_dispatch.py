@@ -310,3 +310,22 @@ def test_dispatch_prefers_an_instance_that_keeps_the_adapter_in_host_memory(tmp_
         assert to_denoiser(h, "r1")[0] == d1, affinity  # A is a restore there, a load elsewhere
         inst = h.router.registry.get(d1)
         assert "A" in inst.loras and "A" not in inst.lora_host and "C" in inst.lora_host  # until its heartbeat
+
+
+def test_the_cost_rule_prices_a_load_that_pushes_an_adapter_out_of_full_host_memory(tmp_path):
+    h = lora_harness(tmp_path, affinity="cost")
+    h.add("encoder", capacity=8), h.add("decoder")
+    d0, d1 = h.add("denoiser", 2, capacity=4)
+    for iid in (d0, d1):
+        h.router.registry.get(iid).solo_s = 0.7
+    h.router.lora_load_s["denoiser"] = 0.8
+    # both hold 4 adapters on the device and keep unloaded ones in host memory: d0's is full, d1's has room
+    h.role(d0, Heartbeat(instance_id=d0, loras=["D", "E", "F", "G"], lora_slots=4, lora_load_s=0.8,
+                         lora_host=["X", "Y"], lora_host_slots=2, lora_restore_s=0.05))
+    h.role(d1, Heartbeat(instance_id=d1, loras=["B", "D", "E", "F"], lora_slots=4, lora_load_s=0.8,
+                         lora_host=["X"], lora_host_slots=2, lora_restore_s=0.05))
+    assert to_denoiser(h, "r0", names=("B",))[0] == d1  # warm there
+    # A is cold on both: 0.8 s to load, the device's work meanwhile, 0.7 s to compute. Where host memory is full,
+    # the adapter the load evicts pushes X or Y out for good (half a load more: one will be loaded again); so A
+    # goes to d1, though it is the busier (a load with room to spare in host memory costs half a restore more)
+    assert to_denoiser(h, "r1")[0] == d1
