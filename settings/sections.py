@@ -164,8 +164,10 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "on: of the free denoisers, one that holds all of a request's adapters gets it; when only busy ones hold "
         "them, the request waits for one at most as long as a load takes, then goes elsewhere (the load rule, "
         "BENCHMARKS.md). cost: the free denoiser where the request is expected to finish first, counting the "
-        "work each holds, a load where its adapters are not held (and half a load more when it evicts one); measured, "
-        "not chosen: its tail is shorter but it loads 0.71x of off's, against on's 0.47x. "
+        "work each holds, a load where its adapters are not held (a restore where it keeps them in host memory) and "
+        "half a load more when it evicts one (half a restore with host_slots, unless host memory is full): with "
+        "host_slots the rule to use (0.11x of off's loads, the shortest tail); without, measured, not chosen (0.67x "
+        "of off's loads against on's 0.37x, no shorter tail). "
         "off: adapters play no part in dispatch. slack (a holder unless another has more than one free slot "
         "more) and two-choices (the freer of two holders drawn at random) are rules it was measured against, "
         "kept to compare."),
