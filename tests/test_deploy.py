@@ -254,9 +254,11 @@ def test_the_kubernetes_pods_become_ready_in_order_and_serve(tmp_path):
                    why=lambda: "\n".join(f"{p.name} ready={p.ready} restarts={p.restarts}\n{cluster.log(p)[-800:]}"
                                          for p in cluster.pods))
         denoisers = [p for p in cluster.pods if p.name.startswith("disagg-denoiser")]
-        # the head turns Ready only once a denoiser joined and loaded (its probe and theirs run a period apart);
-        # the second may turn Ready later (it loads on its own, and a slow machine spreads them out)
-        assert min(p.ready_at for p in denoisers) <= head.ready_at + PROBE_EVERY_S, \
+        # the head turns Ready only once a denoiser joined and loaded (its probe and theirs run a period apart, and
+        # each probe is a process started in the pod's namespace: up to a period more on a loaded 2-core machine,
+        # where the denoiser's came 1.26 s after the head's once); the second may turn Ready later (it loads on
+        # its own, and a slow machine spreads them out)
+        assert min(p.ready_at for p in denoisers) <= head.ready_at + 2 * PROBE_EVERY_S, \
             [(p.name, p.ready_at) for p in cluster.pods]
         assert head.ready_at >= min(p.ready_at for p in denoisers) - PROBE_EVERY_S
         assert all(p.restarts == 0 for p in cluster.pods), [(p.name, p.restarts) for p in cluster.pods]
