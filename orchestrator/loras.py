@@ -134,15 +134,12 @@ def note_assigned(inst: Instance, names) -> None:
     inst.loras, inst.lora_host = kept, host
 
 
-def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool,
-                    reload_s: float | None = None) -> float:
+def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool, back_s: float) -> float:
     """When a request would finish on an instance, from now, in seconds (the `cost` rule): `held_s`, the device
     time the requests it holds still need, or, when the request's adapters must be loaded first, that load (or
     restore) if longer (a load overlaps the device's other work); then `own_s`, its own compute; and, when the
-    load evicts an adapter (`evicts`), EVICTION_COST times what bringing it back would take (`reload_s`: a
-    restore where the instance keeps it in host memory; by default a load)."""
-    return max(0.0 if warm else load_s, held_s) + own_s + (
-        EVICTION_COST * (load_s if reload_s is None else reload_s) if evicts else 0.0)
+    load evicts an adapter (`evicts`), EVICTION_COST times what bringing it back would take (`back_s`: reload_s)."""
+    return max(0.0 if warm else load_s, held_s) + own_s + (EVICTION_COST * back_s if evicts else 0.0)
 
 
 def reload_s(load_s: float, restore_s: float, host_slots: int, host_full: bool, cold: bool) -> float:

@@ -93,13 +93,20 @@ def test_the_slack_rule_sends_a_request_elsewhere_when_the_holder_is_much_busier
     assert to_denoiser(h, "w2")[0] == "denoiser-0"
 
 
-def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_path):
+def cost_harness(tmp_path):
+    """The `cost` rule over two denoisers: one request alone costs 0.7 s on each, a load 0.8 s (the requests'
+    waits for loads, before any heartbeat says better)."""
     h = lora_harness(tmp_path, affinity="cost")
     h.add("encoder", capacity=8), h.add("decoder")
     d0, d1 = h.add("denoiser", 2, capacity=4)
     for iid in (d0, d1):
-        h.router.registry.get(iid).solo_s = 0.7  # one request alone costs 0.7 s; a load 0.8 s
+        h.router.registry.get(iid).solo_s = 0.7
     h.router.lora_load_s["denoiser"] = 0.8
+    return h, d0, d1
+
+
+def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_path):
+    h, d0, d1 = cost_harness(tmp_path)
     holding(h, d1, ["A"])
     assert to_denoiser(h, "r1")[0] == d1  # warm and idle: 0.7 s, against 0.8 + 0.7 cold
     assert to_denoiser(h, "r2")[0] == d1  # warm behind one: 1.4 s, against 1.5 cold
@@ -117,12 +124,7 @@ def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_
 
 
 def test_the_cost_rule_counts_a_load_at_what_the_instances_own_loads_took(tmp_path):
-    h = lora_harness(tmp_path, affinity="cost")
-    h.add("encoder", capacity=8), h.add("decoder")
-    d0, d1 = h.add("denoiser", 2, capacity=4)
-    for iid in (d0, d1):
-        h.router.registry.get(iid).solo_s = 0.7
-    h.router.lora_load_s["denoiser"] = 0.8  # the requests' waits for loads, before any heartbeat says better
+    h, d0, d1 = cost_harness(tmp_path)
     holding(h, d1, ["A"])
     assert [to_denoiser(h, f"r{k}")[0] for k in range(2)] == [d1, d1]  # warm: 0.7 s, then 1.4 s; cold 1.5 s
     # d0's loads take it 3 s: A warm behind two (2.1 s) beats loading it there (3.7 s)
@@ -313,12 +315,7 @@ def test_dispatch_prefers_an_instance_that_keeps_the_adapter_in_host_memory(tmp_
 
 
 def test_the_cost_rule_prices_a_load_that_pushes_an_adapter_out_of_full_host_memory(tmp_path):
-    h = lora_harness(tmp_path, affinity="cost")
-    h.add("encoder", capacity=8), h.add("decoder")
-    d0, d1 = h.add("denoiser", 2, capacity=4)
-    for iid in (d0, d1):
-        h.router.registry.get(iid).solo_s = 0.7
-    h.router.lora_load_s["denoiser"] = 0.8
+    h, d0, d1 = cost_harness(tmp_path)
     # both hold 4 adapters on the device and keep unloaded ones in host memory: d0's is full, d1's has room
     h.role(d0, Heartbeat(instance_id=d0, loras=["D", "E", "F", "G"], lora_slots=4, lora_load_s=0.8,
                          lora_host=["X", "Y"], lora_host_slots=2, lora_restore_s=0.05))
