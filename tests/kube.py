@@ -45,6 +45,7 @@ class Pod:
     restart_at: float = 0.0
     ready: bool = False
     ready_at: float | None = None
+    ready_round: int | None = None  # the probe round (every pod probed once, in order) it first passed in
 
 
 class Cluster:
@@ -146,7 +147,9 @@ class Cluster:
         return self
 
     def _run(self) -> None:
+        rounds = 0
         while not self._stop.is_set():
+            rounds += 1
             now = time.monotonic()
             for pod in self.pods:
                 if pod.proc is not None and pod.proc.poll() is not None:  # exited: restart after a back-off
@@ -158,7 +161,7 @@ class Cluster:
                 if pod.proc is not None:
                     ready = self._probe(pod)
                     if ready and pod.ready_at is None:
-                        pod.ready_at = time.monotonic() - self.started
+                        pod.ready_at, pod.ready_round = time.monotonic() - self.started, rounds
                     pod.ready = ready
             self._write_hosts()
             self._stop.wait(PROBE_EVERY_S)
