@@ -15,7 +15,7 @@ from tests.conftest import Launched
 from tools.check_demo import table, verdict
 
 pytestmark = pytest.mark.e2e
-SEEDS = 16
+SEEDS = 8  # 24 pictures per colour, 32 per position: the 90% bar allows 2 and 3 misses
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_the_default_model_is_the_demo_one(deployment):
 
 
 def test_each_colour_and_position_is_drawn_as_named(deployment):
-    """16 seeds for every colour x position (shape = SHAPES[seed % 3]): the dominant colour is the named one and
+    """8 seeds for every colour x position (shape = SHAPES[seed % 3]): the dominant colour is the named one and
     the centroid on the named side in >= 90% of the pictures, for each colour and each position."""
     keys = [(c, SHAPES[s % len(SHAPES)], p, s) for c in COLOURS for p in POSITIONS for s in range(SEEDS)]
     with Client(deployment.endpoint) as client:

@@ -50,13 +50,14 @@ def sim(module_tmp):
 
 
 def test_capacity_4_with_8_in_flight_gives_each_request_its_own_image(tiny4):
-    """Before: one scheduler shared by 4 threads, `IndexError: index 9 is out of bounds` for 12 of 16."""
+    """Before: one scheduler shared by 4 threads, `IndexError: index 9 is out of bounds` for 12 of 16 (8 requests
+    in flight on 4 slots: each slot's thread takes a second one while the others step)."""
     import torch
 
     from roles.pipelines.tiny import build_tiny_flux_pipeline
 
     params = [GenerationParams(prompt=f"a photo of a {w} {k}", width=64, height=64, num_inference_steps=8, seed=k)
-              for k, w in enumerate(["cat", "dog", "tree", "house", "car", "bird", "flower", "city"] * 2)]
+              for k, w in enumerate(["cat", "dog", "tree", "house", "car", "bird", "flower", "city"])]
     with Client(tiny4.endpoint) as client:
         outcomes = client.run_all(params, concurrency=8, timeout_s=300)
     assert [o.error for o in outcomes if not o.ok] == []
@@ -67,7 +68,7 @@ def test_capacity_4_with_8_in_flight_gives_each_request_its_own_image(tiny4):
                     generator=torch.Generator("cpu").manual_seed(p.seed)).images[0]
         got = np.asarray(Image.open(io.BytesIO(outcome.images[0])).convert("RGB"), dtype=np.int16)
         worst = max(worst, int(np.abs(got - np.asarray(want, dtype=np.int16)).max()))
-    print(f"capacity 4, 8 in flight: 16 images, max pixel difference {worst}/255")
+    print(f"capacity 4, 8 in flight: 8 images, max pixel difference {worst}/255")
     assert worst <= 1
     with Client(tiny4.endpoint) as client:  # they really ran side by side: 4 slots taken at once
         assert all(i.capacity == 4 for i in client.status().instances)
