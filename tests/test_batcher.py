@@ -22,8 +22,12 @@ class Recorder(SimAdapter):
         super().__init__("flux-h200", "denoiser")
         self.steps: list[list[int]] = []
         self.fail_seed = fail_seed
+        self.hold = None
 
     def denoise_steps(self, states):
+        if self.steps and self.hold is not None:  # before the second step: until the test's requests wait
+            self.hold()
+            self.hold = None
         self.steps.append(sorted(s.params["seed"] for s in states))
         if any(s.params["seed"] == self.fail_seed for s in states):
             raise RuntimeError("forward failed")
@@ -37,16 +41,24 @@ def params(seed, size=256, steps=4):
 def test_requests_join_the_running_batch_at_step_boundaries():
     adapter = Recorder()
     batcher = StepBatcher(adapter, max_batch=3)
+    # request 0 is mid-loop (its first step done) when 1, 2 and 3 arrive: its second step waits for them
+    arrived = threading.Event()
+    adapter.hold = lambda: arrived.wait(10)
     with ThreadPoolExecutor(8) as pool:
         first = pool.submit(batcher.denoise, {}, params(0, steps=6))
-        time.sleep(0.1)  # request 0 is mid-loop when 1 and 2 arrive
+        deadline = time.monotonic() + 10
+        while not adapter.steps and time.monotonic() < deadline:  # its first step began
+            time.sleep(0.005)
         later = [pool.submit(batcher.denoise, {}, params(s, steps=2)) for s in (1, 2)]
-        time.sleep(0.02)
         queued = pool.submit(batcher.denoise, {}, params(3, steps=1))  # batch full: waits for room
+        deadline = time.monotonic() + 10
+        while len(batcher._waiting) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        arrived.set()
         results = [f.result(timeout=10) for f in (first, *later, queued)]
     assert adapter.steps[0] == [0]
     joined = adapter.steps.index([0, 1, 2])
-    assert joined >= 1 and adapter.steps[joined + 1] == [0, 1, 2]
+    assert joined == 1 and adapter.steps[joined + 1] == [0, 1, 2]
     assert [0, 3] in adapter.steps[joined + 2:]  # 3 joined once 1 and 2 were done
     assert sum(len(s) for s in adapter.steps) == 6 + 2 + 2 + 1
     assert all(out["x"].numel() > 0 and share > 0 and counted == {} for out, share, counted in results)
