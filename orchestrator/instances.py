@@ -82,7 +82,8 @@ class InstanceLifecycle:
         inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
         inst.lora_slots = msg.lora_slots or inst.lora_slots
         inst.lora_load_s = msg.lora_load_s or inst.lora_load_s
-        inst.lora_host, inst.lora_host_slots, inst.lora_restores = list(msg.lora_host), msg.lora_host_slots, msg.lora_restores
+        inst.lora_host, inst.lora_restores = list(msg.lora_host), msg.lora_restores
+        self.registry.set_lora_host_slots(inst, msg.lora_host_slots)
         inst.lora_restore_s = msg.lora_restore_s or inst.lora_restore_s
         inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
         inst.phase, inst.compile_s = msg.phase, msg.compile_s

@@ -262,6 +262,7 @@ class Registry:
         self.by_id: dict[str, Instance] = {}
         self._by_role: dict[str, list[Instance]] = {}
         self._batching: dict[str, bool] = {}
+        self._host_tier: dict[str, bool] = {}
         self._sessions = 0
         self.free = FreeIndex()
 
@@ -276,6 +277,7 @@ class Registry:
         self.free.update(inst)
         self._by_role.clear()
         self._batching.clear()
+        self._host_tier.clear()
         return inst
 
     def batching(self, role: str) -> bool:
@@ -284,6 +286,19 @@ class Registry:
         if cached is None:
             cached = self._batching[role] = any(i.max_batch > 1 for i in self.of_role(role))
         return cached
+
+    def host_tier(self, role: str) -> bool:
+        """Whether some instance of the role keeps unloaded LoRA adapters in host memory (lora_host_slots > 0)."""
+        cached = self._host_tier.get(role)
+        if cached is None:
+            cached = self._host_tier[role] = any(i.lora_host_slots > 0 for i in self.of_role(role))
+        return cached
+
+    def set_lora_host_slots(self, inst: Instance, slots: int) -> None:
+        """A heartbeat's `lora_host_slots` (it comes after registration)."""
+        if slots != inst.lora_host_slots:
+            inst.lora_host_slots = slots
+            self._host_tier.pop(inst.role, None)
 
     def get(self, instance_id: str) -> Instance | None:
         return self.by_id.get(instance_id)

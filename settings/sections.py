@@ -160,18 +160,18 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
         extra=use("role", flag=None))] = 4096
-    affinity: Annotated[Literal["on", "off", "cost", "slack", "two-choices"], Meta(description=(
-        "on: of the free denoisers, one that holds all of a request's adapters gets it; when only busy ones hold "
-        "them, the request waits for one at most as long as a load takes, then goes elsewhere (the load rule, "
-        "BENCHMARKS.md). cost: the free denoiser where the request is expected to finish first, counting the "
-        "work each holds, a load where its adapters are not held (a restore where it keeps them in host memory) and "
-        "half a load more when it evicts one (half a restore with host_slots, unless host memory is full): with "
-        "host_slots the rule to use (0.11x of off's loads, the shortest tail); without, measured, not chosen (0.67x "
-        "of off's loads against on's 0.37x, no shorter tail). "
-        "off: adapters play no part in dispatch. slack (a holder unless another has more than one free slot "
-        "more) and two-choices (the freer of two holders drawn at random) are rules it was measured against, "
-        "kept to compare."),
-        extra=use("orchestrator", flag="--lora-affinity"))] = "on"
+    affinity: Annotated[Literal["auto", "on", "off", "cost", "slack", "two-choices"], Meta(description=(
+        "auto: cost where a denoiser keeps adapters in host memory (host_slots), else on: each where it was "
+        "measured best (BENCHMARKS.md, LoRA affinity). on: of the free denoisers, one that holds all of a "
+        "request's adapters gets it; when only busy ones hold them, the request waits for one at most as long as "
+        "a load takes, then goes elsewhere (the load rule). cost: the free denoiser where the request is expected "
+        "to finish first, counting the work each holds, a load where its adapters are not held (a restore where it "
+        "keeps them in host memory) and half a load more when it evicts one (half a restore with host_slots, unless "
+        "host memory is full); without host memory it loads more than on (0.67x of off's loads against 0.37x) for "
+        "no shorter tail. off: adapters play no part in dispatch. slack (a holder unless another has more than one "
+        "free slot more) and two-choices (the freer of two holders drawn at random) are rules it was measured "
+        "against, kept to compare."),
+        extra=use("orchestrator", flag="--lora-affinity"))] = "auto"
 
 
 class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

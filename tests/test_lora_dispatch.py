@@ -93,10 +93,10 @@ def test_the_slack_rule_sends_a_request_elsewhere_when_the_holder_is_much_busier
     assert to_denoiser(h, "w2")[0] == "denoiser-0"
 
 
-def cost_harness(tmp_path):
+def cost_harness(tmp_path, affinity="cost"):
     """The `cost` rule over two denoisers: one request alone costs 0.7 s on each, a load 0.8 s (the requests'
     waits for loads, before any heartbeat says better)."""
-    h = lora_harness(tmp_path, affinity="cost")
+    h = lora_harness(tmp_path, affinity=affinity)
     h.add("encoder", capacity=8), h.add("decoder")
     d0, d1 = h.add("denoiser", 2, capacity=4)
     for iid in (d0, d1):
@@ -135,6 +135,22 @@ def test_the_cost_rule_counts_a_load_at_what_the_instances_own_loads_took(tmp_pa
     assert to_denoiser(h, "r3")[0] == d0
     # a request without adapters is placed by the policy as ever
     assert to_denoiser(h, "n1", names=())[0] in (d0, d1)
+
+
+def test_auto_is_on_without_host_memory_and_cost_once_a_denoiser_keeps_adapters_there(tmp_path):
+    """loras.affinity auto, the default: each rule where BENCHMARKS.md measured it best."""
+    assert LoraSettings().affinity == "auto"
+    for tier in (False, True):
+        (tmp_path / str(tier)).mkdir()
+        h, d0, d1 = cost_harness(tmp_path / str(tier), affinity="auto")
+        assert h.router.affinity_rule == "strict"
+        if tier:  # host memory comes with a heartbeat, after registration
+            h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_host_slots=8))
+        assert h.router.affinity_rule == ("cost" if tier else "strict")
+        holding(h, d1, ["A"])
+        picks = [to_denoiser(h, f"r{k}")[0] for k in range(3)]
+        # on: the holder while it has a free slot; cost: the third loads on the idle one (1.5 s against 2.1 s)
+        assert picks == ([d1, d1, d0] if tier else [d1, d1, d1]), tier
 
 
 @pytest.mark.parametrize("affinity", ["off", "on", "two-choices"])
