@@ -91,7 +91,8 @@ if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   step transfer 120 python3 -m launcher bench transfer --engines shm,inline --sizes 16384,4194304 --repeats 3 --warmup 1 --json
   step parity 150 python3 benchmarks/gpu_e2e.py parity --device cpu --out "$OUT"
   step flux 150 python3 benchmarks/gpu_e2e.py flux --device cpu --size 128 --steps 2 --runs 1 --out "$OUT"
-  step wan 150 python3 benchmarks/gpu_e2e.py wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --out "$OUT"
+  # the video's colocated run is flux's code with another checkpoint: one layout here, both on the GPU
+  step wan 150 python3 benchmarks/gpu_e2e.py wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --layouts 1:1:1 --out "$OUT"
   step compiled 150 python3 benchmarks/gpu_e2e.py compiled --device cpu --size 64 --steps 2 --runs 1 --modes compiled --model tiny --out "$OUT"
 else
   step env 30 bash -c "nvidia-smi; python3 -c \"import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))\""

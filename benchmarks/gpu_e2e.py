@@ -152,7 +152,9 @@ def real_size(args, family: str) -> dict:
     folder = write(Path(tempfile.mkdtemp(prefix=f"disagg-{family}-")), "real" if args.device.startswith("cuda") else "toy")
     width, height = args.size, args.height or args.size
     gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
-    layouts = {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"], "colocated": ["--colocated", "1"]}
+    layouts = {name: flags for name, flags in {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"],
+                                               "colocated": ["--colocated", "1"]}.items()
+               if name in args.layouts.split(",")}
     video = {"num_frames": args.frames, "response_format": "mp4"} if family == "wan" else {}
     doc = {"model": {"flux": "FLUX.1-dev", "wan": "Wan 2.1 T2V 1.3B"}[family] + " shapes, random weights",
            "size": f"{width}x{height}", **({"frames": args.frames} if video else {}), "runs": args.runs, "layouts": {}}
@@ -171,7 +173,7 @@ def real_size(args, family: str) -> dict:
                 }
         doc["layouts"][name] = res
         print(name, res, flush=True)
-    for steps in args.steps:
+    for steps in args.steps if len(doc["layouts"]) == 2 else []:
         d = doc["layouts"]["1:1:1"][f"{steps} steps"]["latency_s"]
         c = doc["layouts"]["colocated"][f"{steps} steps"]["latency_s"]
         doc[f"overhead {steps} steps"] = {"disaggregated_s": d, "colocated_s": c, "overhead_s": round(d - c, 4),
@@ -220,6 +222,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, nargs="+", default=[4, 28])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--boot-s", type=float, default=240)
+    ap.add_argument("--layouts", default="1:1:1,colocated", help="flux, wan: which of 1:1:1,colocated to run (the "
+                    "overhead row needs both)")
     ap.add_argument("--modes", default="eager,compiled", help="compiled: which of eager,compiled to run")
     ap.add_argument("--model", default="", help="compiled: this model instead of FLUX.1-dev shapes (the CPU dry run: "
                     "tiny, whose compiled kernels tests/test_compile.py may have left in DISAGG_COMPILE_CACHE_DIR)")
