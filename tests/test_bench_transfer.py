@@ -1,6 +1,7 @@
 """`disagg bench transfer` end to end, small: the JSON shape and that the numbers are measured."""
 
 import json
+import os
 
 import pytest
 
@@ -18,10 +19,12 @@ def test_shapes_hold_exact_sizes():
         shape_for(1000)
 
 
-def test_bench_transfer_json():
+def test_bench_transfer_json(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     res = disagg("bench", "transfer", "--engines", "shm,inline", "--sizes", "16384,1048576", "--repeats", "3",
-                 "--warmup", "1", "--json", timeout=240)
+                 "--warmup", "1", "--json", timeout=240, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert not list(tmp_path.glob("disagg-bench-*"))  # its run folder is gone
     doc = json.loads(res.stdout)
     assert set(doc["memcpy"]) == {"16384", "1048576"} and doc["memcpy"]["16384"]["median_us"] > 0
     for engine in ("shm", "inline"):

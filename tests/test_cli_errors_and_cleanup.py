@@ -153,14 +153,6 @@ def test_a_killed_role_then_a_killed_launcher_leave_no_segment(tmp_path):
         dep.stop()
 
 
-def test_bench_transfer_leaves_no_run_folder(tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    res = disagg("bench", "transfer", "--engines", "shm", "--sizes", "16384", "--repeats", "1", "--warmup", "0",
-                 "--json", timeout=120, env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert not list(tmp_path.glob("disagg-bench-*"))
-
-
 def test_a_role_whose_launcher_died_before_it_looked_exits_and_removes_its_pool(tmp_path):
     """The race behind a leaked `disagg-RUN-denoiser-0-PID` segment: a launcher restarts a killed role and is
     killed itself before that role checks its parent. Here the "launcher" (sh) starts the role and exits at

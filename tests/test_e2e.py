@@ -236,6 +236,8 @@ def test_all_slots_and_pools_free_after_the_runs(deployment):
     assert report.requests.in_flight == 0 and report.requests.failed == 0
     for inst in report.instances:
         assert inst.free_slots == inst.capacity and inst.pool_used_bytes == 0, inst
+    # on one host `auto` fetches by shared memory (tests/test_engines_e2e.py runs the others)
+    assert {i.engine for i in report.instances if i.role != "encoder"} == {"shm"}, report.instances
 
 
 def test_an_image_for_a_text_only_model_is_refused_naming_the_model(deployment):

@@ -1,32 +1,51 @@
 """No request lost: kill -9, SIGSTOP, a killed orchestrator, garbage floods and timeouts, over real
-processes. One 2:2:2 tiny deployment (with a spare interpreter) shared by the module; the orchestrator
-kill comes last."""
+processes. One 2:2:2 tiny deployment (with a spare interpreter and an HTTP gateway) shared by the module.
+kill -9 of the orchestrator with requests in flight, from `disagg submit` as a user runs it and from HTTP
+clients: every request still finishes, once, and no stage already done is done again; the last kill comes
+last."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
+import threading
 import time
 
+import httpx
 import msgspec
 import psutil
 import pytest
 import zmq
 
 from client import Client
-from tests.conftest import Launched, Load, pid_alive, wait_until
-from transport.messages import GenerationParams, Heartbeat, Register, StatusQuery, Submit, encode
+from tests.conftest import Load, launch_with_http, pid_alive, wait_until
+from transport.messages import (
+    GenerationParams,
+    Heartbeat,
+    Register,
+    StatusQuery,
+    Submit,
+    encode,
+)
 
 pytestmark = pytest.mark.e2e
 
 N_INSTANCES = 6
+N = 50  # requests in flight when the orchestrator is killed (the restart tests)
+ROLES = ("encoder", "denoiser", "decoder")
 RECOVERY = {}  # what the closing note reports: kill -> replacement ready, per role
 
 
 @pytest.fixture(scope="module")
 def deployment(module_tmp):
-    dep = Launched(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2", "--spares", "1"], module_tmp)
+    dep = launch_with_http(["-e", "2", "-d", "2", "-k", "2", "--no-dashboard", "--heartbeat-timeout", "2", "--spares", "1"],
+                           module_tmp)
     try:
         dep.wait_ready(N_INSTANCES)
         yield dep
@@ -198,12 +217,98 @@ def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment
     assert growth < 64 * 2**20, f"orchestrator grew by {growth / 2**20:.1f} MiB"
 
 
+# --- kill -9 of the orchestrator: nothing lost, nothing redone ------------------------------------------
+
+
+def computed(dep) -> dict[str, int]:
+    """Stages each role kind finished, by the role processes' own counts (they survive the orchestrator)."""
+    report = status(dep)
+    return {role: sum(i.computed for i in report.instances if i.role == role) for role in ROLES}
+
+
+def settled(dep) -> dict[str, int]:
+    """The counts once nothing runs and every role has heartbeated since (a role counts a stage before it sends
+    its Done, so the first heartbeat after the last Done carries its final count)."""
+    wait_until(lambda: all(i.in_flight == 0 and i.state == "ready" for i in status(dep).instances), timeout=60)
+    t0 = time.monotonic()
+
+    def heard():
+        t_query = time.monotonic()
+        report = status(dep)
+        return all(t_query - i.last_seen_s > t0 for i in report.instances)
+
+    wait_until(heard, timeout=10, step=0.1)
+    return computed(dep)
+
+
+def kill_orchestrator_midway(dep) -> int:
+    """Once some requests are done and many in flight, kill -9 the orchestrator; its pid."""
+    done0 = status(dep).requests.completed
+    report = wait_until(lambda: (r := status(dep)).requests.completed - done0 >= 5 and r, timeout=120, step=0.02)
+    assert report.requests.in_flight >= 20, f"the load ended before the kill: {report.requests}"
+    pid = int(report.orchestrator["pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def check_recovered(dep, old_pid: int, before: dict[str, int]) -> None:
+    report = wait_until(lambda: (r := status(dep)).orchestrator["pid"] != old_pid and r, timeout=60)
+    after = settled(dep)
+    # each stage of each request ran once: nothing redone, nothing run twice
+    assert {role: after[role] - before[role] for role in ROLES} == {role: N for role in ROLES}
+    report = status(dep)
+    assert all(i.free_slots == i.capacity and i.pool_used_bytes == 0 for i in report.instances), report.instances
+
+
+def test_kill_9_orchestrator_under_disagg_submit_loses_nothing_and_redoes_nothing(deployment, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"restart {i}", "width": 64, "height": 64,
+                                           "num_inference_steps": 4, "seed": i}) + "\n" for i in range(N)))
+    before = settled(deployment)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", deployment.endpoint,
+                             "--concurrency", str(N), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        old = kill_orchestrator_midway(deployment)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    assert "error" not in output.lower() and "fail" not in output.lower(), output
+    assert len(list(out.glob("*.png"))) == N
+    check_recovered(deployment, old, before)
+
+
+def test_kill_9_orchestrator_under_http_load_loses_nothing_and_redoes_nothing(deployment):
+    before = settled(deployment)
+    results: list = []
+
+    async def load():
+        async with httpx.AsyncClient(base_url=deployment.http, timeout=180) as http:
+            async def one(i):
+                r = await http.post("/v1/images/generations", json={"prompt": f"http restart {i}", "size": "64x64",
+                                                                     "seed": i, "num_inference_steps": 4})
+                return r.status_code, r.json()
+            results.extend(await asyncio.gather(*(one(i) for i in range(N))))
+
+    thread = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
+    thread.start()
+    old = kill_orchestrator_midway(deployment)
+    thread.join(180)
+    assert not thread.is_alive()
+    assert [code for code, _ in results] == [200] * N, [body for code, body in results if code != 200]
+    assert all(base64.b64decode(body["data"][0]["b64_json"])[:4] == b"\x89PNG" for _, body in results)
+    check_recovered(deployment, old, before)
+
+
 @pytest.mark.ends_deployment
 def test_kill_9_orchestrator(deployment):
     """Last: the orchestrator restarts, roles re-register without restarting, and every request in flight
-    still finishes (tests/test_orchestrator_restart.py checks that no stage ran twice)."""
+    still finishes (the restart tests above check that no stage ran twice)."""
     report = status(deployment)
     role_pids = {i.id: i.pid for i in report.instances}
+    restarts = report.orchestrator["restarts"]  # the restart tests killed it before
     old = psutil.Process(int(report.orchestrator["pid"]))
     load = Load(deployment.endpoint, [GenerationParams(prompt=f"kept {i}", width=256, height=256, num_inference_steps=6, seed=i)
                                       for i in range(20)], concurrency=20)
@@ -217,7 +322,7 @@ def test_kill_9_orchestrator(deployment):
     report = wait_until(lambda: (r := status(deployment)).orchestrator["pid"] != old.pid
                         and sum(i.state == "ready" for i in r.instances) == N_INSTANCES and r, timeout=60)
     RECOVERY["orchestrator"] = round(time.monotonic() - t_kill, 1)
-    assert report.orchestrator["restarts"] == 1
+    assert report.orchestrator["restarts"] == restarts + 1
     assert {i.id: i.pid for i in report.instances} == role_pids
     outcomes = Load(deployment.endpoint, small(10, "after restart"), concurrency=10).join()
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]

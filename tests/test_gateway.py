@@ -355,9 +355,9 @@ def test_video_progress_comes_from_the_denoising_steps(wan):
     stream (GET /v1/videos/{id}/events), as image streams carry their previews."""
     import json
 
-    # ~7 s here (tiny Wan at 256x256, 33 frames, 60 steps): several heartbeats report its steps
+    # ~4 s here (tiny Wan at 256x256, 33 frames, 30 steps): several heartbeats report its steps
     r = httpx.post(wan.http + "/v1/videos", json={"prompt": "a slow one", "size": "256x256", "num_frames": 33,
-                                                  "num_inference_steps": 60}, timeout=10)
+                                                  "num_inference_steps": 30}, timeout=10)
     assert r.status_code == 200, r.text
     vid = r.json()["id"]
     events = []

@@ -13,7 +13,7 @@ from transport.messages import GenerationParams
 pytestmark = pytest.mark.e2e
 
 #: steps of the long request: long enough that the short one arrives while it denoises
-LONG_STEPS = {"flux": 400, "wan21": 300, "tiny": 400}
+LONG_STEPS = {"flux": 200, "wan21": 150, "tiny": 200}
 
 
 def pair(kind: str) -> tuple[GenerationParams, GenerationParams]:

@@ -87,10 +87,11 @@ def settings_logged(log_path) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layers", ["file", "env", "flag"])
+@pytest.mark.parametrize("layers", ["file", "flag"])
 def test_each_process_runs_with_the_winning_value(layers, tmp_path):
     """One setting per process kind (orchestrator: max_queue; role: dtype; gateway: http.image_ttl), set in the
-    file, then also in the environment, then also as a flag: the process logs the winner's value."""
+    file, then also in the environment and as a flag: the process logs the winner's value (the environment's
+    over the file's: image_ttl, which has no flag; every layer's order: tests above, in this process)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: payload\nmax_queue: 11\ndtype: float16\nhttp: {image_ttl: 11}\n")
     env = clean_env()
