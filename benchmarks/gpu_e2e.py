@@ -152,9 +152,8 @@ def real_size(args, family: str) -> dict:
     folder = write(Path(tempfile.mkdtemp(prefix=f"disagg-{family}-")), "real" if args.device.startswith("cuda") else "toy")
     width, height = args.size, args.height or args.size
     gpu = ["--gpus", "0"] if args.device.startswith("cuda") else []
-    layouts = {name: flags for name, flags in {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"],
-                                               "colocated": ["--colocated", "1"]}.items()
-               if name in args.layouts.split(",")}
+    every = {"1:1:1": ["-e", "1", "-d", "1", "-k", "1"], "colocated": ["--colocated", "1"]}
+    layouts = {name: every[name] for name in args.layouts.split(",")}
     video = {"num_frames": args.frames, "response_format": "mp4"} if family == "wan" else {}
     doc = {"model": {"flux": "FLUX.1-dev", "wan": "Wan 2.1 T2V 1.3B"}[family] + " shapes, random weights",
            "size": f"{width}x{height}", **({"frames": args.frames} if video else {}), "runs": args.runs, "layouts": {}}

@@ -28,14 +28,13 @@ import msgspec
 
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1
-#: loras.affinity -> the load rule (auto: AUTO_RULES): on (`strict`: warm whenever one is free; its bound is the instance's capacity
+#: loras.affinity -> the load rule: on (`strict`: warm whenever one is free; its bound is the instance's capacity
 #: and the patience of orchestrator/placement.py worth_waiting), cost (the earliest expected finish, a load and
 #: what it evicts counted: expected_finish), and the alternatives BENCHMARKS.md measured them against: slack
-#: (the rule above), two-choices (the freer of two warm ones drawn at random)
+#: (the rule above), two-choices (the freer of two warm ones drawn at random). auto, the default, is not here:
+#: cost where a denoiser keeps unloaded adapters in host memory (loras.host_slots), else on, each where it
+#: measured best (Placement.affinity_rule)
 AFFINITY_RULES = {"on": "strict", "off": None, "cost": "cost", "slack": "slack", "two-choices": "two-choices"}
-#: loras.affinity auto (the default): the rule measured best for the pool (BENCHMARKS.md, LoRA affinity): cost where
-#: a denoiser keeps unloaded adapters in host memory (loras.host_slots), else on
-AUTO_RULES = {True: "cost", False: "strict"}
 #: the `cost` rule's price of evicting an adapter to load another, in loads: a later request for the evicted one
 #: may have to load it again (BENCHMARKS.md, LoRA affinity: with it, `cost` still loads 0.86x of `off`)
 EVICTION_COST = 0.5

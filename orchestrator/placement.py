@@ -9,7 +9,7 @@ import logging
 import msgspec
 
 from orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from orchestrator.loras import AFFINITY_RULES, AUTO_RULES, evicts, expected_finish, holds, in_host, note_assigned, reload_s
+from orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, in_host, note_assigned, reload_s
 from orchestrator.outbox import Out, to_instance
 from orchestrator.registry import Instance
 from orchestrator.requests import ROLES, Request, next_stage
@@ -45,7 +45,8 @@ class Placement:
         where a denoiser keeps adapters in host memory, else on's (strict)."""
         setting = self.config.loras.affinity
         if setting == "auto":
-            return AUTO_RULES[self.registry.host_tier("denoiser") or self.registry.host_tier("monolith")]
+            hosted = self.registry.host_tier("denoiser") or self.registry.host_tier("monolith")
+            return "cost" if hosted else AFFINITY_RULES["on"]
         return AFFINITY_RULES[setting]
 
     def dispatch_queued(self, now: float, out: list[Out]) -> None:

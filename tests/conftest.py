@@ -179,6 +179,22 @@ def wait_until(pred, timeout=60, step=0.1, why=None):
     raise AssertionError(f"condition not met in {timeout} s" + (f": {why()}" if why else ""))
 
 
+def heard_from_all(endpoint: str) -> None:
+    """Until every instance has sent the orchestrator a message since now: a role a second launch disturbed (its
+    port or lane taken, its registration replaced) would be silent and, a heartbeat timeout later, dead."""
+    from client import Client
+
+    t0 = time.monotonic()
+
+    def all_heard():
+        t_query = time.monotonic()
+        with Client(endpoint) as client:
+            report = client.status()
+        return all(i.state == "ready" and t_query - i.last_seen_s > t0 for i in report.instances)
+
+    wait_until(all_heard, timeout=10, step=0.1)
+
+
 def launch_with_http(args: list[str], tmp: Path) -> Launched:
     """`disagg launch ARGS --http-port P`; the result's `http` is the gateway's base URL."""
     port = free_port_pair()

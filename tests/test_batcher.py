@@ -12,6 +12,7 @@ from roles.batcher import StepBatcher
 from roles.pipelines.sim import SimAdapter
 from roles.pipelines.sim_profile import load_profile
 from roles.stage import Stage
+from tests.conftest import wait_until
 from transport.messages import GenerationParams
 
 
@@ -46,14 +47,10 @@ def test_requests_join_the_running_batch_at_step_boundaries():
     adapter.hold = lambda: arrived.wait(10)
     with ThreadPoolExecutor(8) as pool:
         first = pool.submit(batcher.denoise, {}, params(0, steps=6))
-        deadline = time.monotonic() + 10
-        while not adapter.steps and time.monotonic() < deadline:  # its first step began
-            time.sleep(0.005)
+        wait_until(lambda: adapter.steps, timeout=10, step=0.005)  # its first step began
         later = [pool.submit(batcher.denoise, {}, params(s, steps=2)) for s in (1, 2)]
         queued = pool.submit(batcher.denoise, {}, params(3, steps=1))  # batch full: waits for room
-        deadline = time.monotonic() + 10
-        while len(batcher._waiting) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: len(batcher._waiting) == 3, timeout=10, step=0.005)
         arrived.set()
         results = [f.result(timeout=10) for f in (first, *later, queued)]
     assert adapter.steps[0] == [0]

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, wait_until
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, heard_from_all, pid_alive
 from transport.lane import lane_path
 from transport.messages import (
     ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
@@ -26,20 +26,6 @@ def pids(endpoint: str) -> dict[str, int]:
     with Client(endpoint) as client:
         report = client.status()
     return {"orchestrator": int(report.orchestrator["pid"]), **{i.id: i.pid for i in report.instances}}
-
-
-def heard_from_all(endpoint: str) -> None:
-    """Until every instance has sent the orchestrator a message since now: a role a second launch disturbed (its
-    port or lane taken, its registration replaced) would be silent and, a heartbeat timeout later, dead."""
-    t0 = time.monotonic()
-
-    def all_heard():
-        t_query = time.monotonic()
-        with Client(endpoint) as client:
-            report = client.status()
-        return all(i.state == "ready" and t_query - i.last_seen_s > t0 for i in report.instances)
-
-    wait_until(all_heard, timeout=10, step=0.1)
 
 
 def serves(endpoint: str) -> bool:

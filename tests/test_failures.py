@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import Load, launch_with_http, pid_alive, wait_until
+from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
 from transport.messages import (
     GenerationParams,
     Heartbeat,
@@ -230,14 +230,7 @@ def settled(dep) -> dict[str, int]:
     """The counts once nothing runs and every role has heartbeated since (a role counts a stage before it sends
     its Done, so the first heartbeat after the last Done carries its final count)."""
     wait_until(lambda: all(i.in_flight == 0 and i.state == "ready" for i in status(dep).instances), timeout=60)
-    t0 = time.monotonic()
-
-    def heard():
-        t_query = time.monotonic()
-        report = status(dep)
-        return all(t_query - i.last_seen_s > t0 for i in report.instances)
-
-    wait_until(heard, timeout=10, step=0.1)
+    heard_from_all(dep.endpoint)
     return computed(dep)
 
 

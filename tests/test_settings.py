@@ -95,12 +95,10 @@ def test_each_process_runs_with_the_winning_value(layers, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: payload\nmax_queue: 11\ndtype: float16\nhttp: {image_ttl: 11}\n")
     env = clean_env()
-    want = (11, "float16", 11.0)
-    if layers in ("env", "flag"):
-        env.update(DISAGG_MAX_QUEUE="22", DISAGG_DTYPE="bfloat16", DISAGG_HTTP_IMAGE_TTL="22")
-        want = (22, "bfloat16", 22.0)
-    flags = ["--max-queue", "33", "--dtype", "float32"] if layers == "flag" else []
+    want, flags = (11, "float16", 11.0), []
     if layers == "flag":
+        env.update(DISAGG_MAX_QUEUE="22", DISAGG_DTYPE="bfloat16", DISAGG_HTTP_IMAGE_TTL="22")
+        flags = ["--max-queue", "33", "--dtype", "float32"]
         want = (33, "float32", 22.0)  # image_ttl has no flag: its variable still wins over the file
     http = free_port_pair()
     dep = Launched(["--config", str(cfg), "-e", "1", "-d", "0", "-k", "0", "--http-port", str(http),
