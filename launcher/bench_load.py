@@ -64,6 +64,22 @@ def zipf_names(n: int, s: float, count: int, rng: random.Random) -> list[str]:
     return [f"{LORA_PREFIX}{k}" for k in rng.choices(range(n), weights=weights, k=count)]
 
 
+def adapter_rng(seed: int) -> random.Random:
+    """The adapters' own random stream: drawing them leaves the arrivals (poisson_arrivals) as they are, so a run
+    with `--loras` meets the same arrival times as the same seed's run without (BENCHMARKS.md, LoRA affinity)."""
+    return random.Random(f"{seed}:loras")
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """An open loop's send times (seconds from the start): Poisson at `rate`, the same for a seed whatever else
+    the run draws."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def lora_report(before: StatusReport, after: StatusReport) -> dict:
     """Adapter loads and hits on the instances that apply them, and each one's share of the requests, between
     two status reports: cold_loads, restores (adapters copied back from host memory: loras.host_slots), hits,
@@ -98,20 +114,14 @@ def run_load(
 ) -> dict:
     """Warm up (one at a time: the unloaded latency), then run the measured load; return the report. `loras`:
     each measured request applies one adapter, drawn with Zipf(`lora_zipf`) from that many names."""
-    rng = random.Random(seed)
     reqs = [workload[k % len(workload)] for k in range(num_requests)]
     if loras:
         reqs = [msgspec.structs.replace(p, loras=[LoraRef(name=name)])
-                for p, name in zip(reqs, zipf_names(loras, lora_zipf, len(reqs), rng))]
+                for p, name in zip(reqs, zipf_names(loras, lora_zipf, len(reqs), adapter_rng(seed)))]
     warm = client.run_all([workload[k % len(workload)] for k in range(max(warmup, 1))], concurrency=1)
     unloaded = statistics.median([o.latency_s for o in warm if o.ok] or [0.0])
     before = client.status()
-    arrivals = None
-    if request_rate:
-        t, arrivals = 0.0, []
-        for _ in reqs:
-            arrivals.append(t)
-            t += rng.expovariate(request_rate)
+    arrivals = poisson_arrivals(len(reqs), request_rate, seed) if request_rate else None
     t0 = time.monotonic()
     outcomes = client.run_all(reqs, concurrency=concurrency or 1, arrivals=arrivals)
     duration = time.monotonic() - t0

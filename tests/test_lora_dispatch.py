@@ -7,14 +7,23 @@ import random
 
 import pytest
 
-from launcher.bench_load import zipf_names
+from client import Outcome
+from launcher.bench_load import run_load, zipf_names
 from orchestrator.loras import LoraCatalog, scan
 from roles.lora_backends import SimLoras
 from roles.loras import USE_WINDOW, LoraBank
 from roles.pipelines.sim_profile import load_profile
 from settings.schema import LoraSettings
 from tests.test_router import Harness, runs, staged
-from transport.messages import ErrorCode, GenerationParams, Heartbeat, LoraRef, Rejected
+from transport.messages import (
+    ErrorCode,
+    GenerationParams,
+    Heartbeat,
+    LoraRef,
+    Rejected,
+    RequestCounts,
+    StatusReport,
+)
 
 
 def lora_harness(tmp_path, affinity="on", **loras):
@@ -192,6 +201,34 @@ def test_bench_draws_adapters_with_zipf():
     counts = [names.count(f"sim-lora-{k}") for k in range(32)]
     assert counts[0] > counts[1] > counts[3] > counts[15] > 0 and abs(counts[0] / counts[1] - 2 ** 1.1) < 0.4
     assert set(zipf_names(4, 0.0, 400, random.Random(1))) == {f"sim-lora-{k}" for k in range(4)}
+
+
+def test_bench_sends_requests_with_adapters_at_the_times_it_sends_them_without():
+    """A run with --loras meets the same arrival times as the same seed's run without: the p95 target compares
+    the two, so the adapters must be all that differs."""
+
+    class Recorder:  # the client's side of run_load: what it was asked to send, and when
+        def __init__(self):
+            self.sent = []
+
+        def status(self):
+            return StatusReport(orchestrator={}, instances=[], queues={}, requests=RequestCounts())
+
+        def run_all(self, params, concurrency=1, arrivals=None):
+            params = list(params)
+            self.sent.append((params, arrivals))
+            return [Outcome(request_id=str(k), params=p, ok=True, latency_s=0.5) for k, p in enumerate(params)]
+
+    plain, with_loras = Recorder(), Recorder()
+    workload = [GenerationParams(prompt="x")]
+    run_load(plain, workload, 50, request_rate=4.0, warmup=1, seed=3)
+    report = run_load(with_loras, workload, 50, request_rate=4.0, warmup=1, seed=3, loras=32)
+    (bare, times), (named, same_times) = plain.sent[-1], with_loras.sent[-1]
+    assert times == same_times and len(set(times)) == 50
+    assert all(not p.loras for p in bare) and len({p.loras[0].name for p in named}) > 5
+    assert report["lora"]["adapters"] == 32
+    run_load(plain, workload, 50, request_rate=4.0, warmup=1, seed=4)
+    assert plain.sent[-1][1] != times  # another seed: another draw
 
 
 def test_bench_over_http_sends_the_adapters():
