@@ -12,8 +12,10 @@ finish, a load and an eviction counted); slack (a holder unless another has more
 two-choices (the freer of two holders drawn at random); and off, on and cost with a host-memory tier
 (`--lora-host-slots 16`, `--host-slots`: an adapter unloaded from a device waits in host memory, and comes back in
 RESTORE_MS instead of a load). `--warm-requests N` runs N requests of the same load first, unmeasured, so that the
-measured ones meet the adapters a deployment serving a while holds. Writes benchmarks/results/lora-affinity.json
-(`--out`), a table (stdout, .md) and a plot (.png).
+measured ones meet the adapters a deployment serving a while holds. Run k measures `disagg bench --seed k`: every
+setup of a run meets the same arrival times (the adapters are drawn apart), each run another draw; "p95 vs no
+adapters" divides the medians, "same run's" is the median of each run's p95 over that run's without adapters.
+Writes benchmarks/results/lora-affinity.json (`--out`), a table (stdout, .md) and a plot (.png).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ SETUPS = {"no adapters": [], "off": ["--lora-affinity", "off"], "on (strict)": [
           "two-choices": ["--lora-affinity", "two-choices"], "off + host": ["--lora-affinity", "off"],
           "on + host": ["--lora-affinity", "on"], "cost + host": ["--lora-affinity", "cost"]}  # and --lora-host-slots
 REQUEST_S = 0.68  # 4 steps x 170 ms at 1024^2 on sim:flux-h200
+#: the warm-up's seed is this plus the run's (run k measures `disagg bench --seed k`: the same arrival times in every
+#: setup of that run, adapters or not, and another draw in each run)
+WARM_SEED = 1000
 
 
 def hosted(setup: str) -> list[str]:
@@ -62,7 +67,7 @@ def hosted(setup: str) -> list[str]:
 
 
 def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: float, extra: tuple = (),
-             warm: int = 0) -> dict:
+             warm: int = 0, seed: int = 0) -> dict:
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
@@ -73,10 +78,10 @@ def run_once(name: str, config: Path, rate: float, n: int, adapters: int, zipf: 
                 *(["--loras", str(adapters), "--lora-zipf", f"{zipf:g}"] if name != "no adapters" else [])]
         if warm:  # the same load, another draw, not measured: adapters loaded as a deployment serving a while has
             res = subprocess.run(disagg("bench", "--endpoint", endpoint, "--num-requests", str(warm), "--warmup", "1",
-                                        "--seed", "1", *load), capture_output=True, text=True, timeout=1800, check=False)
+                                        "--seed", str(WARM_SEED + seed), *load), capture_output=True, text=True, timeout=1800, check=False)
             if res.returncode not in (0, 1):
                 raise SystemExit(f"warm-up bench failed: {res.stderr[-2000:]}")
-        cmd = disagg("bench", "--endpoint", endpoint, "--num-requests", str(n), "--warmup", "2", *load)
+        cmd = disagg("bench", "--endpoint", endpoint, "--num-requests", str(n), "--warmup", "2", "--seed", str(seed), *load)
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if res.returncode not in (0, 1):
             raise SystemExit(f"bench failed: {res.stderr[-2000:]}")
@@ -124,7 +129,7 @@ def main() -> None:
     for k in range(args.runs):  # setups interleaved, so a slow minute of the machine hits all of them
         for s in setups:
             runs[s].append(run_once(s, config, rate, args.num_requests, args.adapters, args.zipf, tuple(args.launch_arg),
-                                    args.warm_requests))
+                                    args.warm_requests, seed=k))
             print(f"run {k + 1} {s}: {runs[s][-1]}", flush=True)
     keys = ("p50_s", "p95_s", "cold_loads", "restores", "hit_rate", "max_share", "denoiser_utilization", "failed")
     medians = {s: {key: statistics.median(r[key] for r in runs[s]) for key in keys} for s in setups}
@@ -132,6 +137,10 @@ def main() -> None:
     off_loads = medians.get("off", {}).get("cold_loads")
     for s, m in medians.items():
         m["p95_vs_no_adapters"] = round(m["p95_s"] / base_p95, 3) if base_p95 else None
+        if "no adapters" in runs:  # run k's against run k's without adapters: the same arrival times
+            for r, bare in zip(runs[s], runs["no adapters"]):
+                r["p95_vs_no_adapters"] = round(r["p95_s"] / bare["p95_s"], 3)
+            m["p95_vs_no_adapters_per_run"] = statistics.median(r["p95_vs_no_adapters"] for r in runs[s])
         m["cold_loads_vs_off"] = round(m["cold_loads"] / off_loads, 3) if off_loads else None
     doc = {"setup": {"denoisers": 4, "capacity": args.capacity, "slots": 4, "adapters": args.adapters, "zipf": args.zipf, "load_ms": 800,
                      "host_slots (+ host setups)": HOST_SLOTS, "restore_ms": RESTORE_MS, "warm_requests": args.warm_requests,
@@ -141,12 +150,13 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
-    lines = ["| setup | cold loads | vs off | restores | hit rate | p50 s | p95 s | p95 vs no adapters | busiest share | denoisers busy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setup | cold loads | vs off | restores | hit rate | p50 s | p95 s | p95 vs no adapters | same run's | busiest share | denoisers busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, m in medians.items():
         lines.append(f"| {s} | {m['cold_loads']:g} | {m['cold_loads_vs_off'] if m['cold_loads_vs_off'] is not None else '-'} "
                      f"| {m['restores']:g} "
                      f"| {m['hit_rate']:.1%} | {m['p50_s']:.3f} | {m['p95_s']:.3f} | {m['p95_vs_no_adapters']} "
+                     f"| {m.get('p95_vs_no_adapters_per_run', '-')} "
                      f"| {m['max_share']:.2f} | {m['denoiser_utilization']:.0%} |")
     table = "\n".join(lines)
     out.with_suffix(".md").write_text(table + "\n")
