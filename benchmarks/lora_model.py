@@ -45,6 +45,7 @@ def zipf(n: int, s: float) -> list[float]:
 
 def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: bool = True) -> dict:
     rng = random.Random(seed)
+    draw = random.Random(f"{seed}:loras")  # the adapters' own stream: the same arrivals with adapters as without
     p = zipf(ADAPTERS, ZIPF)
     rate = 0.7 * DENOISERS / (STEPS * STEP_S)
     inst = [{"adm": {}, "held": collections.OrderedDict(), "pins": collections.Counter(), "uses": collections.Counter(),
@@ -54,7 +55,7 @@ def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: boo
     t = 0.0
     for i in range(n):
         t += rng.expovariate(rate)
-        heapq.heappush(events, (t + ENCODE_S, next(seq), "arrive", i, rng.choices(range(ADAPTERS), p)[0] if adapters else None))
+        heapq.heappush(events, (t + ENCODE_S, next(seq), "arrive", i, draw.choices(range(ADAPTERS), p)[0] if adapters else None))
     loads = hits = restores = 0
 
     def backlog(k):
