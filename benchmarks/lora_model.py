@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from launcher.bench_load import adapter_rng
 from orchestrator.loras import expected_finish, reload_s  # the cost rule's own formulas
 from roles.loras import USE_WINDOW as WINDOW  # the role's window of uses
 
@@ -45,7 +46,7 @@ def zipf(n: int, s: float) -> list[float]:
 
 def simulate(rule: str, evict: str, order: str, n: int, seed: int, adapters: bool = True) -> dict:
     rng = random.Random(seed)
-    draw = random.Random(f"{seed}:loras")  # the adapters' own stream: the same arrivals with adapters as without
+    draw = adapter_rng(seed)  # the adapters' own stream, as disagg bench draws them: the same arrivals as without
     p = zipf(ADAPTERS, ZIPF)
     rate = 0.7 * DENOISERS / (STEPS * STEP_S)
     inst = [{"adm": {}, "held": collections.OrderedDict(), "pins": collections.Counter(), "uses": collections.Counter(),
