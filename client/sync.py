@@ -22,6 +22,7 @@ from transport.messages import (
     ErrorCode,
     Cancel,
     GenerationParams,
+    IdleDevice,
     LauncherPoll,
     MessageError,
     Partial,
@@ -234,9 +235,11 @@ class Client:
         only those that launcher started."""
         return self._ask(StopHost(host_id=host_id, drain=drain, launcher=launcher), Stopping, timeout_s)
 
-    def launcher_poll(self, launcher: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Reroles:
-        """A launcher's orders (`rebalance: auto`): the instances it should start again as another role."""
-        return self._ask(LauncherPoll(launcher=launcher), Reroles, timeout_s)
+    def launcher_poll(self, launcher: str, timeout_s: float = CONNECT_TIMEOUT_S, ids: list[str] = (),
+                      idle: list[IdleDevice] = ()) -> Reroles:
+        """A launcher's orders (`rebalance: auto`): the instances it should start again as another role. `ids`: every
+        instance id it started; `idle`: its devices whose instance exited for a move and that await a new role."""
+        return self._ask(LauncherPoll(launcher=launcher, ids=list(ids), idle=list(idle)), Reroles, timeout_s)
 
     def run_all(
         self,

@@ -24,7 +24,7 @@ from settings import Settings
 from roles.pipelines import model_identity
 from settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from settings.process import RoleSettings as WorkerSpec
-from transport.messages import ModelIdentity, StatusReport
+from transport.messages import IdleDevice, ModelIdentity, StatusReport
 from transport.lane import lane_in_use, lane_path
 from transport.shm import SHM_PREFIX, remove_segments
 
@@ -155,7 +155,8 @@ class Deployment:
         instance of ours it drained and told to exit, and the role its device serves from now on. What was done,
         in words."""
         try:
-            orders = client.launcher_poll(self.launcher_id, timeout_s=2).orders
+            orders = client.launcher_poll(self.launcher_id, timeout_s=2, ids=self.instance_ids(),
+                                          idle=self.idle_devices()).orders
         except (Unreachable, RuntimeError):
             return []
         said = []
@@ -174,6 +175,15 @@ class Deployment:
                 child = self.spawn_role(new, take_spare=True)
             said.append(f"{order.instance_id}'s device serves as {order.new_id} now (pid {child.pid})")
         return said
+
+    def instance_ids(self) -> list[str]:
+        """Every instance id this launcher started, running or ended (a move never takes one again)."""
+        return [name for name in self.supervisor.children if name not in ("orchestrator", "gateway")][:4096]
+
+    def idle_devices(self) -> list[IdleDevice]:
+        """Devices whose instance exited for a move and that no order has given a new role yet."""
+        return [IdleDevice(instance_id=p.instance_id, role=p.role) for p in self.placements
+                if (c := self.supervisor.children.get(p.instance_id)) is not None and c.moved]
 
     def spawn_role(self, p: Placement, take_spare: bool = False) -> Child:
         c = self.config

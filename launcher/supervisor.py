@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from transport.messages import BOOT_ERROR_EXIT
+from transport.messages import BOOT_ERROR_EXIT, MOVE_EXIT
 from transport.parent import LAUNCHER_PID_ENV
 
 log = logging.getLogger("disagg.launcher")
@@ -73,6 +73,11 @@ class Child:
     @property
     def boot_error(self) -> bool:
         return self.returncode == BOOT_ERROR_EXIT
+
+    @property
+    def moved(self) -> bool:
+        """It exited so that its device serves another role (Shutdown.move)."""
+        return self.returncode == MOVE_EXIT
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -248,6 +253,9 @@ class Supervisor:
             return
         if child.returncode == 0:  # asked to stop (disagg stop, Shutdown): not a failure
             self.events.put(f"{child.name} exited")
+            return
+        if child.moved:  # exited to change role: its device waits for the orchestrator's Rerole
+            self.events.put(f"{child.name} exited to change role; its device waits for its new role")
             return
         if child.boot_error:
             child.gave_up = True

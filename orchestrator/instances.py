@@ -179,7 +179,7 @@ class InstanceLifecycle:
         """Draining instances that run and hold nothing any more are told to exit."""
         for inst in self.registry.alive():
             if inst.state == "draining" and not inst.running and not inst.staged:
-                out.append(to_instance(inst.id, Shutdown()))
+                out.append(to_instance(inst.id, Shutdown(move=inst.id in self.moving)))
                 self.lose_instance(inst, "drained", now, out)
 
     def serving_or_standby(self, inst: Instance) -> str:

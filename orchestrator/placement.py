@@ -202,7 +202,8 @@ class Placement:
             note_assigned(inst, [r.name for r in req.params.loras])
         run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
                   inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
-                  stage_deadline_s=self.stage_deadline(req, inst.role, now))
+                  stage_deadline_s=self.stage_deadline(req, inst.role, now),
+                  carry=req.cache_steps if inst.role == "decoder" else {})
         out.append(to_instance(inst.id, run, frames))
 
     def needs_inline(self, producer: Instance) -> bool:

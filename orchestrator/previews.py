@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from orchestrator.outbox import Out, to_client, to_instance
-from transport.messages import Done, Failed, Partial, Preview, Release, Run, Source
+from transport.messages import Done, Failed, HeldPreview, Partial, Preview, Release, Run, SlotRef, Source
 from transport.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
@@ -43,30 +43,44 @@ class Previews:
         #: previews decoded and sent to clients, and skipped (no free decoder, the request gone, a failure)
         self.previews_sent = 0
         self.previews_skipped = 0
+        #: previews staged before this orchestrator restarted that it could not send (recovery.py resend_previews)
+        self.previews_lost = 0
 
     def handle_preview(self, sender, msg: Preview, frames, now, out: list[Out]) -> None:
-        producer = self.registry.get(sender)
         req = self.requests.get(msg.request_id)
-        release = Release(request_id=msg.request_id, offset=msg.slot.offset)
+        ok = req is not None and req.attempt == msg.attempt and self.decode_preview(
+            req, sender, msg.slot, HeldPreview(index=msg.index, step=msg.step, steps=msg.steps, staged_at=msg.staged_at),
+            frames, now, out)
+        if not ok:
+            self.previews_skipped += 1
+            out.append(to_instance(sender, Release(request_id=msg.request_id, offset=msg.slot.offset)))
+
+    def decode_preview(self, req, producer_id: str, slot: SlotRef, info: HeldPreview, frames, now, out: list[Out]) -> bool:
+        """Have the decoder with the most free slots decode the preview staged at `slot` of `producer_id`'s pool;
+        False (nothing sent) when the request ended or has no client, or no decoder can read it."""
+        producer = self.registry.get(producer_id)
         decoders = [d for d in self.registry.of_role("decoder") if d.dispatchable] \
-            if req is not None and not req.ended and req.attempt == msg.attempt and req.clients else []
+            if producer is not None and not req.ended and req.clients else []
         engine = None
         if decoders:  # the decoder with the most free slots: a preview takes a spare one
             decoder = max(decoders, key=lambda d: d.free_slots)
             engine, _ = choose_engine(self.config.transfer, producer.pool, decoder.pool)
         if engine is None or (engine == "inline" and not frames):
-            self.previews_skipped += 1
-            out.append(to_instance(producer.id, release))
-            return
-        pid = f"{req.id[:100]}:p{msg.index}"
+            return False
+        pid = f"{req.id[:100]}:p{info.index}"
         params = msgspec.structs.replace(req.params_for("decoder"), previews=None)
         run = Run(request_id=pid, attempt=req.attempt, params=params,
-                  source=Source(slot=msg.slot, pool=producer.pool, engine=engine))
+                  source=Source(slot=slot, pool=producer.pool, engine=engine))
         decoder.free_slots -= 1
         decoder.running[pid] = req.attempt
-        self.previews[pid] = PreviewRun(req.id, msg.index, msg.step, producer.id, msg.slot.offset, decoder.id, now,
-                                        msg.steps, msg.staged_at)
+        self.previews[pid] = PreviewRun(req.id, info.index, info.step, producer.id, slot.offset, decoder.id, now,
+                                        info.steps, info.staged_at)
         out.append(to_instance(decoder.id, run, list(frames) if engine == "inline" else []))
+        return True
+
+    def preview_reads(self, producer_id: str, offset: int) -> bool:
+        """Whether a preview decode in flight reads the copy staged at `offset` of `producer_id`'s pool."""
+        return any(r.producer == producer_id and r.offset == offset for r in self.previews.values())
 
     def preview_ended(self, inst, msg: Done | Failed, frames, out: list[Out]) -> bool:
         """A Done or Failed of a preview decode: free its decoder slot and latents, send the image; False when

@@ -8,6 +8,11 @@ between the roles that serves the most (`advise`); under `auto` devices then mov
    too few devices on that device;
 3. the move is over when `new_id` is ready. Then `cooldown_s` passes before the next move.
 
+A move outlives the orchestrator that made it: the instance exits with MOVE_EXIT (Shutdown.move), and its
+launcher reports the device as idle in every LauncherPoll until an order gives it a role. A successor that finds
+such a device takes it up as a move of its own (`adopt_idle`): to the role the plan lacks most, else back to the
+role it left. New ids never repeat one the deployment used: launchers report every id they started (`ids`).
+
 Only instances of a launcher that polled in the last LAUNCHER_SILENCE_S move (a launcher that does not poll
 could not start them again), on one device each, and only to a role whose footprint fits their device's memory.
 """
@@ -62,6 +67,8 @@ class Rebalance:
         #: (when it ended, from role, to role) of the moves of the last cooldown_s: a move back is held that long
         self.recent: collections.deque = collections.deque()
         self.holding = ""
+        #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
+        self.launcher_ids: dict[str, frozenset[str]] = {}
 
     @property
     def rebalance_mode(self) -> str:
@@ -84,6 +91,9 @@ class Rebalance:
 
     def handle_launcher_poll(self, identity, msg, frames, now, out) -> None:
         self.launchers[msg.launcher] = now
+        self.launcher_ids[msg.launcher] = frozenset(msg.ids)
+        if msg.idle and self.rebalance_mode == "auto" and not self.stopping:
+            self.adopt_idle(msg.launcher, msg.idle, now)
         orders = [Rerole(instance_id=m.inst, new_id=m.new_id, role=m.to_role) for m in self.moving.values()
                   if m.launcher == msg.launcher and m.state == "restarting"]
         out.append(to_client(identity, Reroles(orders=orders)))
@@ -99,8 +109,9 @@ class Rebalance:
             return True
         return bool(inst.launcher) and now - self.launchers.get(inst.launcher, -math.inf) <= LAUNCHER_SILENCE_S
 
-    def split_now(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
-        """Devices per role (a device being moved counts for the role it moves to) and those that cannot move."""
+    def split_now(self, now: float, moving: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        """Devices per role (a device being moved counts for the role it moves to; with `moving` False, for none:
+        what serves now) and those that cannot move."""
         current = {r: 0 for r in ROLES}
         fixed = {r: 0 for r in ROLES}
         arriving = {m.new_id for m in self.moving.values()}
@@ -111,7 +122,7 @@ class Rebalance:
                 current[role] += 1
                 if not self.movable(inst, now):
                     fixed[role] += 1
-        for m in self.moving.values():
+        for m in self.moving.values() if moving else ():
             current[m.to_role] += 1
         return current, fixed
 
@@ -209,12 +220,37 @@ class Rebalance:
                     if i.state != "dead" and i.weights_bytes), default=0)
 
     def new_instance_id(self, role: str, old_id: str) -> str:
+        """The lowest `ROLE-k` (on the old instance's host) that no instance of the deployment ever had: not one
+        this orchestrator knows, nor one a launcher started (a restarted orchestrator knows no retired ids)."""
         host = old_id[old_id.index("@"):] if "@" in old_id else ""
-        taken = {m.new_id for m in self.moving.values()}
+        taken = {m.new_id for m in self.moving.values()}.union(*self.launcher_ids.values())
         k = 0
         while f"{role}-{k}{host}" in taken or self.registry.get(f"{role}-{k}{host}") is not None:
             k += 1
         return f"{role}-{k}{host}"
+
+    def adopt_idle(self, launcher: str, idle, now: float) -> None:
+        """Devices of `launcher` whose instance exited for a move this orchestrator did not make (its predecessor
+        died during the move): each becomes a move of this one's, so that every device of the launch serves."""
+        for device in idle:
+            if device.instance_id in self.moving:
+                continue  # a move of ours: its order is on its way
+            to_role = self.role_lacking() or device.role
+            new_id = self.new_instance_id(to_role, device.instance_id)
+            self.moving[device.instance_id] = Move(device.instance_id, new_id, device.role, to_role, launcher, now,
+                                                   state="restarting", ordered_at=now)
+            self.warnings.append(f"rebalance: {device.instance_id}'s device was between roles when the orchestrator "
+                                 f"restarted; it serves as {new_id} now")
+            log.warning("rebalance: %s's device was left between roles by an orchestrator restart; its launcher starts "
+                        "%s there", device.instance_id, new_id)
+
+    def role_lacking(self) -> str | None:
+        """The role the last plan wants most devices more of, if any."""
+        if self.plan is None:
+            return None
+        short = {r: self.plan.best[r] - self.plan.current[r] for r in ROLES}
+        role = max(ROLES, key=lambda r: short[r])
+        return role if short[role] > 0 else None
 
     def follow_moves(self, now: float) -> None:
         for m in list(self.moving.values()):
@@ -243,12 +279,13 @@ class Rebalance:
         if mode == "off":
             return None
         current, fixed = self.split_now(now)
+        serving, _ = self.split_now(now, moving=False)
         p, w = self.plan, self.plan_work
         moving = [RoleMove(instance_id=m.inst, new_id=m.new_id, from_role=m.from_role, to_role=m.to_role,
                            state=m.state, age_s=round(now - m.started, 3)) for m in self.moving.values()]
         st = RebalanceStatus(
             mode=mode, budget=sum(current.values()) - sum(fixed.values()), fixed={r: n for r, n in fixed.items() if n},
-            current=fmt(current), moving=moving, moves=self.moves_done, holding=self.holding,
+            current=fmt(serving), moving=moving, moves=self.moves_done, holding=self.holding,
             last_move_s=round(now - self.last_move_end, 3) if self.last_move_end is not None else -1.0,
             window_requests=w.requests if w is not None and p is not None else 0,
             work_s={r: round(s, 6) for r, s in w.seconds.items()} if w is not None else {},

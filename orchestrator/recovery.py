@@ -26,7 +26,7 @@ import msgspec
 
 from orchestrator.outbox import Out, to_instance
 from orchestrator.requests import MONOLITH, STAGES, Request, next_stage
-from transport.messages import Done, Fetched, Failed, Register, Release, Result, SlotRef, Source, Staged
+from transport.messages import Done, Fetched, Failed, Held, HeldPreview, Register, Release, Result, SlotRef, Source, Staged
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -49,7 +49,7 @@ class Orphan:
     """Something a role holds (or held) for a request this orchestrator does not know (yet)."""
 
     request_id: str
-    kind: str  # done | staged | running
+    kind: str  # done | staged | running | preview (a copy of a denoiser's latents before its last step)
     instance_id: str
     role: str
     attempt: int
@@ -58,6 +58,10 @@ class Orphan:
     seed: int | None = None
     done: Done | None = None
     frames: list[bytes] = field(default_factory=list)
+    #: a preview copy's index, step, steps and staging time
+    preview: HeldPreview | None = None
+    #: a denoiser's output: its step cache's label and counts, for the request's result
+    cache_steps: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -70,6 +74,13 @@ class Orphan:
     @property
     def nbytes(self) -> int:
         return sum(map(len, self.frames))
+
+
+def cache_steps(held: Held) -> dict:
+    """A held output's step-cache report, as the Result's resolved parameters spell it (empty without one)."""
+    if held.steps_computed is None:
+        return {}
+    return {"cache": held.cache or "", "steps_computed": held.steps_computed, "steps_skipped": held.steps_skipped or 0}
 
 
 class Recovery:
@@ -140,9 +151,11 @@ class Recovery:
         for held in msg.held:
             if self.unknown(held.request_id):
                 inst.staged[held.slot.offset] = held.slot.nbytes
-                self._add(held.request_id, Orphan(held.request_id, "staged", inst.id, held.role, held.attempt, now, slot=held.slot,
-                                                  seed=held.seed))
-            elif self.router.is_source(held.request_id, inst.id, held.slot.offset):
+                self._add(held.request_id, Orphan(held.request_id, "preview" if held.preview else "staged", inst.id,
+                                                  held.role, held.attempt, now, slot=held.slot, seed=held.seed,
+                                                  preview=held.preview, cache_steps=cache_steps(held)))
+            elif self.router.is_source(held.request_id, inst.id, held.slot.offset) or (
+                    held.preview is not None and self.router.preview_reads(inst.id, held.slot.offset)):
                 inst.staged[held.slot.offset] = held.slot.nbytes  # told again: still what its request reads
             else:
                 out.append(to_instance(inst.id, Release(request_id=held.request_id, offset=held.slot.offset)))
@@ -212,7 +225,11 @@ class Recovery:
             return r.kind == "done" or (inst is not None and inst.state != "dead")
 
         records = [r for r in self.orphans.pop(req.id, []) if usable(r)]
+        previews = [r for r in records if r.kind == "preview"]  # copies of latents: never what a request resumes from
+        records = [r for r in records if r.kind != "preview"]
         if not records:
+            for r in previews:  # it starts again, and stages its previews again
+                self.release(r, out)
             return False
         best = max(records, key=lambda r: (r.rank, r.attempt))
         # running work keeps the output it reads from, if that is still here (it may not have pulled it yet)
@@ -227,8 +244,12 @@ class Recovery:
         if seed is not None and req.params.seed != seed:  # the seed the first orchestrator chose for it
             req.params = msgspec.structs.replace(req.params, seed=seed)
         req.attempt = best.attempt
+        for r in (best, source):  # the step cache its denoiser ran, for its result
+            if r is not None and r.cache_steps:
+                req.cache_steps = dict(r.cache_steps)
         self.resumed[best.kind] += 1
         router = self.router
+        self.resend_previews(req, previews, best.kind == "done", now, out)
         if best.kind == "done":
             self.kept_bytes -= best.nbytes
             done = best.done
@@ -257,8 +278,19 @@ class Recovery:
         log.info("request %s: still running on %s (attempt %d)", req.id, inst.id, best.attempt)
         return True
 
+    def resend_previews(self, req: Request, previews: list[Orphan], answered: bool, now: float, out: list[Out]) -> None:
+        """Previews staged before the restart whose decode never reached the request's clients: decoded now, in
+        the order they were staged; those that cannot be (the request is answered already, a copy from an
+        earlier attempt, no decoder) are released and counted lost (status: previews_lost)."""
+        for r in sorted(previews, key=lambda r: r.preview.index):
+            if answered or r.attempt != req.attempt or not self.router.decode_preview(
+                    req, r.instance_id, r.slot, r.preview, [], now, out):
+                self.release(r, out)
+                self.router.previews_lost += 1
+                log.info("request %s: preview %d staged before the restart is lost", req.id, r.preview.index)
+
     def release(self, r: Orphan, out: list[Out]) -> None:
-        if r.kind == "staged":
+        if r.kind in ("staged", "preview"):
             inst = self.router.registry.get(r.instance_id)
             if inst is not None and inst.staged.pop(r.slot.offset, None) is not None:
                 out.append(to_instance(inst.id, Release(request_id=r.request_id, offset=r.slot.offset)))

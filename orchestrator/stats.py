@@ -86,6 +86,7 @@ def snapshot(router, now: float) -> StatusReport:
             #: live previews decoded and sent to clients, and skipped (no free decoder, the request gone)
             "previews_sent": router.previews_sent,
             "previews_skipped": router.previews_skipped,
+            "previews_lost": router.previews_lost,
             #: what the model can make, as its first stage reports it (0: no limit, max_frames 0: images only)
             **{key: value for key, value in router.limits.items()},
             #: roles with no instance that serves or will, and for how long (a join may still be coming)

@@ -18,7 +18,7 @@ from roles.stage import Stage
 from transport.allocator import PoolFull
 from transport.engines import TransferEngine, TransferError
 from transport.manifest import unpack
-from transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, Preview, Run, Staged
+from transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, HeldPreview, Preview, Run, Staged
 from transport.pool import Pool
 
 log = logging.getLogger("disagg.role")
@@ -163,11 +163,13 @@ class StageRunner:
         except PoolFull:
             return
         with self.lock:
+            staged_at = time.time()
             self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
-                                            slot=slot, seed=run.params.seed)
+                                            slot=slot, seed=run.params.seed,
+                                            preview=HeldPreview(index=index, step=step, steps=steps, staged_at=staged_at))
         extra = [self.inline_bytes(slot)] if run.inline_output else []
         self.report(Preview(request_id=run.request_id, attempt=run.attempt, index=index, step=step, steps=steps, slot=slot,
-                            staged_at=time.time()), extra)
+                            staged_at=staged_at), extra)
 
     def release(self, offset: int, request_id: str | None = None) -> bool:
         """Free the output staged at `offset`; False if none is, or it is another request's than
@@ -262,7 +264,7 @@ class StageRunner:
             if out.images:
                 done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                             image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
-                            resolved={**out.resolved, **out.cache_steps}, lora_s=lora_s)
+                            resolved={**out.resolved, **out.cache_steps, **run.carry}, lora_s=lora_s)
                 self.keep_result(done, out.images)
                 self.report(done, out.images)
             else:
@@ -270,7 +272,7 @@ class StageRunner:
                 with self.lock:
                     self.computed += not out.from_cache  # a conditioning-cache hit computed nothing
                     self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
-                                                    slot=slot, seed=run.params.seed)
+                                                    slot=slot, seed=run.params.seed, **out.cache_steps)
                 extra = [self.inline_bytes(slot)] if run.inline_output else []
                 self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
                                    fetch_s=fetch_s, device_s=device_s, lora_s=lora_s, **out.cache_steps), extra)

@@ -33,6 +33,7 @@ from transport.engines import EngineOptions, TransferEngine, make_engines
 from transport.lane import LaneLink
 from transport.messages import (
     BOOT_ERROR_EXIT,
+    MOVE_EXIT,
     Cancel,
     HEARTBEAT_INTERVAL_S,
     Alive,
@@ -277,7 +278,9 @@ class Worker(Link, SelfReport):
                              msg.offset, msg.request_id)
 
     def handle_shutdown(self, msg: Shutdown, frames) -> None:
-        self.log.info("shutdown requested")
+        self.log.info("shutdown requested%s", " (the device changes role)" if msg.move else "")
+        if msg.move:
+            self.exit_code = MOVE_EXIT
         self.stop = True
 
     # --- compute side (executor threads) ---------------------------------------------------

@@ -10,6 +10,7 @@ from transport.messages import (
     Done,
     GenerationParams,
     Heartbeat,
+    IdleDevice,
     LauncherPoll,
     PoolInfo,
     Register,
@@ -98,8 +99,9 @@ class Deployment:
     def role(self, iid, msg):
         return self.router.handle_instance(iid, msg, [], self.now)
 
-    def poll(self) -> Reroles:
-        out = self.router.handle_client(b"launcher", LauncherPoll(launcher=LAUNCHER), [], self.now)
+    def poll(self, ids=(), idle=()) -> Reroles:
+        out = self.router.handle_client(b"launcher", LauncherPoll(launcher=LAUNCHER, ids=list(ids), idle=list(idle)), [],
+                                        self.now)
         return next(o.msg for o in out if isinstance(o.msg, Reroles))
 
     def tick(self, dt):
@@ -108,9 +110,9 @@ class Deployment:
             self.role(inst.id, Heartbeat(instance_id=inst.id))
         return self.router.tick(self.now)
 
-    def serve(self, steps, n):
-        """`n` requests of `steps` steps, each stage reporting the device time FEW or MANY says."""
-        times = FEW if steps == 2 else MANY
+    def serve(self, steps, n, times=None):
+        """`n` requests of `steps` steps, each stage reporting the device time `times`, else FEW or MANY says."""
+        times = times or (FEW if steps == 2 else MANY)
         for _ in range(n):
             rid = f"r{self.n}"
             self.n += 1
@@ -136,8 +138,8 @@ def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
     d.serve(2, 6)
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
-    # the plan was made on 3:3:2; the split shown counts the devices on their way as their new role's
-    assert (rb.current, rb.recommended, rb.budget) == ("1:5:2", "1:5:2", 8)
+    # the plan was made on 3:3:2; the split shown is the one serving (the draining encoders count for no role)
+    assert (rb.current, rb.recommended, rb.budget) == ("1:3:2", "1:5:2", 8)
     assert rb.recommended_rps > 1.6 * rb.current_rps
     # two encoders drain (they hold nothing: they are shut down at once), then their launcher is told
     movers = [m.instance_id for m in rb.moving]
@@ -175,6 +177,48 @@ def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
     assert [(m.from_role, m.to_role) for m in rb.moving] == [("denoiser", "decoder")]
+
+
+def test_a_restarted_orchestrator_never_gives_a_move_an_id_the_deployment_used():
+    """Issue 42 D1: the successor's registry lacks decoder-0 (it moved to denoiser-4 before the restart), but its
+    launcher lists it among the ids it started: a move back to the decoders takes decoder-2."""
+    d = Deployment(mode="auto")
+    for iid in ("encoder-0", "denoiser-0", "denoiser-1", "denoiser-2", "denoiser-3", "denoiser-4", "decoder-1"):
+        d.add(iid.split("-")[0], iid=iid)
+    used = ["encoder-0", "encoder-1", "denoiser-0", "denoiser-1", "denoiser-2", "denoiser-3", "denoiser-4", "decoder-0",
+            "decoder-1"]
+    d.poll(ids=used)
+    d.serve(1, 8, times={"encoder": 0.024, "denoiser": 0.05, "decoder": 0.5})  # decoder-bound
+    d.tick(1.0)
+    d.tick(0.05)
+    orders = d.poll(ids=used).orders
+    assert orders and all(o.role == "decoder" for o in orders)
+    assert not {o.new_id for o in orders} & set(used), orders
+    assert sorted(o.new_id for o in orders)[0] == "decoder-2"
+
+
+def test_a_move_cut_by_an_orchestrator_restart_is_finished_by_the_successor():
+    """Issue 42 D5: encoder-0 and decoder-0 exited to become denoisers when the orchestrator died. The successor
+    hears of their devices from the launcher (idle), orders each a role (no plan yet: back to the one it left),
+    and counts them in the budget; once they serve, every device of the launch does, and status says so."""
+    d = Deployment(mode="auto")
+    for iid in ("encoder-1", "denoiser-0", "denoiser-1", "denoiser-2", "decoder-1"):
+        d.add(iid.split("-")[0], iid=iid)
+    used = ["encoder-0", "encoder-1", "denoiser-0", "denoiser-1", "denoiser-2", "decoder-0", "decoder-1"]
+    idle = [IdleDevice(instance_id="encoder-0", role="encoder"), IdleDevice(instance_id="decoder-0", role="decoder")]
+    orders = d.poll(ids=used, idle=idle).orders
+    assert sorted((o.instance_id, o.new_id, o.role) for o in orders) == [
+        ("decoder-0", "decoder-2", "decoder"), ("encoder-0", "encoder-2", "encoder")]
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.budget == 7 and rb.current == "1:3:1" and {m.state for m in rb.moving} == {"restarting"}
+    assert any("encoder-0's device" in w for w in d.router.snapshot(d.now).warnings)
+    assert sorted(o.new_id for o in d.poll(ids=used, idle=idle).orders) == ["decoder-2", "encoder-2"]  # asked again
+    for o in orders:
+        d.add(o.role, iid=o.new_id)
+    d.tick(0.05)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.moving == [] and rb.current == "2:3:2" and rb.budget == 7
+    assert d.poll(ids=used + ["encoder-2", "decoder-2"]).orders == []
 
 
 def test_advise_never_moves_and_silent_launchers_and_small_devices_keep_their_instances():

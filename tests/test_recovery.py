@@ -4,7 +4,7 @@ stage its roles hold, answers results that came back, and releases what nobody c
 from orchestrator.recovery import GRACE_S, WINDOW_MAX_S
 from tests.test_router import CLIENT, Harness, runs, staged
 from transport.messages import (
-    Done, GenerationParams, Heartbeat, Held, PoolInfo, Register, Registered, Release, Result, Submit,
+    Done, GenerationParams, Heartbeat, Held, HeldPreview, Partial, PoolInfo, Register, Registered, Release, Result, StatusQuery, Submit,
 )
 
 
@@ -132,3 +132,59 @@ def test_a_late_copy_of_the_report_a_resumed_request_reads_from_does_not_release
     # the compute thread's Staged for that same output comes in only now
     out = h.role("denoiser-0", staged("denoiser-0", "r", offset=128))
     assert releases(out) == [] and h.router.requests["r"].source.slot.offset == 128
+
+
+def preview_copy(iid, rid, offset, index, step=3, steps=8, attempt=1):
+    return Held(request_id=rid, attempt=attempt, role="denoiser", slot=staged(iid, rid, offset=offset).slot,
+                preview=HeldPreview(index=index, step=step, steps=steps, staged_at=50.0))
+
+
+def test_a_request_resumed_after_its_denoiser_reads_its_output_not_a_preview_copy():
+    """The denoiser holds a preview's copy of the latents (staged first) and the request's final output: the
+    request continues from the output, with its step-cache report; the copy is decoded and sent again."""
+    h = Harness()
+    h.router.restarted(1, h.now)
+    final = Held(request_id="r", attempt=1, role="denoiser", slot=staged("denoiser-0", "r", offset=4096).slot,
+                 cache="first_block threshold=0.3", steps_computed=5, steps_skipped=3)
+    register(h, "denoiser-0", "denoiser", held=[preview_copy("denoiser-0", "r", 0, index=0), final])
+    register(h, "decoder-0", "decoder")
+    resubmit(h, "r", previews=2)
+    placed = {run.request_id: run for _, run in runs(advance(h, WINDOW_MAX_S))}
+    assert placed["r"].source.slot.offset == 4096  # the final latents, not the copy after step 3
+    assert placed["r"].carry == {"cache": "first_block threshold=0.3", "steps_computed": 5, "steps_skipped": 3}
+    assert placed["r:p0"].source.slot.offset == 0 and placed["r:p0"].params.previews is None
+    out = h.role("decoder-0", Done(request_id="r:p0", attempt=1, num_images=1), [b"preview"])
+    [partial] = [o for o in out if isinstance(o.msg, Partial)]
+    assert (partial.to_client, partial.msg.index, partial.msg.step, partial.frames) == (CLIENT, 0, 3, [b"preview"])
+    assert releases(out) == [("denoiser-0", 0)]
+    out = h.role("decoder-0", Done(request_id="r", attempt=1, num_images=1), [b"png"])
+    [result] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert result.ok and result.resolved["steps_computed"] == 5 and result.resolved["cache"] == "first_block threshold=0.3"
+    assert releases(out) == [("denoiser-0", 4096)]
+    assert (h.router.previews_sent, h.router.previews_lost) == (1, 0)
+
+
+def test_a_preview_copy_of_a_request_answered_already_is_released_and_counted_lost():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "denoiser-0", "denoiser", held=[preview_copy("denoiser-0", "r", 0, index=1)])
+    register(h, "decoder-0", "decoder")
+    h.role("decoder-0", Done(request_id="r", attempt=1, num_images=1, resolved={"steps_computed": 4}), [b"png"])
+    resubmit(h, "r", previews=2)
+    out = advance(h, WINDOW_MAX_S)
+    [result] = [o.msg for o in out if isinstance(o.msg, Result)]
+    assert result.ok and result.resolved["steps_computed"] == 4  # as the decoder's Done carried it (Run.carry)
+    assert runs(out) == [] and releases(out) == [("denoiser-0", 0)]
+    [report] = h.router.handle_client(CLIENT, StatusQuery(), [], h.now)
+    assert report.msg.orchestrator["previews_lost"] == 1
+
+
+def test_a_preview_copy_alone_is_released_and_the_request_starts_again():
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "encoder-0", "encoder")
+    register(h, "denoiser-0", "denoiser", held=[preview_copy("denoiser-0", "r", 0, index=0)])
+    register(h, "decoder-0", "decoder")
+    resubmit(h, "r", previews=1)
+    out = advance(h, WINDOW_MAX_S)
+    assert [to for to, run in runs(out)] == ["encoder-0"] and releases(out) == [("denoiser-0", 0)]

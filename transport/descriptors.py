@@ -73,9 +73,20 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 Role = Annotated[str, Meta(pattern="^(encoder|denoiser|decoder|monolith)$")]
 
 
+class HeldPreview(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a held preview copy is (its Preview message's fields): an orchestrator that restarted sends it
+    to a decoder again, never resumes its request from it."""
+
+    index: Annotated[int, Meta(ge=0, le=2)]
+    step: Count
+    steps: Count = 0
+    staged_at: float = 0.0
+
+
 class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """An output a role holds in its pool (its Staged), told again in every Register: an orchestrator
-    that restarted resumes the request from it instead of starting over, or releases it."""
+    """An output a role holds in its pool (its Staged, or a Preview's copy of the latents), told again in
+    every Register: an orchestrator that restarted resumes the request from it instead of starting over,
+    or releases it."""
 
     request_id: Id
     attempt: Count
@@ -84,6 +95,13 @@ class Held(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     slot: SlotRef
     #: the request's seed (the first orchestrator may have chosen it): the rest of its stages use it too
     seed: int | None = None
+    #: set for a preview's copy of the latents (a step before the last): never the stage's output
+    preview: HeldPreview | None = None
+    #: a denoiser's step cache, as its Staged said (label, steps computed and skipped): the request's result
+    #: reports them even when it resumes from this output after a restart
+    cache: Annotated[str, Meta(max_length=1024)] | None = None
+    steps_computed: Count | None = None
+    steps_skipped: Count | None = None
 
 
 class ModelIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -14,7 +14,7 @@ from msgspec import Meta
 
 from transport.codes import ErrorCode  # noqa: F401 - messages carry it; users import it from here
 from transport.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
-    Count, CudaIpcHandle, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
+    Count, CudaIpcHandle, Held, HeldPreview, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
 )
 from transport.wire import Seconds, _Msg  # noqa: F401 - the base of every message
 from transport.params import MAX_INPUT_BYTES, GenerationParams, LoraName, LoraRef  # noqa: F401 - likewise
@@ -216,12 +216,25 @@ class Bundle(_Msg, tag="bundle", kw_only=True):
     frames: list[Count]
 
 
+class IdleDevice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A launcher's device between two roles: `instance_id` (of role `role`) exited there for a move."""
+
+    instance_id: Id
+    role: Role
+
+
 class LauncherPoll(_Msg, tag="launcher_poll", kw_only=True):
     """A launcher asks for its orders (`rebalance: auto`), about twice a second; answered with Reroles. It also
     tells the orchestrator this launcher is there to take them: only instances of a launcher heard from in the
     last few seconds are moved."""
 
     launcher: Annotated[str, Meta(min_length=1, max_length=128)]
+    #: every instance id this launcher started in this deployment, running or ended: a move never takes one
+    #: (a successor orchestrator knows nothing of the ids its predecessor retired)
+    ids: Annotated[list[Id], Meta(max_length=4096)] = []
+    #: its devices whose instance exited to change role (Shutdown.move) and that no Rerole has given one yet: an
+    #: orchestrator that restarted during the move gives them one
+    idle: Annotated[list[IdleDevice], Meta(max_length=4096)] = []
 
 
 class Rerole(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -286,3 +299,5 @@ def params_from_obj(obj: object) -> GenerationParams:
 #: exit status of a process that failed before it was ready (bad config, missing model):
 #: the launcher stops with its error instead of restarting it
 BOOT_ERROR_EXIT = 78
+#: a role's exit status when it exits to change role (Shutdown.move): not restarted, its device awaits a Rerole
+MOVE_EXIT = 79

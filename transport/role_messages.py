@@ -137,6 +137,10 @@ class Run(_Msg, tag="run", kw_only=True):
     #: (its slo_ms, less the time already spent and the later stages' predicted time); None: no deadline. A
     #: denoiser steps its least-slack request first (roles/turns.py)
     stage_deadline_s: float | None = None
+    #: what the request's result reports of earlier stages (its denoiser's step cache: `cache`, `steps_computed`,
+    #: `steps_skipped`): a decoder returns it in its Done's `resolved`, so a result that outlives the orchestrator
+    #: that sent this Run still reports it
+    carry: dict[Annotated[str, Meta(max_length=64)], str | int | float] = {}
 
 
 class Fetched(_Msg, tag="fetched", kw_only=True):
@@ -223,6 +227,10 @@ class Failed(_Msg, tag="failed", kw_only=True):
 
 class Shutdown(_Msg, tag="shutdown", kw_only=True):
     """Orchestrator tells a role to exit."""
+
+    #: it exits so that its device serves another role (rebalance): with status MOVE_EXIT, which tells its
+    #: launcher to keep the device for the Rerole order, whichever orchestrator gives it
+    move: bool = False
 
 
 class Dead(_Msg, tag="dead", kw_only=True):

@@ -1,0 +1,63 @@
+"""A rebalance move outlives the orchestrator that made it (issue 42 D1, D5): over real processes, a sim deployment
+under `--rebalance auto` whose orchestrator is killed -9 while a device is between two roles. The successor hears of
+the device from its launcher, gives it a role under an id the deployment never used, and every device serves again;
+the split `status` reports is the one serving."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.conftest import Launched, Load, wait_until
+from transport.messages import GenerationParams
+
+pytestmark = pytest.mark.e2e
+
+DEVICES = 5
+
+
+def serving_split(report) -> str:
+    ready = collections.Counter(i.role for i in report.instances if i.state == "ready")
+    return ":".join(str(ready[r]) for r in ("encoder", "denoiser", "decoder"))
+
+
+def test_a_move_cut_by_an_orchestrator_restart_is_finished_and_reported_truthfully(tmp_path):
+    dep = Launched(["--model", "sim:mixed-h200", "--gpus", "0,1,2,3,4", "-e", "2", "-d", "2", "-k", "1",
+                    "--rebalance", "auto", "--no-dashboard"], tmp_path)
+    try:
+        first = dep.wait_ready(DEVICES)
+        started = {i.id for i in first.instances}
+        # denoiser-bound (1024^2, 8 steps): the plan wants 1:3:1, so an encoder moves to the denoisers
+        load = Load(dep.endpoint, [GenerationParams(prompt=f"move {i}", width=1024, height=1024, num_inference_steps=8,
+                                                    seed=i) for i in range(40)], concurrency=8)
+        moving = wait_until(lambda: dep.status().rebalance.moving, timeout=90, step=0.05, why=lambda: dep.status().rebalance)
+        launcher = psutil.Process(dep.proc.pid)
+        launcher.suspend()  # it takes no order: the moving instance exits and its device waits between roles
+        try:
+            wait_until(lambda: (r := dep.status().rebalance.moving) and all(m.state == "restarting" for m in r),
+                       timeout=60, step=0.05, why=lambda: dep.status().rebalance)
+            old = int(dep.status().orchestrator["pid"])
+            os.kill(old, signal.SIGKILL)
+        finally:
+            launcher.resume()
+        outcomes = load.join(timeout=240)
+        assert len(outcomes) == 40 and [o.error for o in outcomes if not o.ok] == []
+
+        def settled():
+            r = dep.status()
+            ready = sum(i.state == "ready" for i in r.instances)
+            return r.orchestrator["pid"] != old and not r.rebalance.moving and ready == DEVICES and r
+        report = wait_until(settled, timeout=120, step=0.2, why=lambda: (dep.status().rebalance, dep.status().instances))
+        # every device of the launch serves, none under an id it had before or another device had
+        ready = [i.id for i in report.instances if i.state == "ready"]
+        retired = {m.instance_id for m in moving}
+        assert not retired & set(ready), (moving, ready)
+        assert len(set(ready)) == DEVICES and set(ready) - started  # the moved device serves under a new id
+        assert report.rebalance.current == serving_split(report) and report.rebalance.budget == DEVICES
+        assert any("between roles" in w for w in report.warnings), report.warnings
+    finally:
+        dep.stop()
