@@ -154,8 +154,8 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host_slots: Annotated[int, Meta(ge=0, le=65536, description=(
         "Adapters each instance keeps in host memory once unloaded from its device (0: none, an unloaded adapter "
         "is forgotten). A request for one copies it back (a restore: diffusers' set_lora_device) instead of "
-        "reading and installing its file again (a load); the least recently unloaded is forgotten first. Not on "
-        "a compiled denoiser (compile: true), which keeps every adapter it holds active."),
+        "reading and installing its file again (a load); the least recently unloaded is forgotten first. Refused "
+        "with compile (a compiled denoiser keeps every adapter it holds active)."),
         extra=use("role", flag="--lora-host-slots"))] = 0
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
