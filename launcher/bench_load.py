@@ -7,8 +7,8 @@ from the busy seconds each instance reports in `status`, before and after the ru
 
 from __future__ import annotations
 
-import collections
 import random
+import re
 import statistics
 import time
 
@@ -18,6 +18,22 @@ from client import Client, Outcome
 from transport.messages import GenerationParams, LoraRef, StatusReport
 
 ROLES = ("encoder", "denoiser", "decoder")
+#: a number in a failure's reason (grouped as N)
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def failure_counts(outcomes) -> list[dict]:
+    """The failed outcomes grouped by reason, most common first: `reason` is the error with its numbers written
+    N (a refusal's "slo_ms 400 is less than the 4851 ms ..." is one reason whatever its figures), `code` its
+    error code, `example` the first error as it was."""
+    groups: dict[tuple, list] = {}
+    for o in outcomes:
+        if not o.ok:
+            error = o.error or "failed"
+            key = (NUMBER.sub("N", error), o.code.value if o.code is not None else None)
+            groups.setdefault(key, [error, 0])[1] += 1
+    return [{"reason": reason, "code": code, "count": n, "example": example}
+            for (reason, code), (example, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -134,8 +150,7 @@ def run_load(
         "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
         #: every distinct failure reason with its count, most common first
-        "failures": [{"reason": why, "count": n}
-                     for why, n in collections.Counter(o.error for o in outcomes if not o.ok).most_common()],
+        "failures": failure_counts(outcomes),
         "duration_s": round(duration, 6),
         "throughput_rps": round(len(ok) / duration, 3) if duration > 0 else 0.0,
         "latency_s": percentiles(latencies),

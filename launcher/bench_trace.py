@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from launcher.bench_load import percentiles
+from launcher.bench_load import failure_counts, percentiles
 from transport.messages import GenerationParams, MessageError, params_from_obj
 
 
@@ -74,13 +74,15 @@ def params(line: TraceLine, k: int, slo_ms: float | None = None) -> GenerationPa
 
 
 def standalone(client, lines: list[TraceLine]) -> dict[str, float]:
-    """Each class's latency alone on the idle deployment: the faster of two, one request at a time."""
+    """Each class's latency alone on the idle deployment: the faster of two, one request at a time, without the
+    line's deadline (a deadline tighter than the class can meet would refuse the measurement itself)."""
     first = {}
     for line in lines:
         first.setdefault(label(line), line)
     out = {}
     for name, line in first.items():
-        runs = client.run_all([params(line, 10_000_000 + i) for i in range(2)], concurrency=1)
+        alone = msgspec.structs.replace(line, slo_ms=None)
+        runs = client.run_all([params(alone, 10_000_000 + i) for i in range(2)], concurrency=1)
         ok = [o.latency_s for o in runs if o.ok]
         if not ok:
             raise TraceError(f"class {name} fails alone: {runs[0].error}")
@@ -127,6 +129,8 @@ def run_trace(client, lines: list[TraceLine], rate_scale: float = 1.0, slo_facto
         "classes": rows,
         "longest_s": rows[0]["max_s"],
         "errors": sorted({o.error for o in outcomes if not o.ok and o.error})[:5],
+        #: every failure reason (its numbers written N: refusals of any figures are one) with its count
+        "failures": failure_counts(outcomes),
     }
 
 

@@ -113,6 +113,12 @@ def bench_trace(endpoint, keys, trace_path, rate_scale, slo_factor, as_json, htt
         click.echo(json.dumps(doc))
     else:
         make_console().print(trace_table(doc))
+    failed = doc["classes"][0]["failed"]
+    if failed:
+        click.echo(f"error: {failed} of {doc['requests']} requests failed or were refused:", err=True)
+        for f in doc["failures"]:
+            click.echo(f"  {f['count']} x {f['example'] if f['count'] == 1 else f['reason']}", err=True)
+        sys.exit(EXIT_FAILED)
 
 
 @bench.command("transfer")
