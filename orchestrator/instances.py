@@ -83,6 +83,7 @@ class InstanceLifecycle:
         inst.lora_slots = msg.lora_slots or inst.lora_slots
         inst.lora_load_s = msg.lora_load_s or inst.lora_load_s
         inst.lora_host, inst.lora_restores = list(msg.lora_host), msg.lora_restores
+        inst.lora_names_only = msg.lora_names_only
         self.registry.set_lora_host_slots(inst, msg.lora_host_slots)
         inst.lora_restore_s = msg.lora_restore_s or inst.lora_restore_s
         inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries

@@ -69,6 +69,7 @@ class Instance:
     lora_slots: int = 0
     lora_loads: int = 0
     lora_hits: int = 0
+    lora_names_only: int = 0
     #: what one load takes it, as its heartbeats say (Heartbeat.lora_load_s; 0 before its first load)
     lora_load_s: float = 0.0
     #: adapters it keeps in host memory (Heartbeat.lora_host), the next to forget first, of lora_host_slots; its
@@ -179,6 +180,7 @@ class Instance:
             lora_host=list(self.lora_host),
             lora_restores=self.lora_restores,
             lora_hits=self.lora_hits,
+            lora_names_only=self.lora_names_only,
             cond_lookups=self.cond_lookups,
             cond_hits=self.cond_hits,
             cond_entries=self.cond_entries,

@@ -93,7 +93,8 @@ class SelfReport:
             return {"loras": bank.names(), "lora_slots": bank.slots}
         return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits,
                 "lora_load_s": round(bank.load_s, 6), "lora_host": bank.host_names(), "lora_host_slots": bank.host_slots,
-                "lora_restores": bank.restores, "lora_restore_s": round(bank.restore_s, 6)}
+                "lora_restores": bank.restores, "lora_restore_s": round(bank.restore_s, 6),
+                "lora_names_only": len(bank.empty)}
 
     def batch_steps(self) -> dict[int, int]:
         stage = self.runner.stage

@@ -299,6 +299,11 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
         # the last image: T's requests can pass the denoiser and decoder in less than that, and a denoiser's
         # heartbeat between T's load and B's said {A, T} once
         wait_until(lambda: "T" in (h := held())["encoder"] and {"A", "B", "T"} <= h["denoiser"], timeout=10, why=held)
+        # issue 42 L4: the encoder holds A and B as names only (no text-encoder part): they take none of its slots,
+        # and its status says how many of its adapters are such
+        with Client(dep.endpoint) as client:
+            encoder = next(i for i in client.status().instances if i.role == "encoder")
+        assert encoder.lora_names_only == len(set(encoder.loras) - {"T"}) >= 2, encoder
 
 
 def test_a_compiled_denoiser_takes_other_scales_no_adapter_and_a_hotswap_without_recompiling(flux_files, module_tmp):

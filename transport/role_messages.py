@@ -100,6 +100,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     lora_loads: Count = 0
     lora_hits: Count = 0
     lora_load_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: how many of `loras` it holds as names only: no part for its components (an encoder and an adapter without
+    #: text-encoder parts); they take no slot, so `loras` may list more than lora_slots
+    lora_names_only: Count = 0
     #: adapters it keeps in host memory (loras.host_slots), the next to forget first, of lora_host_slots; its
     #: restores (an adapter copied back from host memory) and the seconds one takes (moving average)
     lora_host: Annotated[list[LoraName], Meta(max_length=65536)] = []

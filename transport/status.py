@@ -59,6 +59,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lora_host: list[str] = []
     lora_restores: int = 0
     lora_hits: int = 0
+    #: of `loras`, those held as names only (no part for this instance's components): they take no slot
+    lora_names_only: int = 0
     #: an encoder's conditioning cache: lookups and hits so far (a hit computed nothing), entries it holds
     cond_lookups: int = 0
     cond_hits: int = 0
