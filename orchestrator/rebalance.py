@@ -82,7 +82,7 @@ class Rebalance:
         start = math.floor(now / BUCKET_S) * BUCKET_S
         if not self.arrivals or self.arrivals[-1][0] != start:
             self.arrivals.append((start, {}))
-        key = (*shape(params), params.num_inference_steps)
+        key = (*shape(params), params.num_inference_steps, params.previews or 0)
         entry = self.arrivals[-1][1].get(key)
         if entry is None:
             self.arrivals[-1][1][key] = [params, 1]
@@ -145,7 +145,15 @@ class Rebalance:
         def measured(entry) -> bool:
             return all(self.predictor.predict(r, entry[0], measured_only=True) is not None for r in ROLES)
 
-        return Work.of([e for e in merged.values() if measured(e)], self.predictor.predict, fetch, slots)
+        return Work.of([e for e in merged.values() if measured(e)], self.work_of, fetch, slots)
+
+    def work_of(self, role: str, params) -> float | None:
+        """Predicted device seconds of `role` for a request: a decoder's counts each live preview the request asked
+        for as one more decode of its size (previews.py: a preview is decoded on a decoder; videos take none)."""
+        seconds = self.predictor.predict(role, params)
+        if seconds is not None and role == "decoder" and params.previews and not params.num_frames:
+            seconds *= 1 + params.previews
+        return seconds
 
     def rebalance_tick(self, now: float, out) -> None:
         mode = self.rebalance_mode

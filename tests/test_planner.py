@@ -339,3 +339,20 @@ def test_disagg_plan_recommends_the_split_for_a_trace_offline(tmp_path):
     cfg.write_text("model: tiny\n")
     res = disagg("plan", "--config", str(cfg), "--trace", str(trace), timeout=60)
     assert res.returncode == 2 and "sim profile" in res.stderr
+
+
+def test_live_previews_count_as_decodes_in_the_window():
+    """Issue 42 L3: each preview a request asks for is decoded on a decoder, so the plan counts it as a decode of
+    the request's size; the decoders' share of the work is not underestimated while previews keep them busy."""
+    d = Deployment(mode="advise")
+    for role in ("encoder", "denoiser", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    plain = d.router.window_work(d.now).seconds
+    for _ in range(6):
+        d.router.note_arrival(GenerationParams(prompt="p", width=1024, height=1024, num_inference_steps=2, previews=2),
+                              d.now)
+    mixed = d.router.window_work(d.now).seconds
+    assert abs(mixed["decoder"] - 2 * plain["decoder"]) < 1e-9  # (6 x 1 + 6 x 3 decodes) / 12 requests
+    assert abs(mixed["denoiser"] - plain["denoiser"]) < 1e-9
