@@ -63,6 +63,9 @@ def validate(config: Settings) -> None:
         raise ConfigError(f"loras.host_slots {config.loras.host_slots} (--lora-host-slots) with compile (--compile): a "
                           "compiled denoiser cannot move adapters between the device and host memory, so the host tier "
                           "would be off; use one or the other")
+    if config.colocated and config.rebalance.mode == "auto":
+        raise ConfigError("rebalance.mode auto (--rebalance auto) with colocated (--colocated): monolith instances run "
+                          "every stage, so no device has a role to change; use one or the other")
     if config.sim_slowdown and not config.model.startswith("sim:"):
         raise ConfigError("sim_slowdown applies to sim: models only")
     if config.denoisers.max_batch > 1 and not model_spec(config.model).step_batching:

@@ -34,6 +34,7 @@ def test_jsonl_errors_give_the_files_line_and_lists_count_from_1():
     (["launch", "--heartbeat-timeout", "0.5"], "under twice the 1 s heartbeat interval"),
     (["launch", "--capacity", "1,2000,1"], "<= 1024"),
     # issue 42 D3: a compiled denoiser has no host tier; the pair is refused, naming both settings
+    (["launch", "--colocated", "1", "--rebalance", "auto"], "rebalance.mode auto (--rebalance auto) with colocated"),
     (["launch", "--compile", "--lora-host-slots", "2"], "loras.host_slots 2 (--lora-host-slots) with compile (--compile)"),
     (["status", "--endpoint", "127.0.0.1:27200"], "not a tcp://HOST:PORT address"),
     (["stop", "--endpoint", "tcp://nohost"], "not a tcp://HOST:PORT address"),
