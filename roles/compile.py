@@ -2,6 +2,11 @@
 `compile_repeated_blocks`, or the model's `compile`, in place), warmed up at boot over the configured sizes
 before the instance reports ready, so no request pays the compile.
 
+A request with a step cache (roles/step_cache.py) runs the transformer uncompiled (`eager`): diffusers' cache hooks
+keep Python state (step counters, a skip decision per step) that torch.compile would guard on, recompiling for
+seconds in most cached requests, and the hooks that count its steps are not seen by code compiled before they
+were registered (dynamo does not guard on a submodule's forward hooks), so its counts would be false.
+
 Inductor's caches (FX graphs, AOT autograd, kernels) go to the deployment's `compile_cache_dir` (by default
 `<run dir>/inductor`): an instance restarted, or started from a spare, finds the compiled kernels there and
 skips most of the work (benchmarks/compile_boot.py measures it).
@@ -9,6 +14,7 @@ skips most of the work (benchmarks/compile_boot.py measures it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -19,6 +25,26 @@ log = logging.getLogger("disagg.role")
 
 #: denoising steps of a warm-up run (enough that every step's graph has run once)
 WARMUP_STEPS = 2
+
+
+def compiled_modules(models) -> list[torch.nn.Module]:
+    """The modules of `models` that nn.Module.compile compiled (compile_stage's blocks, or the whole model)."""
+    return [mod for m in models for mod in m.modules() if getattr(mod, "_compiled_call_impl", None) is not None]
+
+
+@contextlib.contextmanager
+def eager(models):
+    """Run `models` uncompiled inside the block: their compiled modules call their plain `_call_impl` (the same
+    forward, hooks and all) until it ends, when the compiled code, untouched, serves again. For every thread: a
+    forward that another runs meanwhile (a batching denoiser's image task) runs uncompiled too, to the same result."""
+    held = [(mod, mod._compiled_call_impl) for mod in compiled_modules(models)]
+    for mod, _ in held:
+        mod._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for mod, impl in held:
+            mod._compiled_call_impl = impl
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -58,6 +84,11 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
     models = [m for m in models if isinstance(m, torch.nn.Module)]
     if not models:
         raise ValueError(f"model {stage.model!r} has no diffusers transformer to compile")
+    default = getattr(getattr(stage, "caches", None), "default", None)
+    if default and default.get("type") != "none":
+        log.warning("the cache setting (%s) gives every request a step cache, and a request with one runs the "
+                    "transformer uncompiled: only requests with cache {type: none} use the compiled one",
+                    default.get("type"))
     t0 = time.perf_counter()
     for m in models:
         if scope == "blocks" and getattr(m, "_repeated_blocks", None):

@@ -13,6 +13,9 @@ a fresh state, and no other request's forward runs through its hooks.
 Steps computed and skipped: forward hooks on each attention's `to_q`, registered while a cached request runs, count
 the attentions that ran. A step in
 which every attention of every forward ran is computed; one in which the cache stood in for any is skipped.
+
+On a compiled denoiser (roles/compile.py) a cached request runs the transformer uncompiled, so these hooks and
+diffusers' run in Python: its counts and images are the uncompiled denoiser's, and it compiles nothing.
 """
 
 from __future__ import annotations
@@ -171,7 +174,10 @@ class StepCaches:
             return
         if not self.usable:
             raise _error(f"this model ({self.family or 'built in'}) has no diffusers cache hooks")
-        with self.lock:
+        from roles.compile import eager
+
+        # a compiled transformer runs uncompiled meanwhile: its hooks and their state stay in Python (roles/compile.py)
+        with self.lock, eager(self.models), self._forwards_kept():
             for m in self.models:
                 m.enable_cache(config_of(spec, self.family, steps, timestep))
             self._count = count = StepCount()
@@ -185,6 +191,22 @@ class StepCaches:
                 for m in self.models:
                     m._reset_stateful_cache()
                     m.disable_cache()
+
+    @contextlib.contextmanager
+    def _forwards_kept(self):
+        """The modules' `forward` as they were once the cache is disabled: diffusers' hook registry, removing a
+        hook, leaves the module's own forward behind as an instance attribute, which a compiled block guards on
+        (its next uncached forward would recompile)."""
+        modules = [mod for m in self.models for mod in m.modules()]
+        own = {id(mod) for mod in modules if "forward" in mod.__dict__}
+        try:
+            yield
+        finally:
+            for mod in modules:
+                left = mod.__dict__.get("forward")
+                if left is not None and id(mod) not in own and getattr(left, "__self__", None) is mod \
+                        and getattr(left, "__func__", None) is type(mod).forward:
+                    del mod.__dict__["forward"]
 
     def _counting_hooks(self) -> list:
         """Hooks that count each forward's attentions and those that ran (StepCount)."""
