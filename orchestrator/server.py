@@ -13,6 +13,7 @@ from pathlib import Path
 
 import zmq
 
+from orchestrator.inbox import CLIENT_BUNDLE_MAX, ClientInbox
 from orchestrator.router import Out, Router
 from transport.auth import secure_server
 from transport.parent import LauncherWatch
@@ -101,6 +102,8 @@ class OrchestratorServer:
         self._dropped = 0
         #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
         self.outbox = Outbox()
+        #: clients' messages waiting to be handled, within a budget per turn (orchestrator/inbox.py)
+        self.inbox = ClientInbox()
 
     def request_stop(self, *_args) -> None:
         self._stop_requested = True
@@ -122,8 +125,8 @@ class OrchestratorServer:
             events = {}
             while not events and time.perf_counter() < busy_until:
                 events = dict(poller.poll(0))
-            if not events:
-                events = dict(poller.poll(TICK_S * 1000))
+            if not events:  # clients' messages still waiting: look, but do not sleep
+                events = dict(poller.poll(0 if self.inbox else TICK_S * 1000))
             if events and busy_poll and len(self.router.requests) <= busy_max:
                 busy_until = time.perf_counter() + busy_poll
             for fd in events:
@@ -131,8 +134,9 @@ class OrchestratorServer:
                     self.serve_lane(fd)
             if self.backend in events:
                 self.drain_inbox(self.backend, self.handle_backend_frames)
-            if self.frontend in events:
+            if self.frontend in events and not self.inbox.full:
                 self.drain_inbox(self.frontend, self.handle_frontend_frames)
+            self.serve_clients()
             now = time.monotonic()
             if now >= next_tick:
                 self.watch_exits(now)
@@ -257,7 +261,7 @@ class OrchestratorServer:
             return
         identity = frames[0]
         try:
-            items = decode_frames(frames[1:], ClientMessage)
+            items = decode_frames(frames[1:], ClientMessage, max_messages=CLIENT_BUNDLE_MAX)
         except MessageError as exc:
             items = [(exc, [])]
         for msg, rest in items:
@@ -265,6 +269,13 @@ class OrchestratorServer:
                 self._drop("frontend", str(msg))
                 self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}", code=ErrorCode.INVALID_REQUEST))])
                 continue
+            refused = self.inbox.add(identity, msg, rest)  # handled in serve_clients, within the turn's budget
+            if refused is not None:
+                self.send([Out(identity, None, refused)])
+
+    def serve_clients(self) -> None:
+        """The clients' messages of this turn's budget (orchestrator/inbox.py), in the order each client sent them."""
+        for identity, msg, rest in self.inbox.take():
             self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
 
     def handle_backend_frames(self, frames: list[bytes]) -> None:

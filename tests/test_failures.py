@@ -26,6 +26,7 @@ import zmq
 from client import Client
 from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
 from transport.messages import (
+    Bundle,
     GenerationParams,
     Heartbeat,
     Register,
@@ -215,6 +216,49 @@ def test_fuzzed_frames_leave_orchestrator_serving_with_bounded_memory(deployment
     assert not [i for i in report.instances if i.id == "fz"]
     growth = orch.memory_info().rss - rss_before
     assert growth < 64 * 2**20, f"orchestrator grew by {growth / 2**20:.1f} MiB"
+
+
+def test_a_flood_of_status_bundles_stalls_nothing(deployment):
+    """Issue 43 F1: bundles of 65,536 StatusQuery (refused: a client bundle carries at most 1,024 messages) and
+    64 bundles of 1,024 from 8 peers at once (served within a budget per turn, one status per peer per turn),
+    while requests run: the next status comes within 1 s, no instance is declared dead, the requests succeed,
+    and the orchestrator grows by under 100 MB."""
+    orch = psutil.Process(int(status(deployment).orchestrator["pid"]))
+    log = deployment.run_dir / "logs" / "orchestrator.log"
+    deaths = log.read_text().count(" is dead: ")
+    rss_before = orch.memory_info().rss
+    load = Load(deployment.endpoint, small(10, "flood"), concurrency=10)
+    query = encode(StatusQuery())
+
+    def bundle(n: int) -> bytes:
+        return encode(Bundle(messages=[msgspec.Raw(query)] * n, frames=[0] * n))
+
+    ctx = zmq.Context.instance()
+    socks = []
+    for k in range(8):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, f"flood-{k}".encode())
+        s.connect(deployment.endpoint)
+        socks.append(s)
+    huge, big = bundle(65_536), bundle(1024)
+    for k in range(8):
+        socks[k].send(huge)
+    for i in range(64):
+        socks[i % 8].send(big)
+    t0 = time.monotonic()
+    report = status(deployment)
+    answered_s = time.monotonic() - t0
+    outcomes = load.join()
+    for s in socks:
+        s.close()
+    assert answered_s < 1.0, f"status took {answered_s:.2f} s under the flood"
+    assert [o.error for o in outcomes if not o.ok] == []
+    assert sum(i.state == "ready" for i in status(deployment).instances) == N_INSTANCES
+    assert log.read_text().count(" is dead: ") == deaths, "an instance was declared dead during the flood"
+    growth = orch.memory_info().rss - rss_before
+    assert growth < 100 * 2**20, f"orchestrator grew by {growth / 2**20:.1f} MiB"
+    assert report.orchestrator["pid"] == orch.pid
 
 
 # --- kill -9 of the orchestrator: nothing lost, nothing redone ------------------------------------------

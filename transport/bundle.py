@@ -17,11 +17,11 @@ from transport.messages import KINDS, MAX_MESSAGE_BYTES, Bundle, ClientMessage, 
 _OUTER = {kind: msgspec.msgpack.Decoder(Union[kind, Bundle]) for kind in KINDS}
 
 
-def decode_frames(frames: list, kind=ClientMessage) -> list[tuple[object, list]]:
+def decode_frames(frames: list, kind=ClientMessage, max_messages: int | None = None) -> list[tuple[object, list]]:
     """Every message in one ZeroMQ message (one, or a Bundle's), each with its raw frames.
 
     A message that does not decode comes back as a MessageError in its place, so the good ones
-    around it are still served; a malformed bundle raises MessageError."""
+    around it are still served; a malformed bundle, or one of over `max_messages`, raises MessageError."""
     data = frames[0]
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
@@ -31,6 +31,8 @@ def decode_frames(frames: list, kind=ClientMessage) -> list[tuple[object, list]]
         raise MessageError(str(exc)) from None
     if not isinstance(msg, Bundle):
         return [(msg, frames[1:])]
+    if max_messages is not None and len(msg.messages) > max_messages:
+        raise MessageError(f"bundle of {len(msg.messages)} messages exceeds the {max_messages}-message limit")
     if len(msg.frames) != len(msg.messages) or sum(msg.frames) != len(frames) - 1:
         raise MessageError(
             f"bundle of {len(msg.messages)} messages claims {sum(msg.frames)} frames in "
