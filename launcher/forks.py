@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from launcher.supervisor import open_log
 from transport.shm import pid_alive
 
 log = logging.getLogger("disagg.launcher")
@@ -56,7 +57,7 @@ class ForkServer:
         # a forked role's title (what ps shows: its `python -m roles SPEC`) is written over the server's own
         # command line and environment: this keeps room for a whole settings object there
         env = {**env, "DISAGG_TITLE_ROOM": " " * TITLE_ROOM}
-        with open(log_path, "ab") as logf:
+        with open_log(log_path) as logf:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
                                          start_new_session=True, close_fds=True)
         self.ready = threading.Event()

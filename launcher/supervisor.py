@@ -86,6 +86,11 @@ class Child:
             return ""
 
 
+def open_log(path: Path):
+    """A child's log file, appended to, readable by the owner only."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
 class Supervisor:
     """Spawns children in their own process groups, with their own env and log file; reaps them
     and, once `supervise` runs, restarts the ones that die."""
@@ -93,7 +98,10 @@ class Supervisor:
     def __init__(self, run_dir: Path, policy: RestartPolicy | None = None):
         self.run_dir = run_dir
         self.logs = run_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        # the owner's only: logs hold request ids and errors, and may hold prompts
+        self.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in (run_dir, self.logs):
+            os.chmod(folder, 0o700)
         self.children: dict[str, Child] = {}
         self.policy = policy or RestartPolicy()
         self.events: queue.Queue[str] = queue.Queue()
@@ -133,7 +141,7 @@ class Supervisor:
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
         while len(self.spares) < self.spares_wanted:
-            with open(self.logs / "spares.log", "ab") as logf:
+            with open_log(self.logs / "spares.log") as logf:
                 proc = subprocess.Popen(self.spare_argv, env=self.spare_env, stdin=subprocess.PIPE, stdout=logf,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
             self.spares.append(proc)
@@ -191,7 +199,7 @@ class Supervisor:
                 self._pin(child)
                 log.info("started %s (pid %d, forked)", child.name, proc.pid)
                 return False
-        with open(child.log_path, "ab") as logf:
+        with open_log(child.log_path) as logf:
             child.proc = subprocess.Popen(
                 child.argv,
                 env=child.env,

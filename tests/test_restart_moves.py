@@ -9,6 +9,7 @@ import collections
 import json
 import os
 import signal
+import stat
 
 import psutil
 import pytest
@@ -79,3 +80,13 @@ def test_bench_trace_exits_1_and_counts_refusals_by_reason(dep, tmp_path):
     [failure] = doc["failures"]
     assert failure["count"] == 3 and failure["code"] == "deadline_unmeetable" and "slo_ms N" in failure["reason"]
     assert "error: 3 of 4 requests failed or were refused" in res.stderr and "3 x " in res.stderr
+
+
+def test_logs_and_run_folders_are_the_owners_only(dep):
+    """Issue 43 F13: logs hold request ids and errors (and may hold prompts): 0700 folders, 0600 files, the
+    forked roles' and the restarted orchestrator's logs too."""
+    logs = dep.run_dir / "logs"
+    assert stat.S_IMODE(dep.run_dir.stat().st_mode) == 0o700 and stat.S_IMODE(logs.stat().st_mode) == 0o700
+    files = list(logs.glob("*.log"))
+    assert {"orchestrator.log", "encoder-0.log", "decoder-0.log"} <= {f.name for f in files}
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: oct(0o600) for f in files}
