@@ -121,8 +121,8 @@ def launch(config_path, print_config, run_dir, no_dashboard, submit_path, out_di
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     if not config.keys and not config.join and not _loopback(config.host):
-        click.echo(f"warning: binding {config.host} without --keys: anyone who can reach it can submit and register",
-                   err=True)
+        click.echo(f"warning: binding {config.host} without --keys: anyone who can reach it can submit, register a "
+                   "role, and stop the deployment (disagg stop)", err=True)
     from launcher.run import run_deployment
 
     sys.exit(run_deployment(config, make_console(), run_dir, not no_dashboard, prompts, Path(out_dir), concurrency, as_json))

@@ -72,7 +72,8 @@ class OrchestratorServer:
         # Curve before bind: only peers holding the deployment's client key get through the handshake
         self.auth = secure_server(self.ctx, [self.frontend, self.backend], Path(keys_dir)) if keys_dir else None
         if not keys_dir and not _loopback(host):
-            log.warning("binding %s without --keys: anyone who can reach it can submit and register", host)
+            log.warning("binding %s without --keys: anyone who can reach it can submit, register a role, and stop the "
+                        "deployment", host)
         self.frontend.bind(f"tcp://{host}:{port}")
         self.backend.bind(f"tcp://{host}:{port + 1}")
         self.endpoint = f"tcp://{host}:{port}"
