@@ -1,9 +1,9 @@
 """What clients sent, served within a budget per loop turn, so no client traffic starves roles or other clients.
 
-The server decodes a client's ZeroMQ message (or lane packet) into its messages at once, but the Router handles
-them from here: at most TURN_BUDGET client messages a turn, round robin over the clients that have some
-waiting, at most PEER_TURN_BUDGET of one client's before the next client's. What is left waits for the next
-turn, after the roles' messages and the tick. Bounds:
+The Router handles at most TURN_BUDGET client messages a loop turn, at most PEER_TURN_BUDGET of one client's.
+Within those a message is handled as it is read (`spend`: the common path costs two counts); past them, or while
+messages wait here, it waits in this inbox, per client, and the next turns serve the inbox first, round robin over
+the clients, after the roles' messages and the tick. Bounds:
 - a client's bundle carries at most CLIENT_BUNDLE_MAX messages (a client's own Outbox never bundles more);
 - a client keeps at most PEER_MAX_ITEMS messages and PEER_MAX_BYTES of their frames waiting; past either, its
   messages are refused (`Rejected(code=overloaded)`), so one peer's memory here is bounded;
@@ -43,6 +43,29 @@ class ClientInbox:
         #: messages refused because their client had too many waiting, and status queries folded into one
         self.refused = 0
         self.folded = 0
+        #: this turn's handled messages, in all and per client, and the clients whose status query was answered
+        self.turn_total = 0
+        self.turn_peer: collections.Counter[bytes] = collections.Counter()
+        self.turn_status: set[bytes] = set()
+
+    def new_turn(self) -> None:
+        self.turn_total = 0
+        self.turn_peer.clear()
+        self.turn_status.clear()
+
+    def spend(self, identity: bytes, msg) -> bool | None:
+        """Whether `identity`'s message may be handled now (counted against the turn's budgets): True; None when it
+        is a StatusQuery whose client's report this turn answers already (nothing to do); False: queue it (add)."""
+        if self.waiting or self.turn_total >= TURN_BUDGET or self.turn_peer[identity] >= PEER_TURN_BUDGET:
+            return False
+        if isinstance(msg, StatusQuery):
+            if identity in self.turn_status:
+                self.folded += 1
+                return None
+            self.turn_status.add(identity)
+        self.turn_total += 1
+        self.turn_peer[identity] += 1
+        return True
 
     def __len__(self) -> int:
         return self.waiting
@@ -73,8 +96,10 @@ class ClientInbox:
         self.waiting += 1
         return None
 
-    def take(self, budget: int = TURN_BUDGET):
-        """Up to `budget` (identity, message, frames), round robin over the clients, PEER_TURN_BUDGET each at most."""
+    def take(self, budget: int | None = None):
+        """Up to `budget` (the turn's budget left) (identity, message, frames), round robin over the clients,
+        PEER_TURN_BUDGET each at most."""
+        budget = TURN_BUDGET - self.turn_total if budget is None else budget
         taken = 0
         while self.queues and taken < budget:
             for identity in list(self.queues):

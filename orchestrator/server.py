@@ -130,6 +130,7 @@ class OrchestratorServer:
                 events = dict(poller.poll(0 if self.inbox else TICK_S * 1000))
             if events and busy_poll and len(self.router.requests) <= busy_max:
                 busy_until = time.perf_counter() + busy_poll
+            self.serve_clients()  # a new turn: what clients sent past the last turns' budgets first
             for fd in events:
                 if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
                     self.serve_lane(fd)
@@ -137,7 +138,6 @@ class OrchestratorServer:
                 self.drain_inbox(self.backend, self.handle_backend_frames)
             if self.frontend in events and not self.inbox.full:
                 self.drain_inbox(self.frontend, self.handle_frontend_frames)
-            self.serve_clients()
             now = time.monotonic()
             if now >= next_tick:
                 self.watch_exits(now)
@@ -270,13 +270,20 @@ class OrchestratorServer:
                 self._drop("frontend", str(msg))
                 self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}", code=ErrorCode.INVALID_REQUEST))])
                 continue
-            refused = self.inbox.add(identity, msg, rest)  # handled in serve_clients, within the turn's budget
-            if refused is not None:
-                self.send([Out(identity, None, refused)])
+            now = self.inbox.spend(identity, msg)
+            if now:  # within this turn's budget, nothing of the clients' waiting: at once
+                self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
+            elif now is False:  # handled in a later turn (serve_clients)
+                refused = self.inbox.add(identity, msg, rest)
+                if refused is not None:
+                    self.send([Out(identity, None, refused)])
 
     def serve_clients(self) -> None:
-        """The clients' messages of this turn's budget (orchestrator/inbox.py), in the order each client sent them."""
+        """A new turn's budget (orchestrator/inbox.py), spent first on what clients sent past the earlier turns',
+        in the order each client sent it."""
+        self.inbox.new_turn()
         for identity, msg, rest in self.inbox.take():
+            self.inbox.turn_total += 1
             self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
 
     def handle_backend_frames(self, frames: list[bytes]) -> None:

@@ -28,3 +28,16 @@ def test_a_client_with_too_much_waiting_is_refused_and_status_queries_fold():
     assert inbox.add(b"other", Cancel(request_id="x"), []) is None  # another client is not held back
     list(inbox.take(budget=10**6))
     assert inbox.add(b"c", StatusQuery(), []) is None and len(inbox) == 1  # answered: a new query waits again
+
+
+def test_within_the_turns_budget_messages_are_handled_at_once_and_past_it_they_wait():
+    inbox = ClientInbox()
+    assert inbox.spend(b"c", StatusQuery()) is True and inbox.spend(b"c", StatusQuery()) is None  # one report a turn
+    for i in range(PEER_TURN_BUDGET - 1):
+        assert inbox.spend(b"c", Cancel(request_id=f"r{i}")) is True
+    assert inbox.spend(b"c", Cancel(request_id="over")) is False  # its share of the turn is spent: it waits
+    assert inbox.spend(b"d", Cancel(request_id="d0")) is True  # another client's is not
+    inbox.add(b"c", Cancel(request_id="over"), [])
+    assert inbox.spend(b"d", Cancel(request_id="d1")) is False  # while any wait, nobody overtakes them
+    inbox.new_turn()
+    assert [m.request_id for _, m, _ in inbox.take()] == ["over"] and inbox.spend(b"d", Cancel(request_id="d1"))
