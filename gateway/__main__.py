@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return BOOT_ERROR_EXIT
     from settings.process import GatewaySettings, decode, encode
+    from settings.schema import HttpSettings
 
     try:
         settings = decode(argv[0], GatewaySettings)
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     settings.http.api_key = settings.http.api_key or os.environ.get("DISAGG_HTTP_API_KEY", "")
     try:  # the keys with a priority come the same way (JSON from the launcher; YAML or JSON by hand)
         keys = yaml.safe_load(os.environ.get("DISAGG_HTTP_API_KEYS") or "{}") or {}
-        settings.http.api_keys = settings.http.api_keys or msgspec.convert(keys, dict[str, int])
+        settings.http.api_keys = settings.http.api_keys or msgspec.convert({"api_keys": keys}, HttpSettings).api_keys
     except (yaml.YAMLError, msgspec.ValidationError) as exc:
-        log.error("bad DISAGG_HTTP_API_KEYS (a mapping of API key -> priority): %s", exc)
+        log.error("bad DISAGG_HTTP_API_KEYS (a mapping of API key -> priority or {priority, admin}): %s", exc)
         return BOOT_ERROR_EXIT
     import uvicorn
 

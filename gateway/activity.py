@@ -1,11 +1,12 @@
 """What the web page charts and shows: the latency and rate of the requests this gateway answered over the
-last minutes, and its last images, each with its prompt (GET /recent)."""
+last minutes, and the last images, each with its prompt, of the caller's API key (GET /recent)."""
 
 from __future__ import annotations
 
 import base64
 import collections
 import io
+import itertools
 import time
 
 #: the window the page charts, in buckets of BUCKET_S
@@ -32,18 +33,29 @@ class Activity:
     def __init__(self):
         #: (when, latency_s, ok) of every request answered in the window (bounded)
         self.ended: collections.deque[tuple[float, float, bool]] = collections.deque(maxlen=65_536)
-        self.images: collections.deque[dict] = collections.deque(maxlen=LAST_IMAGES)
+        #: each tenant's last images (gateway/tenants.py: one per API key, a bounded number)
+        self.images: dict[str, collections.deque[dict]] = {}
+        self._shown = itertools.count()
 
     def record(self, ok: bool, latency_s: float) -> None:
         self.ended.append((time.time(), latency_s, ok))
 
-    def show(self, request_id: str, prompt: str, size: str, latency_s: float, image: bytes) -> None:
-        self.images.appendleft({"id": request_id, "prompt": prompt, "size": size, "latency_s": round(latency_s, 3),
-                                "created": int(time.time()), "thumbnail": thumbnail(image)})
+    def show(self, tenant: str, request_id: str, prompt: str, size: str, latency_s: float, image: bytes) -> None:
+        """An image made for `tenant`'s request: it is among the last images that tenant (and admins) see."""
+        kept = self.images.setdefault(tenant, collections.deque(maxlen=LAST_IMAGES))
+        kept.appendleft((next(self._shown), {"id": request_id, "prompt": prompt, "size": size,
+                                             "latency_s": round(latency_s, 3), "created": int(time.time()),
+                                             "thumbnail": thumbnail(image)}))
 
-    def doc(self, now: float | None = None) -> dict:
+    def last_images(self, caller) -> list[dict]:
+        """The last images `caller` may see: its tenant's, or every tenant's for an admin; newest first."""
+        shown = [item for tenant, kept in self.images.items() if caller.sees(tenant) for item in kept]
+        return [doc for _, doc in sorted(shown, key=lambda item: -item[0])[:LAST_IMAGES]]
+
+    def doc(self, caller, now: float | None = None) -> dict:
         """Per bucket of the window (oldest first): its start (seconds before now), requests per second, failed
-        ones, and p50 / p95 latency of those that succeeded; and the last images."""
+        ones, and p50 / p95 latency of those that succeeded (every caller's, as /metrics counts them); and the
+        last images `caller` may see."""
         now = time.time() if now is None else now
         while self.ended and self.ended[0][0] < now - WINDOW_S:
             self.ended.popleft()
@@ -56,4 +68,4 @@ class Activity:
                             "failed": sum(not ok for _, ok in got),
                             "p50": lat[len(lat) // 2] if lat else None,
                             "p95": lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else None})
-        return {"bucket_s": BUCKET_S, "series": buckets, "images": list(self.images)}
+        return {"bucket_s": BUCKET_S, "series": buckets, "images": self.last_images(caller)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from client.aio import AsyncClient
 from gateway.errors import ApiError
 from gateway.routes import images, operations, videos
 from gateway.state import Gateway
+from gateway.tenants import NOBODY, Keys
 from settings.process import GatewaySettings
 from transport.parent import LauncherWatch
 
@@ -87,9 +87,12 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="disagg", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
 
+    keys = Keys(h)
+
     class CountAndAuthenticate:
-        """Counts every answer by route and code, and checks the API key. Plain ASGI (not Starlette's
-        BaseHTTPMiddleware, which hides a client's disconnect from the route that waits for it)."""
+        """Counts every answer by route and code, and checks the API key: the request's Caller (its tenant,
+        gateway/tenants.py) goes into the ASGI scope's state. Plain ASGI (not Starlette's BaseHTTPMiddleware,
+        which hides a client's disconnect from the route that waits for it)."""
 
         def __init__(self, inner):
             self.inner = inner
@@ -105,16 +108,13 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                 await send(message)
 
             try:
-                if (h.api_key or h.api_keys) and not is_open(scope["path"]):
-                    scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-                    given = given.strip() if scheme.lower() == b"bearer" else None
-                    # http.api_keys: a key with a priority its requests run at (Gateway.key_priority)
-                    capped = [p for k, p in h.api_keys.items() if given is not None and hmac.compare_digest(given, k.encode())]
-                    if capped:
-                        scope.setdefault("state", {})["priority_cap"] = capped[0]
-                    elif given is None or not h.api_key or not hmac.compare_digest(given, h.api_key.encode()):
+                caller = NOBODY
+                if keys.required and not is_open(scope["path"]):
+                    caller = keys.caller(dict(scope["headers"]).get(b"authorization", b""))
+                    if caller is None:
                         raise ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY",
                                        code="invalid_api_key")
+                scope.setdefault("state", {})["caller"] = caller
                 await self.inner(scope, receive, counting_send)
             except ApiError as exc:
                 await exc.response()(scope, receive, counting_send)

@@ -37,6 +37,9 @@ HTTP = {
     ErrorCode.INVALID_INPUT: (400, "invalid_value", {}),
     ErrorCode.DUPLICATE_REQUEST_ID: (409, "duplicate_request_id", {}),
     ErrorCode.INVALID_REQUEST: (400, "invalid_request", {}),
+    # someone else cancelled it (DELETE of a video job; an HTTP caller's hang-up cancels only a run nobody else
+    # of its key waits on): not a generation that failed
+    ErrorCode.CANCELLED: (409, "cancelled", {"x-should-retry": "false"}),
 }
 #: the request's field as the HTTP API names it
 HTTP_PARAM = {"request_id": "X-Request-Id"}

@@ -15,6 +15,7 @@ from gateway.activity import Activity
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.store import BoundedCache
+from gateway.tenants import NOBODY, Caller, Keys
 from settings.process import GatewaySettings
 from transport.params import LoraRef
 
@@ -33,13 +34,19 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = h = settings.http
         self.endpoint, self.keys = settings.endpoint, settings.keys
+        #: the tenants there can be (one per key; one without keys): per-tenant quotas divide by it
+        self.tenants = Keys(h).tenants
         self.metrics = Metrics()
         self.store = BoundedCache(h.image_store_max, h.image_store_mib * MIB, h.image_ttl)
-        #: completed answers kept for X-Request-Id resubmissions
+        #: completed answers kept for X-Request-Id resubmissions, by the request's id at the orchestrator (its
+        #: tenant's, gateway/tenants.py upstream_id): another key's equal id is another entry
         self.recent = BoundedCache(h.recent_max, h.recent_mib * MIB)
         self.activity = Activity()
-        #: /v1/videos jobs, oldest first (gateway/routes/videos.py)
+        #: /v1/videos jobs, oldest first (gateway/routes/videos.py), each with its tenant
         self.video_jobs: collections.OrderedDict = collections.OrderedDict()
+        #: HTTP callers waiting on each request in flight (by its id at the orchestrator): callers of one tenant
+        #: that sent the same X-Request-Id and parameters share one run, which is cancelled when the last hangs up
+        self.waiting: collections.Counter[str] = collections.Counter()
         self.client: AsyncClient | None = None  # set while the app runs (lifespan)
 
     async def status_or_503(self):
@@ -73,7 +80,7 @@ class Gateway:
     def key_priority(request: Request, params):
         """`params` at the priority of the API key the request came with (http.api_keys): that one unless it names
         a lower one; a higher one is refused (403)."""
-        cap = getattr(request.state, "priority_cap", None)
+        cap = caller_of(request).priority_cap
         if cap is None:
             return params
         if params.priority is None:
@@ -84,17 +91,38 @@ class Gateway:
         return params
 
     async def submit_unless_gone(self, request: Request, rid: str, params):
-        """The request's Outcome; None when the HTTP client disconnected first (then it is cancelled)."""
+        """The request's Outcome (`rid`: its id at the orchestrator); None when the HTTP client disconnected first.
+        Then the request is cancelled, unless another caller still waits on it (one of the same tenant that sent
+        the same X-Request-Id and parameters): that one gets it."""
         task = asyncio.ensure_future(self.client.submit(rid, params))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                await self.client.cancel(rid)
-                await task
-                return None
+        self.waiting[rid] += 1
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            await self.leave(rid, task)
+
+    async def leave(self, rid: str, task: asyncio.Future) -> None:
+        """A caller of request `rid` is done with it (`task`: its wait): if it did not end and nobody else waits
+        on it, it is cancelled."""
+        self.waiting[rid] -= 1
+        if self.waiting[rid] > 0:
+            task.cancel()  # this caller's wait only: the run goes on for the others (client.submit shields it)
+            return
+        del self.waiting[rid]
+        if not task.done():
+            await self.client.cancel(rid)
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
+
+
+def caller_of(request: Request) -> Caller:
+    """Who sent the request (its API key's tenant; gateway/tenants.py)."""
+    return getattr(request.state, "caller", NOBODY)

@@ -1,7 +1,8 @@
 """OpenAI's image streaming (`stream: true`, `partial_images` 0-3): server-sent events
 `image_generation.partial_image` (or `image_edit.partial_image`) as the request's live previews arrive, then one
 `image_generation.completed` per image, or an `error` event. A client that hangs up mid-stream cancels the
-request. Also `GET /v1/videos/{id}/events`' progress events (gateway/routes/videos.py)."""
+request, unless another caller of its API key waits on it. Also `GET /v1/videos/{id}/events`' progress events
+(gateway/routes/videos.py)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ def image_event(kind: str, what: str, image: bytes, fmt: str, size: str, **extra
                                   "background": "auto", "output_format": fmt, **extra})
 
 
-def stream_images(gw, rid: str, params, kind: str, headers: dict) -> StreamingResponse:
-    """The request run with its previews streamed; `kind`: image_generation or image_edit."""
+def stream_images(gw, caller, rid: str, upstream: str, params, kind: str, headers: dict) -> StreamingResponse:
+    """The request run with its previews streamed; `kind`: image_generation or image_edit. `rid`: the caller's
+    X-Request-Id, `upstream`: its id at the orchestrator (gateway/tenants.py)."""
     queue: asyncio.Queue = asyncio.Queue()
     size = f"{params.width}x{params.height}"
 
     async def events():
-        task = asyncio.ensure_future(gw.client.submit(rid, params, on_partial=lambda p, data: queue.put_nowait((p, data))))
+        task = asyncio.ensure_future(gw.client.submit(upstream, params,
+                                                      on_partial=lambda p, data: queue.put_nowait((p, data))))
+        gw.waiting[upstream] += 1
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -65,10 +69,11 @@ def stream_images(gw, rid: str, params, kind: str, headers: dict) -> StreamingRe
                                   disagg={"request_id": rid, "seed": outcome.seed, "timings": outcome.timings,
                                           **cache_report(outcome.resolved)})
             if outcome.images:
-                gw.activity.show(rid, params.prompt, final, outcome.latency_s, outcome.images[0])
+                gw.activity.show(caller.tenant, rid, params.prompt, final, outcome.latency_s, outcome.images[0])
         finally:
-            if not task.done():  # the client hung up: nobody reads the answer, the deployment stops the work
-                asyncio.ensure_future(gw.client.cancel(rid))
+            # the client hung up before the end: unless a caller of its key still waits on it, the deployment stops
+            # the work
+            asyncio.ensure_future(gw.leave(upstream, task))
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={**headers, "Cache-Control": "no-cache"})

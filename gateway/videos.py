@@ -24,9 +24,15 @@ from transport.messages import (
 
 #: how often clients are told to poll (the openai-poll-after-ms header)
 POLL_AFTER_MS = 1000
-MAX_JOBS = 1024
-#: MP4s kept for download, in all; the oldest finished jobs go first
+#: jobs kept, in all: each API key holds an equal share (at least MIN_JOBS_PER_KEY) and loses only its own
+MAX_JOBS, MIN_JOBS_PER_KEY = 1024, 16
+#: MP4s kept for download, in all: each API key an equal share; its own oldest finished jobs go first
 MAX_VIDEO_BYTES = 1024 * 1024 * 1024
+
+
+def jobs_quota(tenants: int) -> int:
+    """The jobs one API key (tenant) may hold when there are `tenants` keys."""
+    return max(MIN_JOBS_PER_KEY, MAX_JOBS // max(1, tenants))
 #: frames when only `seconds` is given: seconds x fps + 1 (Wan makes 4k+1 frames; 81 = 5 s at 16 fps)
 DEFAULT_FPS = 16
 #: progress while a stage runs: the encoder is quick, the denoiser's steps take most of it
@@ -77,6 +83,8 @@ class VideoJob:
     task: asyncio.Task | None = None
     #: its step cache's label and counts (gateway/fields.py cache_report), once completed
     cache: dict | None = None
+    #: the API key's tenant that made it (gateway/tenants.py): only that key and admin keys see it
+    tenant: str = ""
 
     def doc(self) -> dict:
         return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,

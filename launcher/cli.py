@@ -326,7 +326,7 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
     from gateway.__main__ import main as gateway_main
 
     os.environ["DISAGG_HTTP_API_KEY"] = http.api_key
-    os.environ["DISAGG_HTTP_API_KEYS"] = json.dumps(http.api_keys)
+    os.environ["DISAGG_HTTP_API_KEYS"] = msgspec.json.encode(http.api_keys).decode()
     http.api_key, http.api_keys = "", {}
     click.echo(f"serving http://{http.host}:{http.port}/v1 for {endpoint}")
     sys.exit(gateway_main([encode(GatewaySettings(endpoint=endpoint, keys=keys or "", http=http))]))

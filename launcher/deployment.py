@@ -140,7 +140,7 @@ class Deployment:
         environment, not on the command line (where `ps` shows it)."""
         env = self._env()
         env["DISAGG_HTTP_API_KEY"] = self.config.http.api_key
-        env["DISAGG_HTTP_API_KEYS"] = json.dumps(self.config.http.api_keys)
+        env["DISAGG_HTTP_API_KEYS"] = msgspec.json.encode(self.config.http.api_keys).decode()
         http = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
         settings = GatewaySettings(endpoint=self.endpoint, http=http, keys=self.keys_dir)
         return self.supervisor.spawn("gateway", self.supervisor.python("gateway", encode(settings)), env=env)

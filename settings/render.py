@@ -87,6 +87,6 @@ def effective_yaml(resolved) -> str:
         origin = resolved.origins.get(leaf.path, "default")
         source = {"flag": f"flag {leaf.flag or ''}".strip(), "env": f"env {leaf.env}", "file": "file"}.get(origin, "default")
         if leaf.path in SECRETS and value:  # a key's priority may show, never the key
-            value = {"(set)": sorted(value.values())} if isinstance(value, dict) else "(set)"
+            value = {"(set)": sorted(value.values(), key=str)} if isinstance(value, dict) else "(set)"
         lines.append(f"{'  ' if section else ''}{name}: {value_text(value)}  # {source}")
     return "\n".join(lines) + "\n"

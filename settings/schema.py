@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from transport.params import CacheSpec  # one cache rule: requests' and the settings'
 from settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
-    PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, HttpSettings, LoraSettings, RebalanceSettings,
+    PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
 )
 
 

@@ -101,6 +101,18 @@ class RolePool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("launcher", "orchestrator", flag=None))] = 0
 
 
+#: a key's priority (http.api_keys)
+ApiKeyPriority = Annotated[int, Meta(ge=-1000, le=1000)]
+
+
+class ApiKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An http.api_keys entry written out: the priority its requests get (null: any they name) and whether it
+    sees every key's work (admin)."""
+
+    priority: ApiKeyPriority | None = None
+    admin: bool = False
+
+
 class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The OpenAI-compatible HTTP gateway (gateway/): `disagg launch` starts one beside the orchestrator when
     http.port is set; `disagg serve-http` runs one for a deployment already running."""
@@ -112,13 +124,16 @@ class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               extra=use("gateway", flag="--http-host"))] = "127.0.0.1"
     api_key: Annotated[str, Meta(description=(
         "When set, every route but /, /health, /liveness, /metrics and the unguessable image URLs needs "
-        "`Authorization: Bearer KEY`. Prefer the environment (DISAGG_HTTP_API_KEY) to a file or a flag."),
+        "`Authorization: Bearer KEY`. It is the admin key: it sees what every key made (http.api_keys). Prefer the "
+        "environment (DISAGG_HTTP_API_KEY) to a file or a flag."),
         extra=use("gateway", flag="--api-key"))] = ""
-    api_keys: Annotated[dict[str, Annotated[int, Meta(ge=-1000, le=1000)]], Meta(description=(
-        "More API keys, each with the priority its requests get: KEY -> priority (-1000..1000). A request sent "
-        "with such a key runs at that priority unless it names a lower one; naming a higher one is refused (403, "
-        "param priority). Requests with http.api_key name any priority. Prefer the environment "
-        "(DISAGG_HTTP_API_KEYS, YAML: '{KEY: 5}') to a file."),
+    api_keys: Annotated[dict[str, ApiKeyPriority | ApiKey], Meta(description=(
+        "More API keys, each a tenant of its own: KEY -> the priority its requests get (-1000..1000), or KEY -> "
+        "{priority, admin}. A request sent with such a key runs at that priority unless it names a lower one; "
+        "naming a higher one is refused (403, param priority); {priority: null} names any. What the gateway keeps "
+        "(answers kept for X-Request-Id, video jobs, /recent) each key sees of its own only; http.api_key and keys "
+        "with admin: true see every key's. Prefer the environment (DISAGG_HTTP_API_KEYS, YAML: '{KEY: 5}' or "
+        "'{KEY: {priority: 5, admin: true}}') to a file."),
         extra=use("gateway", flag=None))] = {}
     image_ttl: Annotated[float, Meta(gt=0, description=(
         "response_format=url: seconds an image stays fetchable at its URL."), extra=use("gateway", flag=None))] = 600.0

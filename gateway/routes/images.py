@@ -21,8 +21,9 @@ from gateway.images import (
     parse_image_request,
     to_params,
 )
-from gateway.state import gateway_of
+from gateway.state import caller_of, gateway_of
 from gateway.streams import stream_images
+from gateway.tenants import upstream_id
 
 router = APIRouter()
 
@@ -58,24 +59,27 @@ async def answer_images(request: Request, req, params):
     if req.model:  # an adapter's name is shorthand for it at scale 1
         _, params = await gw.check_model(req.model, params)
     params = gw.key_priority(request, params)
+    caller = caller_of(request)
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
     if not REQUEST_ID.match(rid):
         raise ApiError(400, "X-Request-Id: 1-128 characters of A-Z a-z 0-9 _ . : @ -", param="X-Request-Id")
+    #: its id at the orchestrator: the caller's tenant's (gateway/tenants.py); the caller sees its own
+    upstream = upstream_id(caller, rid)
     headers = {"X-Request-Id": rid}
     if req.stream:  # OpenAI's streaming: partial images as they come, then the completed images
         kind = "image_edit" if isinstance(req, ImageEditRequest) else "image_generation"
         params = msgspec.structs.replace(params, previews=req.partial_images or None)
-        return stream_images(gw, rid, params, kind, headers)
+        return stream_images(gw, caller, rid, upstream, params, kind, headers)
     asked = hashlib.sha1(msgspec.msgpack.encode(params)).hexdigest()
-    answered = gw.recent.get(rid)
+    answered = gw.recent.get(upstream)
     if answered is not None:  # a resubmission of a finished request: the same answer, not a second run
         if answered[0] != asked:
             raise ApiError(409, f"X-Request-Id {rid!r} was used for a request with other parameters; send new "
                                 "requests under new ids", param="X-Request-Id", code="duplicate_request_id",
                            headers=headers)
         return JSONResponse(answered[1], headers=headers)
-    outcome = await gw.submit_unless_gone(request, rid, params)
-    if outcome is None:  # the client hung up: the request was cancelled, nobody reads an answer
+    outcome = await gw.submit_unless_gone(request, upstream, params)
+    if outcome is None:  # the client hung up: cancelled unless a caller of its key still waits on it
         return Response(status_code=499, headers=headers)
     gw.metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
     gw.activity.record(outcome.ok, outcome.latency_s)
@@ -100,9 +104,9 @@ async def answer_images(request: Request, req, params):
                       "timings": outcome.timings, "model": outcome.resolved.get("model"),
                       **cache_report(outcome.resolved)}}
     headers.update(cache_headers(outcome.resolved))
-    gw.recent.put(rid, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
+    gw.recent.put(upstream, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))
     if outcome.images:
-        gw.activity.show(rid, req.prompt, doc["size"], outcome.latency_s, outcome.images[0])
+        gw.activity.show(caller.tenant, rid, req.prompt, doc["size"], outcome.latency_s, outcome.images[0])
     return JSONResponse(doc, headers=headers)
 
 

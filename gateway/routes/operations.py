@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import Unreachable
 from gateway.errors import ApiError
-from gateway.state import gateway_of, model_name
+from gateway.state import caller_of, gateway_of, model_name
 
 router = APIRouter()
 PAGE = Path(__file__).resolve().parent.parent / "static" / "index.html"
@@ -26,8 +26,9 @@ async def page():
 @router.get("/recent")
 async def recent_activity(request: Request):
     """What the page charts: this gateway's requests per 10 s over the last 5 minutes (rate, failures,
-    p50/p95 latency) and its last images with their prompts (thumbnails)."""
-    return gateway_of(request).activity.doc()
+    p50/p95 latency) and the last images of the caller's API key (every key's for an admin key) with their
+    prompts (thumbnails)."""
+    return gateway_of(request).activity.doc(caller_of(request))
 
 
 @router.get("/favicon.ico")

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from client import Unreachable
 from gateway.errors import ApiError, from_outcome
 from gateway.fields import cache_report
-from gateway.state import gateway_of
+from gateway.state import caller_of, gateway_of
 from gateway.streams import sse
 from gateway.videos import (
     DEFAULT_FPS,
-    MAX_JOBS,
+    jobs_quota,
     MAX_VIDEO_BYTES,
     POLL_AFTER_MS,
     VideoJob,
@@ -35,7 +35,7 @@ async def run(gw, job: VideoJob, params: GenerationParams) -> None:
     outcome = await gw.client.submit(job.id, params)
     if outcome.ok and outcome.images:
         job.status, job.progress, job.data = "completed", 100, outcome.images[0]
-        keep_bytes_bounded(gw.video_jobs, job)
+        keep_bytes_bounded(gw.video_jobs, job, MAX_VIDEO_BYTES // gw.tenants)
         w, h = outcome.resolved.get("width"), outcome.resolved.get("height")
         if w and h:
             job.size = f"{w}x{h}"
@@ -46,18 +46,22 @@ async def run(gw, job: VideoJob, params: GenerationParams) -> None:
     job.completed_at = int(time.time())
 
 
-def keep_bytes_bounded(jobs: dict, newest: VideoJob) -> None:
-    held = sum(len(j.data) for j in jobs.values() if j.data)
-    for old in [j for j in jobs.values() if j.data and j is not newest]:
-        if held <= MAX_VIDEO_BYTES:
+def keep_bytes_bounded(jobs: dict, newest: VideoJob, quota: int) -> None:
+    """The MP4s of `newest`'s tenant within its share of MAX_VIDEO_BYTES: its oldest finished jobs go (another
+    tenant's never do)."""
+    own = [j for j in jobs.values() if j.data and j.tenant == newest.tenant]
+    held = sum(len(j.data) for j in own)
+    for old in [j for j in own if j is not newest]:
+        if held <= quota:
             break
         held -= len(old.data)
         jobs.pop(old.id, None)
 
 
 def get(request: Request, video_id: str) -> VideoJob:
+    """The job, if the caller's API key made it (an admin key: any); else 404, as for an unknown id."""
     job = gateway_of(request).video_jobs.get(video_id)
-    if job is None:
+    if job is None or not caller_of(request).sees(job.tenant):
         raise ApiError(404, f"no video job {video_id!r}", param="video_id", code="not_found")
     return job
 
@@ -80,12 +84,17 @@ async def create(request: Request):
         pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
     _, params = await gw.check_model(req.model, params)  # an adapter's name is shorthand for it at scale 1
     params = gw.key_priority(request, params)
+    tenant = caller_of(request).tenant
     seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
     job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
-                   size=req.size or "auto", seconds=f"{seconds:g}")
-    while len(jobs) >= MAX_JOBS:  # the oldest job goes; one still running is cancelled
-        _, old = jobs.popitem(last=False)
+                   size=req.size or "auto", seconds=f"{seconds:g}", tenant=tenant)
+    # each API key holds its share of MAX_JOBS: past it, its own oldest job goes (one still running is cancelled);
+    # another key's jobs never do
+    own = [j for j in jobs.values() if j.tenant == tenant]
+    for old in own[:max(0, len(own) - jobs_quota(gw.tenants) + 1)]:
+        jobs.pop(old.id, None)
         if old.task is not None and not old.task.done():
+            old.status = "deleted"
             await gw.client.cancel(old.id)
     jobs[job.id] = job
     job.task = asyncio.create_task(run(gw, job, params))
@@ -95,7 +104,9 @@ async def create(request: Request):
 @router.get("/v1/videos")
 
 async def list_jobs(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
-    jobs = gateway_of(request).video_jobs
+    """The caller's API key's jobs (an admin key: every key's)."""
+    caller = caller_of(request)
+    jobs = {k: j for k, j in gateway_of(request).video_jobs.items() if caller.sees(j.tenant)}
     if not 1 <= limit <= 100:
         raise ApiError(400, "limit must be 1 ... 100", param="limit", code="invalid_value")
     if order not in ("asc", "desc"):
