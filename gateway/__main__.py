@@ -41,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.app import make_app
+    from gateway.limits import slow_headers_protocol
 
     h = settings.http
-    config = uvicorn.Config(make_app(settings), host=h.host, port=h.port, loop="uvloop", http="httptools",
+    # httptools, with a timeout for the request headers (gateway/limits.py; the body's is in the app)
+    config = uvicorn.Config(make_app(settings), host=h.host, port=h.port, loop="uvloop",
+                            http=slow_headers_protocol(h.read_timeout), timeout_keep_alive=5,
                             log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     try:

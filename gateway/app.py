@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from client import Unreachable
 from client.aio import AsyncClient
 from gateway.errors import ApiError
+from gateway.limits import MIB, BodyLimits
 from gateway.routes import images, operations, videos
 from gateway.state import Gateway
 from gateway.tenants import NOBODY, Keys
@@ -122,6 +123,9 @@ def make_app(settings: GatewaySettings) -> FastAPI:
                 route = getattr(scope.get("route"), "path", "unmatched")
                 gw.metrics.http.labels(route, scope["method"], str(code["status"])).inc()
 
+    # the body's limits inside the key check: a request without the key is refused before any of its body is read
+    app.add_middleware(BodyLimits, budget=h.body_budget_mib * MIB, read_timeout=h.read_timeout,
+                       body_timeout=h.body_timeout)
     app.add_middleware(CountAndAuthenticate)
 
     @app.exception_handler(ApiError)

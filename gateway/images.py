@@ -72,9 +72,13 @@ EDIT_EXTENSIONS = EXTENSIONS + ("strength",)
 async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParams]:
     if not request.headers.get("content-type", "").startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         raise ApiError(400, "images/edits takes multipart/form-data (the image as a file)", code="invalid_request")
+    # the body is at most MAX_EDIT_BODY_BYTES however it is sent (gateway/limits.py), so are its parts on disk
     form = await request.form(max_files=4, max_fields=64, max_part_size=MAX_INPUT_BYTES + 1024)
-    image = await upload(form, ("image", "image[]"), "image")
-    mask = await upload(form, ("mask",), "mask")
+    try:
+        image = await upload(form, ("image", "image[]"), "image")
+        mask = await upload(form, ("mask",), "mask")
+    finally:
+        await form.close()  # the uploaded parts' temporary files
     if image is None:
         raise ApiError(400, "image: required (a file, as `image` or `image[]`)", param="image", code="missing_required_parameter")
     fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]", "mask") and isinstance(v, str)}

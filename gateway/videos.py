@@ -130,12 +130,16 @@ def to_params(req: VideoRequest) -> GenerationParams:
 
 
 async def parse_video_request(request: Request) -> VideoRequest:
+    # the body is at most MAX_VIDEO_BODY_BYTES however it is sent (gateway/limits.py)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form(max_part_size=MAX_INPUT_BYTES + 1024)
-        data, strict = {k: v for k, v in form.items()}, False  # form fields are strings: convert them
-        ref = data.get("input_reference")
-        if ref is not None and not isinstance(ref, str):  # an uploaded file
-            data["input_reference"] = await ref.read(MAX_INPUT_BYTES + 1)
+        form = await request.form(max_files=1, max_fields=64, max_part_size=MAX_INPUT_BYTES + 1024)
+        try:
+            data, strict = {k: v for k, v in form.items()}, False  # form fields are strings: convert them
+            ref = data.get("input_reference")
+            if ref is not None and not isinstance(ref, str):  # an uploaded file
+                data["input_reference"] = await ref.read(MAX_INPUT_BYTES + 1)
+        finally:
+            await form.close()
     else:
         try:
             data, strict = msgspec.json.decode(await request.body()), True

@@ -146,6 +146,18 @@ class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "again)."), extra=use("gateway", flag=None))] = 1024
     recent_mib: Annotated[int, Meta(ge=1, description="MiB of images those kept answers may hold.",
                                     extra=use("gateway", flag=None))] = 128
+    read_timeout: Annotated[float, Meta(gt=0, le=3600, description=(
+        "Seconds a client has to send a request's headers, and the most it may stay silent while sending its body: "
+        "past it the connection is closed (headers) or the request answered 408 (body)."),
+        extra=use("gateway", flag=None))] = 30.0
+    body_timeout: Annotated[float, Meta(gt=0, le=86400, description=(
+        "Seconds a client has to send a whole request body (408 past it), however it trickles in."),
+        extra=use("gateway", flag=None))] = 300.0
+    body_budget_mib: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "MiB of request bodies the gateway holds at once, every request together, from their first byte until "
+        "they are answered (each body is also limited by its route: 1 MiB, 33 MiB for uploads). A body that would "
+        "pass it is refused with 503 and Retry-After."),
+        extra=use("gateway", flag=None))] = 512
 
 
 class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
