@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from transport.codes import ErrorCode
@@ -45,9 +47,21 @@ HTTP = {
 HTTP_PARAM = {"request_id": "X-Request-Id"}
 
 
+#: an absolute path of two or more parts (not inside a URL or a relative path): what without_paths shortens
+_ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:,;()\[\]{}<>]+/)+[^\s/'\"`:,;()\[\]{}<>]*")
+
+
+def without_paths(text: str) -> str:
+    """`text` with each absolute server path shortened to its last part ("/srv/loras/a.safetensors" ->
+    "a.safetensors"): the deployment's messages (a LoRA that cannot be read, a checkpoint's folder) name files on
+    the server, which are none of an HTTP client's business."""
+    return _ABS_PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
 def from_outcome(outcome) -> ApiError:
-    """The HTTP error for a request the deployment refused or could not finish, from its code (no text parsed)."""
-    message = outcome.error or "failed"
+    """The HTTP error for a request the deployment refused or could not finish, from its code (no text parsed),
+    with no server paths in its message."""
+    message = without_paths(outcome.error or "failed")
     message = message.removeprefix("refused: ")
     status, code, headers = HTTP.get(outcome.code, (500, "generation_failed", {"x-should-retry": "false"}))
     if outcome.code == ErrorCode.INVALID_INPUT and ": " in message:  # "encoder encoder-0 failed: InputError: mask: ..."

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import msgspec
+
 from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError
 from transport.messages import MAX_INPUT_BYTES
@@ -79,3 +81,74 @@ def cache_headers(resolved: dict) -> dict[str, str]:
         return {}
     return {"X-Disagg-Steps-Computed": str(resolved["steps_computed"]),
             "X-Disagg-Steps-Skipped": str(resolved.get("steps_skipped", 0))}
+
+
+#: the deepest a JSON value of a request may nest (the deepest the API needs is 4: {extra_body: {loras: [{...}]}})
+MAX_DEPTH = 32
+#: a JSON body's tokens that open or close a value, keys' colons, and its strings (skipped whole)
+_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}:]', re.S)
+
+
+def too_deep(text: bytes, limit: int = MAX_DEPTH) -> str | None:
+    """Where a JSON text nests deeper than `limit`: the field, as the keys leading there (the first two of them,
+    "extra_body.cache"; "" for the top level); None if it does not."""
+    stack: list[list] = []  # per open value: [its bracket, the key being read in it]
+    last = b""
+    for m in _TOKENS.finditer(text):
+        tok = m.group()
+        if tok[:1] == b'"':
+            last = tok
+        elif tok == b":":
+            if stack:
+                stack[-1][1] = last[1:-1].decode("utf-8", "replace")
+        elif tok in (b"{", b"["):
+            stack.append([tok, None])
+            if len(stack) > limit:
+                keys = [k for bracket, k in stack[:-1] if bracket == b"{" and k is not None]
+                return ".".join(keys[:2] if keys[:1] == ["extra_body"] else keys[:1])
+        elif stack:
+            stack.pop()
+    return None
+
+
+def deepest(value, limit: int = MAX_DEPTH, path: str = "") -> str | None:
+    """Like too_deep, for a decoded value (dicts and lists): the field where it nests deeper than `limit`."""
+    todo = [(value, 1, path)]
+    while todo:
+        item, depth, where = todo.pop()
+        if isinstance(item, dict):
+            children = [(v, k if not where else f"{where}.{k}" if where == "extra_body" else where)
+                        for k, v in item.items()]
+        elif isinstance(item, list):
+            children = [(v, where) for v in item]
+        else:
+            continue
+        if depth > limit:
+            return where
+        todo += [(v, depth + 1, w) for v, w in children if isinstance(v, (dict, list))]
+    return None
+
+
+def nested_too_deep(field: str) -> ApiError:
+    return ApiError(400, f"{field or 'the body'}: nested deeper than {MAX_DEPTH} levels", param=field or None,
+                    code="invalid_value")
+
+
+def decode_json(body: bytes, type=object, field: str = ""):
+    """A JSON text decoded as `type`; a 400 for bad JSON, a wrong field (naming it) or nesting deeper than
+    MAX_DEPTH (naming the field). `field`: the form field the text came in ("" for a whole body), which counts as
+    one level, as a field of a JSON body does."""
+    try:
+        value = msgspec.json.decode(body, type=type)
+    except RecursionError:  # deeper than the interpreter goes: find the field in the text
+        raise nested_too_deep(field or too_deep(body) or "") from None
+    except msgspec.ValidationError as exc:
+        raise field_error(exc) from None
+    except msgspec.DecodeError as exc:
+        what = f"{field}: not valid JSON" if field else "the body is not valid JSON"
+        raise ApiError(400, f"{what}: {exc}", param=field or None, code="invalid_json") from None
+    where = deepest({field: value} if field else msgspec.structs.asdict(value) if isinstance(value, msgspec.Struct)
+                    else value)
+    if where is not None:
+        raise nested_too_deep(where)
+    return value

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from gateway.errors import ApiError
-from gateway.fields import extensions, field_error, parse_size, upload
+from gateway.fields import decode_json, extensions, field_error, parse_size, upload
 from transport.messages import (
     MAX_INPUT_BYTES,
     GenerationParams,
@@ -66,6 +65,8 @@ class ImageEditRequest(ImageRequest, forbid_unknown_fields=True, kw_only=True):
 
 #: the largest images.edit body: an image and a mask at their limits, and the form's other fields
 MAX_EDIT_BODY_BYTES = 2 * MAX_INPUT_BYTES + 1024 * 1024
+#: the longest JSON an edits form field (loras, cache) may hold
+MAX_JSON_FIELD = 64 * 1024
 EDIT_EXTENSIONS = EXTENSIONS + ("strength",)
 
 
@@ -84,10 +85,10 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
     fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]", "mask") and isinstance(v, str)}
     for name, example in (("loras", '[{"name": "A", "scale": 0.7}]'), ("cache", '{"type": "first_block"}')):
         if name in fields:  # a form field is a string: the list or object as JSON
-            try:
-                fields[name] = json.loads(fields[name])
-            except ValueError:
-                raise ApiError(400, f"{name}: JSON, e.g. {example}", param=name, code="invalid_value") from None
+            if len(fields[name]) > MAX_JSON_FIELD:
+                raise ApiError(400, f"{name}: at most {MAX_JSON_FIELD} characters of JSON, e.g. {example}", param=name,
+                               code="invalid_value")
+            fields[name] = decode_json(fields[name].encode(), field=name)
     try:  # form fields are strings: convert them
         req = msgspec.convert(fields, ImageEditRequest, strict=False)
     except msgspec.ValidationError as exc:
@@ -96,13 +97,7 @@ async def parse_edit_request(request) -> tuple[ImageEditRequest, GenerationParam
 
 
 def parse_image_request(body: bytes) -> ImageRequest:
-    try:
-        req = msgspec.json.decode(body, type=ImageRequest)
-    except msgspec.ValidationError as exc:
-        raise field_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    return req
+    return decode_json(body, ImageRequest)
 
 
 def to_params(req: ImageRequest, names: tuple[str, ...] = EXTENSIONS, **inputs) -> GenerationParams:

@@ -24,10 +24,10 @@ MIB = 1024 * 1024
 DISCONNECT_POLL_S = 0.1
 
 
-def model_name(model: str) -> str:
+def model_name(model: str | None) -> str | None:
     """The model's id for clients: a folder checkpoint's folder name, not the server's path (L1); a hub id or a
     built-in name as it is. Requests may name either."""
-    return model.rstrip("/").rsplit("/", 1)[-1] if model.startswith("/") else model
+    return model.rstrip("/").rsplit("/", 1)[-1] if model and model.startswith("/") else model
 
 
 class Gateway:
@@ -71,8 +71,8 @@ class Gateway:
             if not params.loras:
                 params = msgspec.structs.replace(params, loras=[LoraRef(name=asked)])
             return model, params
-        if asked and asked not in (model, model.rstrip("/").rsplit("/", 1)[-1]):
-            raise ApiError(404, f"model {asked!r} is not served here (this deployment serves {model!r})",
+        if asked and asked not in (model, model_name(model)):
+            raise ApiError(404, f"model {asked!r} is not served here (this deployment serves {model_name(model)!r})",
                            param="model", code="model_not_found")
         return model if params is None else (model, params)
 

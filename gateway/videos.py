@@ -14,7 +14,7 @@ from msgspec import Meta
 
 from client.inputs import InputError, check_size, from_data_url
 from gateway.errors import ApiError
-from gateway.fields import extensions, field_error, input_error, parse_size
+from gateway.fields import decode_json, extensions, field_error, input_error, parse_size
 from transport.messages import (
     MAX_INPUT_BYTES,
     GenerationParams,
@@ -141,10 +141,7 @@ async def parse_video_request(request: Request) -> VideoRequest:
         finally:
             await form.close()
     else:
-        try:
-            data, strict = msgspec.json.decode(await request.body()), True
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        data, strict = decode_json(await request.body()), True
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     try:

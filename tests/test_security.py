@@ -1,9 +1,10 @@
-"""The HTTP attacks of the security review (notes of 2026-12-04: F2-F8, F12) against one real deployment:
+"""The HTTP attacks of the security review (notes of 2026-12-04: F2-F8, F10-F12) against one real deployment:
 `disagg launch` of sim:flux-h200 (no compute: its stages sleep the times of FLUX.1 on an H200, so a long request
 is cheap) behind the gateway, with the main key and three more keys (two tenants with a priority, one admin).
 Each attack is bounded in count and time and its outcome asserted: two keys cannot read, join-cancel, list,
 download or delete each other's work and /recent shows each key its own; bodies over a route's limit are refused
-with 413 while they stream in, with the gateway's memory and temporary files bounded; slow clients time out.
+with 413 while they stream in, with the gateway's memory and temporary files bounded; too deep JSON is a 400
+naming the field; no server path in errors; slow clients time out.
 
 Video jobs: a sim model makes no videos (its instances report max_frames 0, so the gateway refuses /v1/videos) and
 no video model runs in this module's time, so their test runs the gateway's real app in this process (its routes,
@@ -12,6 +13,7 @@ images (the job table's scoping is what is tested, not the MP4)."""
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import threading
@@ -21,6 +23,7 @@ import httpx
 import msgspec
 import psutil
 import pytest
+from PIL import Image
 
 from tests.conftest import launch_with_http, wait_http, wait_until
 
@@ -405,6 +408,58 @@ def test_the_bodies_held_at_once_stay_within_the_budget():
     codes, held = asyncio.run(main())
     # three hold 3 MiB each; the fourth's second MiB passes 10 MiB: 503 (its bytes freed), then the three finish
     assert codes == [200, 200, 200, 503] and held == 0, codes
+
+
+# --- F10, F11: nesting and server paths ----------------------------------------------------------------------
+
+
+def test_too_deep_json_is_a_400_naming_the_field(dep, http):
+    """F10: 500,000 `[` in loras, 80,000 `{"a":` in extra_body.cache (past the interpreter's recursion), 40 levels of
+    cache (past the gateway's 32), a form field of an edit and a video's JSON body: each a 400 naming the field."""
+    deep = {
+        "loras": b'{"prompt": "x", "loras": ' + b"[" * 500_000 + b"]" * 500_000 + b"}",
+        "extra_body.cache": b'{"prompt": "x", "extra_body": {"cache": ' + b'{"a":' * 80_000 + b"1" + b"}" * 80_000 + b"}}",
+        "cache": b'{"prompt": "x", "cache": ' + b'{"a":' * 40 + b"1" + b"}" * 40 + b"}",
+    }
+    for field, body in deep.items():
+        r = http.post("/v1/images/generations", content=body, headers=auth(ALICE, **{"content-type": "application/json"}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text[:300])
+        assert "nested deeper than 32" in r.json()["error"]["message"]
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(png, format="PNG")
+    r = http.post("/v1/images/edits", headers=auth(ALICE), files={"image": ("a.png", png.getvalue(), "image/png")},
+                  data={"prompt": "x", "loras": "[" * 20_000 + "]" * 20_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "loras", r.text[:300]
+    r = http.post("/v1/videos", headers=auth(ALICE, **{"content-type": "application/json"}),
+                  content=b'{"prompt": "x", "extra_body": {"loras": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra_body.loras", r.text[:300]
+    assert generate(http, ALICE, "still here").status_code == 200
+
+
+def test_no_server_paths_in_errors_or_model_info(video_app, monkeypatch):
+    """F11: a folder checkpoint is named by its folder, in /v1/model_info, in a 404 for another model and in a video
+    job; the deployment's error texts (a LoRA file that cannot be read, made in the roles) lose their paths."""
+    from client import Outcome
+    from gateway.errors import from_outcome
+    from gateway.state import Gateway
+    from transport.codes import ErrorCode
+    from transport.messages import GenerationParams
+
+    async def served(self):
+        return "/srv/models/FLUX.1-dev/"
+
+    monkeypatch.setattr(Gateway, "served_model", served)
+    c = video_app
+    assert c.get("/v1/model_info", headers=auth(BOB)).json()["model_path"] == "FLUX.1-dev"
+    wrong = c.post("/v1/images/generations", json={"prompt": "x", "model": "other"}, headers=auth(BOB))
+    assert wrong.status_code == 404 and "/srv" not in wrong.text and "FLUX.1-dev" in wrong.text
+    assert "/srv" not in c.get("/v1/models/other", headers=auth(BOB)).text
+    job = c.post("/v1/videos", json={"prompt": "p", "size": "64x64", "num_inference_steps": 1}, headers=auth(BOB))
+    assert job.json()["model"] == "FLUX.1-dev"
+    text = ("denoiser denoiser-0 failed: LoraError: adapter 'passwd' cannot be read from /home/op/loras/passwd."
+            "safetensors: OSError: [Errno 2] No such file or directory: '/home/op/loras/passwd.safetensors'")
+    err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, text, code=ErrorCode.INVALID_INPUT))
+    assert "/home" not in err.message and "passwd.safetensors" in err.message, err.message
 
 
 # --- F12: slow clients ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from gateway.images import (
     parse_image_request,
     to_params,
 )
-from gateway.state import caller_of, gateway_of
+from gateway.state import caller_of, gateway_of, model_name
 from gateway.streams import stream_images
 from gateway.tenants import upstream_id
 
@@ -94,7 +94,7 @@ async def answer_images(request: Request, req, params):
     doc = {"id": rid, "created": int(time.time()), "data": data, "output_format": fmt,
            "size": f"{width}x{height}" if width and height else req.size,
            "disagg": {"request_id": rid, "seed": outcome.seed, "attempts": outcome.attempts,
-                      "timings": outcome.timings, "model": outcome.resolved.get("model"),
+                      "timings": outcome.timings, "model": model_name(outcome.resolved.get("model")),
                       **cache_report(outcome.resolved)}}
     headers.update(cache_headers(outcome.resolved))
     gw.recent.put(upstream, (asked, doc), sum(len(d.get("b64_json", "")) for d in data))

@@ -90,7 +90,7 @@ async def model(model_id: str, request: Request):
     if model_id in await gateway_of(request).adapters():
         return adapter_card(model_id, served)
     if model_id not in (served, model_name(served)):
-        raise ApiError(404, f"model {model_id!r} is not served here (this deployment serves {served!r})",
+        raise ApiError(404, f"model {model_id!r} is not served here (this deployment serves {model_name(served)!r})",
                        param="model", code="model_not_found")
     return model_card(served)
 
@@ -98,7 +98,7 @@ async def model(model_id: str, request: Request):
 @router.get("/v1/model_info")
 async def model_info(request: Request):
     served = await gateway_of(request).served_model()
-    return {"model_path": served, "is_generation": True}
+    return {"model_path": model_name(served), "is_generation": True}  # a folder's name, never the server's path
 
 
 @router.get("/stats")

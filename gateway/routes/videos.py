@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from client import Unreachable
 from gateway.errors import ApiError, from_outcome
 from gateway.fields import cache_report
-from gateway.state import caller_of, gateway_of
+from gateway.state import caller_of, gateway_of, model_name
 from gateway.streams import sse
 from gateway.videos import (
     DEFAULT_FPS,
@@ -79,14 +79,14 @@ async def create(request: Request):
     params = to_params(req)
     model = await gw.served_model()
     try:
-        refuse_what_cannot_be_made(req, params, model, (await gw.client.status()).orchestrator)
+        refuse_what_cannot_be_made(req, params, model_name(model), (await gw.client.status()).orchestrator)
     except Unreachable:
         pass  # the job then fails with the reason, as any request to an unreachable orchestrator does
     _, params = await gw.check_model(req.model, params)  # an adapter's name is shorthand for it at scale 1
     params = gw.key_priority(request, params)
     tenant = caller_of(request).tenant
     seconds = req.seconds if req.seconds is not None else (params.num_frames or 0) / (params.fps or DEFAULT_FPS)
-    job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model,
+    job = VideoJob(id=f"video_{uuid.uuid4().hex[:24]}", prompt=req.prompt, model=model_name(model),
                    size=req.size or "auto", seconds=f"{seconds:g}", tenant=tenant)
     # each API key holds its share of MAX_JOBS: past it, its own oldest job goes (one still running is cancelled);
     # another key's jobs never do
