@@ -10,6 +10,7 @@ text-encoder parts load where the text encoders are, its transformer / UNet part
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from roles.errors import RequestError
@@ -72,10 +73,14 @@ class DiffusersLoras:
         try:
             got = self.pipe.lora_state_dict(source)
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file: the reason goes back
-            raise LoraError(f"adapter {name!r} cannot be read from {source}: {type(exc).__name__}: {exc}") from None
+            # the path stays in this host's log; the answer names the file only
+            log.warning("adapter %r cannot be read from %s: %s: %s", name, source, type(exc).__name__, exc)
+            short = os.path.basename(os.path.normpath(str(source)))
+            raise LoraError(f"adapter {name!r} cannot be read ({short}): {type(exc).__name__}: "
+                            f"{str(exc).replace(str(source), short)}") from None
         state = got[0] if isinstance(got, tuple) else got
         if not state:
-            raise LoraError(f"adapter {name!r} ({source}) holds no LoRA weights")
+            raise LoraError(f"adapter {name!r} ({os.path.basename(os.path.normpath(str(source)))}) holds no LoRA weights")
         parts = {k.split(".", 1)[0] for k in state}
         loadable = set(self.pipe._lora_loadable_modules)
         if not parts & loadable:  # another architecture's (an SDXL UNet's adapter for Flux)

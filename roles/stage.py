@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ RESOLVED = ("prompt", "negative_prompt", "seed", "width", "height", "num_inferen
 
 
 def resolved(p: dict, model: str) -> dict:
+    """What a result reports of the parameters it ran with; a folder checkpoint by its folder's name, never the
+    server's path (it lands in the PNG's text chunks and the answer)."""
+    if os.path.isabs(model):
+        model = os.path.basename(os.path.normpath(model))
     out = {**{k: p[k] for k in RESOLVED if p.get(k) is not None}, "model": model}
     if p.get("loras"):  # "A:1,B:0.5": the adapters and scales it applied
         out["loras"] = lora_label(p["loras"])

@@ -182,6 +182,7 @@ def test_bad_adapters_get_clear_errors_and_the_deployment_keeps_serving(flux, fl
     # refused when loaded, with the role's reason; the instance and the other adapters go on
     corrupt, foreign, good = run(flux, [params([("corrupt", 1.0)]), params([("foreign", 1.0)]), params(CASES["A"])])
     assert not corrupt.ok and "corrupt" in corrupt.error and "cannot be read" in corrupt.error, corrupt.error
+    assert str(lora_dir) not in corrupt.error, corrupt.error  # issue 43 F11: the file, not the server's path
     assert not foreign.ok and "foreign" in foreign.error and "does not fit" in foreign.error, foreign.error
     assert good.ok and np.abs(pixels(good.images[0]) - refs["A"]).max() <= 1
     # an adapter added to the folder is picked up without a restart

@@ -536,3 +536,11 @@ def test_headers_without_end_are_refused_at_64_kib(dep, http):
     print(f"\nan endless header: {first} after {sent / 2**20:.2f} MiB sent")
     assert answer.startswith(b"HTTP/1.1 431 ") and sent < 8 * 2**20, (answer[:100], sent)
     assert http.get("/liveness").status_code == 200
+
+
+def test_a_result_names_a_folder_checkpoint_by_its_folder():
+    """Issue 43 F11: the model a result reports (and a PNG's text chunks carry) is a folder's name, not its path."""
+    from roles.stage import resolved
+
+    assert resolved({"seed": 1}, "/srv/models/FLUX.1-dev/")["model"] == "FLUX.1-dev"
+    assert resolved({"seed": 1}, "black-forest-labs/FLUX.1-dev")["model"] == "black-forest-labs/FLUX.1-dev"
