@@ -25,15 +25,18 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 def failure_counts(outcomes) -> list[dict]:
     """The failed outcomes grouped by reason, most common first: `reason` is the error with its numbers written
     N (a refusal's "slo_ms 400 is less than the 4851 ms ..." is one reason whatever its figures), `code` its
-    error code, `example` the first error as it was."""
+    error code, `example` the first error as it was (and `reason` too when every error of the group reads alike)."""
     groups: dict[tuple, list] = {}
     for o in outcomes:
         if not o.ok:
             error = o.error or "failed"
             key = (NUMBER.sub("N", error), o.code.value if o.code is not None else None)
-            groups.setdefault(key, [error, 0])[1] += 1
-    return [{"reason": reason, "code": code, "count": n, "example": example}
-            for (reason, code), (example, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+            group = groups.setdefault(key, [error, 0, True])
+            group[1] += 1
+            group[2] = group[2] and error == group[0]
+    # a reason said alike every time keeps its figures
+    return [{"reason": example if same else reason, "code": code, "count": n, "example": example}
+            for (reason, code), (example, n, same) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -47,6 +47,8 @@ class Previews:
         self.previews_lost = 0
 
     def handle_preview(self, sender, msg: Preview, frames, now, out: list[Out]) -> None:
+        if self.recovery.keep_preview(self.registry.get(sender), msg, now):
+            return  # its request resumes later (a restart): the copy is sent then
         req = self.requests.get(msg.request_id)
         ok = req is not None and req.attempt == msg.attempt and self.decode_preview(
             req, sender, msg.slot, HeldPreview(index=msg.index, step=msg.step, steps=msg.steps, staged_at=msg.staged_at),
@@ -89,7 +91,7 @@ class Previews:
         if run is None:
             return False
         self.finish_run(inst, msg.request_id, msg.attempt)
-        out.append(to_instance(run.producer, Release(request_id=run.request_id, offset=run.offset)))
+        self.release_preview(run, out)
         req = self.requests.get(run.request_id)
         if not isinstance(msg, Done) or not frames or req is None or req.ended:
             self.previews_skipped += 1
@@ -105,4 +107,11 @@ class Previews:
         for pid, run in [(p, r) for p, r in self.previews.items() if now - r.started > PREVIEW_TIMEOUT_S]:
             del self.previews[pid]
             self.previews_skipped += 1
-            out.append(to_instance(run.producer, Release(request_id=run.request_id, offset=run.offset)))
+            self.release_preview(run, out)
+
+    def release_preview(self, run: PreviewRun, out: list[Out]) -> None:
+        """Its copy of the latents is free (one a restart found held counts in its producer's staged bytes)."""
+        producer = self.registry.get(run.producer)
+        if producer is not None:
+            producer.staged.pop(run.offset, None)
+        out.append(to_instance(run.producer, Release(request_id=run.request_id, offset=run.offset)))

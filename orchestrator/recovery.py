@@ -26,7 +26,9 @@ import msgspec
 
 from orchestrator.outbox import Out, to_instance
 from orchestrator.requests import MONOLITH, STAGES, Request, next_stage
-from transport.messages import Done, Fetched, Failed, Held, HeldPreview, Register, Release, Result, SlotRef, Source, Staged
+from transport.messages import (
+    Done, Fetched, Failed, Held, HeldPreview, Preview, Register, Release, Result, SlotRef, Source, Staged,
+)
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -151,6 +153,8 @@ class Recovery:
         for held in msg.held:
             if self.unknown(held.request_id):
                 inst.staged[held.slot.offset] = held.slot.nbytes
+                if self._recorded(held.request_id, inst.id, held.slot.offset):
+                    continue  # its report came first (keep_output, keep_preview): one record, one Release
                 self._add(held.request_id, Orphan(held.request_id, "preview" if held.preview else "staged", inst.id,
                                                   held.role, held.attempt, now, slot=held.slot, seed=held.seed,
                                                   preview=held.preview, cache_steps=cache_steps(held)))
@@ -190,10 +194,33 @@ class Recovery:
             self._add(msg.request_id, Orphan(msg.request_id, "done", inst.id, inst.role, msg.attempt, now, done=msg, frames=list(frames)))
             return True
         records = self.orphans.get(msg.request_id, [])
-        if not any(r.kind == "staged" and r.instance_id == inst.id and r.slot.offset == msg.slot.offset for r in records):
+        same = [r for r in records if r.kind == "staged" and r.instance_id == inst.id and r.slot.offset == msg.slot.offset]
+        steps = {"cache": msg.cache or "", "steps_computed": msg.steps_computed,
+                 "steps_skipped": msg.steps_skipped or 0} if msg.steps_computed is not None else {}
+        for r in same:  # told by its Register already: the report adds its step-cache counts
+            r.cache_steps = r.cache_steps or steps
+        if not same:
             inst.staged[msg.slot.offset] = msg.slot.nbytes
-            self._add(msg.request_id, Orphan(msg.request_id, "staged", inst.id, inst.role, msg.attempt, now, slot=msg.slot))
+            self._add(msg.request_id, Orphan(msg.request_id, "staged", inst.id, inst.role, msg.attempt, now, slot=msg.slot,
+                                             cache_steps=steps))
         return True
+
+    def keep_preview(self, inst, msg: Preview, now: float) -> bool:
+        """A preview copy of a request not known here (yet), or parked: kept to be sent once its request resumes
+        (`resend_previews`), never decoded now as well (two decodes would release its slot twice, the second
+        time perhaps under the request's own output staged there since). False: its request is known."""
+        if not self.unknown(msg.request_id):
+            return False
+        inst.staged[msg.slot.offset] = msg.slot.nbytes
+        if not self._recorded(msg.request_id, inst.id, msg.slot.offset):
+            self._add(msg.request_id, Orphan(msg.request_id, "preview", inst.id, inst.role, msg.attempt, now, slot=msg.slot,
+                                             preview=HeldPreview(index=msg.index, step=msg.step, steps=msg.steps,
+                                                                 staged_at=msg.staged_at)))
+        return True
+
+    def _recorded(self, rid: str, instance_id: str, offset: int) -> bool:
+        return any(r.slot is not None and r.instance_id == instance_id and r.slot.offset == offset
+                   for r in self.orphans.get(rid, ()))
 
     def _add(self, rid: str, orphan: Orphan) -> None:
         self.orphans.setdefault(rid, []).append(orphan)
@@ -244,9 +271,10 @@ class Recovery:
         if seed is not None and req.params.seed != seed:  # the seed the first orchestrator chose for it
             req.params = msgspec.structs.replace(req.params, seed=seed)
         req.attempt = best.attempt
-        for r in (best, source):  # the step cache its denoiser ran, for its result
-            if r is not None and r.cache_steps:
-                req.cache_steps = dict(r.cache_steps)
+        # the step cache its denoiser ran, for its result (the output it resumes from, or any report of it)
+        told = [r.cache_steps for r in (best, source, *records) if r is not None and r.cache_steps]
+        if told:
+            req.cache_steps = dict(told[0])
         self.resumed[best.kind] += 1
         router = self.router
         self.resend_previews(req, previews, best.kind == "done", now, out)

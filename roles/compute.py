@@ -90,6 +90,9 @@ class StageRunner:
         self.progress = 0
         #: request id -> attempt of what is computing now
         self.busy: dict[str, int] = {}
+        #: grows with every Register (`registered`): a Run handed over before it that has not started by then is
+        #: not run (the orchestrator it registers with knows of it from nothing: it places that request itself)
+        self.epoch = 0
         #: request id -> attempt its client cancelled: its compute stops at its next step
         self.cancelled: dict[str, int] = {}
         #: request id -> [done, total] denoising steps of what runs now (heartbeats carry it)
@@ -211,9 +214,27 @@ class StageRunner:
             host = view.to("cpu", non_blocking=False)
         return host.numpy().tobytes()
 
-    def execute(self, run: Run, frames: list[bytes], received: float) -> None:
-        """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it)."""
-        self.busy[run.request_id] = run.attempt
+    def registered(self) -> tuple[dict[str, int], list[Held]]:
+        """What a Register lists (what computes, what is staged), and from now on a Run handed over before it
+        does not start: once an orchestrator restarted, or declared this instance dead, a Run of before that had
+        not started is one it will place again itself (running it too would run the request twice, and its
+        Fetched would free the input the other run still reads)."""
+        with self.lock:
+            self.epoch += 1
+            return dict(self.busy), list(self.staged.values())
+
+    def execute(self, run: Run, frames: list[bytes], received: float, epoch: int | None = None) -> None:
+        """Pull, compute, stage, report. `received`: when the loop got the Run (fetch_s counts from it); `epoch`:
+        `self.epoch` then (a Run of before the last Register is dropped, see `registered`)."""
+        with self.lock:
+            stale = epoch is not None and epoch != self.epoch
+            if not stale:
+                self.busy[run.request_id] = run.attempt
+        if stale:
+            log.info("request %s attempt %d: not run: handed over before this instance registered again",
+                     run.request_id, run.attempt)
+            self.report(None)
+            return
         self.tick()
         local_slot = None
         fetch_s = None

@@ -5,6 +5,7 @@ worker's spec, pool, engines and runner."""
 from __future__ import annotations
 
 import os
+import time
 
 from roles.layout import describe_layout
 from roles.limits import device_memory, param_bytes
@@ -28,6 +29,8 @@ class SelfReport:
         )
 
     def register(self) -> None:
+        self.register_sent = time.monotonic()
+        busy, held = self.runner.registered()
         self.send(
             Register(
                 role=self.spec.role,
@@ -39,9 +42,9 @@ class SelfReport:
                 max_batch=self.spec.max_batch,
                 pool=self.pool_info(),
                 ready=self.ready,
-                busy=dict(self.runner.busy),
+                busy=busy,
                 # what it holds: a restarted orchestrator resumes requests from it, or releases it
-                held=self.runner.held(),
+                held=held,
                 restarts=self.spec.restarts,
                 deployment_id=self.spec.deployment_id,
                 model=self.spec.model,

@@ -52,6 +52,8 @@ from transport.messages import (
 from transport.pool import Pool
 
 RECONNECT_MAX_BACKOFF_S = 5.0
+#: a refusal as "not registered" within this long of a Register is answered by it, not by another Register
+REGISTER_AGAIN_S = 0.5
 REPORTS = "inproc://reports"
 #: the most time one pass over the inbox spends before the loop looks at its heartbeat again
 INLINE_BUDGET_S = 0.1
@@ -64,6 +66,7 @@ class Worker(Link, SelfReport):
         self.spec = spec
         self.load_stage = load_stage
         self.exit_code = 0
+        self.register_sent = -REGISTER_AGAIN_S
         self.pool = pool
         self.log = logging.getLogger("disagg.role")
         options = EngineOptions(spec.data_host, spec.transfer_protocol, spec.ib_device, tuple(spec.visible_gpus))
@@ -253,7 +256,9 @@ class Worker(Link, SelfReport):
             self.exit_code, self.stop = 1, True
             return
         self.log.warning("orchestrator rejected a message: %s", msg.reason)
-        if msg.code == ErrorCode.NOT_REGISTERED:
+        # every message sent before the Register is refused alike: one Register answers them all (a second one
+        # would read as a restart of this instance); the next heartbeat's refusal asks again if it was lost
+        if msg.code == ErrorCode.NOT_REGISTERED and time.monotonic() - self.register_sent >= REGISTER_AGAIN_S:
             self.register()
 
     def handle_run(self, msg: Run, frames) -> None:
@@ -266,7 +271,7 @@ class Worker(Link, SelfReport):
         if inline:  # computes here are all short: run it now rather than wake a compute thread for it
             self.runner.execute(msg, frames, time.perf_counter())
         else:
-            self.executor.submit(self.runner.execute, msg, frames, time.perf_counter())
+            self.executor.submit(self.runner.execute, msg, frames, time.perf_counter(), self.runner.epoch)
 
     def handle_cancel(self, msg: Cancel, frames) -> None:
         if msg.attempt is not None and self.runner.cancel(msg.request_id, msg.attempt):

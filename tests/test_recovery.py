@@ -4,7 +4,7 @@ stage its roles hold, answers results that came back, and releases what nobody c
 from orchestrator.recovery import GRACE_S, WINDOW_MAX_S
 from tests.test_router import CLIENT, Harness, runs, staged
 from transport.messages import (
-    Done, GenerationParams, Heartbeat, Held, HeldPreview, Partial, PoolInfo, Register, Registered, Release, Result, StatusQuery, Submit,
+    Done, GenerationParams, Heartbeat, Held, HeldPreview, Partial, PoolInfo, Preview, Register, Registered, Release, Result, StatusQuery, Submit,
 )
 
 
@@ -188,3 +188,23 @@ def test_a_preview_copy_alone_is_released_and_the_request_starts_again():
     resubmit(h, "r", previews=1)
     out = advance(h, WINDOW_MAX_S)
     assert [to for to, run in runs(out)] == ["encoder-0"] and releases(out) == [("denoiser-0", 0)]
+
+
+def test_a_preview_staged_while_its_request_waits_to_resume_is_decoded_once():
+    """A denoiser registered with the successor stages a preview of a request whose client has not resent it yet
+    (or whose resubmission is parked): the copy waits with the rest and is decoded once, when the request resumes;
+    decoding it at once as well released its slot twice, the second time under whatever was staged there since."""
+    h = Harness()
+    h.router.restarted(1, h.now)
+    register(h, "denoiser-0", "denoiser", busy={"r": 1})
+    register(h, "decoder-0", "decoder")
+    resubmit(h, "r", previews=2)  # parked: the window is open
+    copy = preview_copy("denoiser-0", "r", 512, index=0)
+    out = h.role("denoiser-0", Preview(request_id="r", attempt=1, index=0, step=3, steps=8, slot=copy.slot))
+    assert runs(out) == [] and releases(out) == []
+    out = h.role("denoiser-0", staged("denoiser-0", "r", offset=4096))
+    placed = [run.request_id for _, run in runs(out + advance(h, WINDOW_MAX_S, running={"denoiser-0": ["r"]}))]
+    assert sorted(placed) == ["r", "r:p0"]  # the output to the decoder, and the preview once
+    out = h.role("decoder-0", Done(request_id="r:p0", attempt=1, num_images=1), [b"preview"])
+    assert releases(out) == [("denoiser-0", 512)]
+    assert h.router.registry.get("denoiser-0").staged == {4096: 256}

@@ -52,3 +52,42 @@ def test_staged_outputs_are_kept_and_told_and_recent_results_sent_again_to_a_new
         worker.close()
         remove_segments(name)  # what the launcher does for a role's pool
     assert not list_segments(name)
+
+
+def test_a_run_handed_over_before_a_register_and_not_started_by_then_is_not_run():
+    """Issue 42: a role held still while its orchestrator died holds the dead one's Runs unstarted; its Register
+    to the successor does not list them (busy: started ones only), so the successor places those requests again.
+    Run as well, such a Run would compute the request twice and its Fetched would free the input the successor's
+    own Run still reads (a wrong image): it is not run, and one Register answers the refusals of before it."""
+    from roles.stage import Stage
+    from roles.pipelines.payload import PayloadAdapter
+    from roles.worker import REGISTER_AGAIN_S
+    from transport.messages import ErrorCode, GenerationParams, Rejected, Run
+
+    name = f"disagg-test-{uuid.uuid4().hex[:8]}"
+    pool = make_pool(name, 1 << 20, "cpu")
+    worker = Worker(WorkerSpec(role="encoder", instance_id="encoder-0", endpoint="tcp://127.0.0.1:1",
+                               model="payload", transfer="shm"), lambda: None, pool)
+    try:
+        worker.connect()
+        worker.runner.stage = Stage("encoder", PayloadAdapter("encoder"))
+        sent(worker)
+        worker.register_sent -= REGISTER_AGAIN_S  # the first Register (connect's) is older than that
+        run = Run(request_id="old", attempt=1, params=GenerationParams(prompt="p", width=8, height=8, seed=1))
+        epoch = worker.runner.epoch  # handed to a compute thread then, not started yet
+        worker.handle_rejected(Rejected(reason="not registered", code=ErrorCode.NOT_REGISTERED), [])
+        worker.handle_rejected(Rejected(reason="not registered", code=ErrorCode.NOT_REGISTERED), [])
+        assert [type(m).__name__ for m in sent(worker)] == ["Register"]  # one Register for both refusals
+        worker.runner.execute(run, [], 0.0, epoch)
+        assert sent(worker) == [] and not worker.runner.staged  # not run: nothing staged, nothing reported
+        worker.runner.execute(msgspec_replace(run, request_id="new"), [], 0.0, worker.runner.epoch)
+        assert [(m.request_id, type(m).__name__) for m in sent(worker)] == [("new", "Staged")]
+    finally:
+        worker.close()
+        remove_segments(name)
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
