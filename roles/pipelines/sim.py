@@ -3,11 +3,20 @@
 Scheduling and transfer overheads can then be measured on a CPU without compute contention.
 Roles placed on the same simulated device (`--gpus` with a sim model) take turns on it, as
 they would on a real GPU: every busy period holds an exclusive lock on that device.
+
+The payloads are request-specific, so a wrong or mixed-up output shows (benchmarks/chaos_day.py): the
+encoder's tensor is filled with a value derived from what conditions it (the conditioning cache's key:
+prompts, guidance, images per prompt, adapters, size), the denoiser's latents with one derived from that
+value, the seed, the adapters and the steps done (a preview's copy after step k differs from the final
+latents), and the decoder's image is a tiny PNG whose pixels are a checksum of its input value and the
+request's parameters (`image_checksum` reads it back). Each costs a hash and a `torch.full`.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import io
 import os
 import threading
 import time
@@ -20,12 +29,67 @@ from roles.media import encode_image
 from roles.pipelines.sim_profile import load_profile
 
 
+#: the payload values are integers below 2**23: a float32 holds them exactly
+_VALUES = 1 << 23
+#: the decoder's image: this many RGB pixels, one row, their bytes a checksum
+IMAGE_PIXELS = 4
+
+
+def _value(*parts) -> float:
+    """A payload value from `parts` (repr-able): an integer in [1, 2**23), exact in a float32."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return float(int.from_bytes(digest, "little") % (_VALUES - 1) + 1)
+
+
+def _loras(p: dict) -> tuple:
+    """A request's adapters as (name, scale) pairs, whether LoraRef structs or dicts."""
+    return tuple((r["name"], r.get("scale", 1.0)) if isinstance(r, dict) else (r.name, r.scale)
+                 for r in p.get("loras") or ())
+
+
+def encoder_value(p: dict) -> float:
+    """What the encoder's tensor holds: from what the conditioning cache keys on (transport/params.py
+    conditioning_key) plus the input image, so a cache hit holds what a compute would."""
+    image = p.get("image")
+    image = hashlib.blake2b(image, digest_size=8).hexdigest() if image is not None else None
+    return _value("encoder", p.get("prompt"), p.get("negative_prompt"), p.get("guidance_scale"),
+                  p.get("num_images_per_prompt", 1), _loras(p), p.get("width"), p.get("height"), p.get("num_frames"),
+                  image, p.get("mask") is not None and hashlib.blake2b(p["mask"], digest_size=8).hexdigest())
+
+
+def latents_value(encoded: float, p: dict, steps_done: int) -> float:
+    """What the denoiser's latents hold after `steps_done` of the request's steps."""
+    return _value("latents", encoded, p.get("seed"), _loras(p), p.get("num_inference_steps"), steps_done,
+                  p.get("width"), p.get("height"), p.get("num_frames"), p.get("num_images_per_prompt", 1))
+
+
+def image_pixels(latents: float, p: dict, index: int) -> bytes:
+    """The decoder's `index`th image's RGB pixels: a checksum of its input value and the request's parameters."""
+    return hashlib.blake2b(repr(("image", latents, p.get("seed"), p.get("width"), p.get("height"),
+                                 p.get("num_inference_steps"), p.get("num_frames"), index)).encode(),
+                           digest_size=3 * IMAGE_PIXELS).digest()
+
+
+def image_checksum(data: bytes) -> str:
+    """A sim image's checksum (its pixels, hex) from its file's bytes, whatever the format's container."""
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB").tobytes().hex()
+
+
+def first_value(inputs) -> float:
+    """The value a stage's input payload holds (0.0 when it has none: a unit test's empty inputs)."""
+    x = inputs.get("x") if isinstance(inputs, dict) else None
+    return float(x.reshape(-1)[0]) if x is not None and x.numel() else 0.0
+
+
 class _SimState:
     """One request in a simulated batch."""
 
-    def __init__(self, params: dict, steps: int):
+    def __init__(self, params: dict, steps: int, encoded: float = 0.0):
         self.params = params
+        self.steps = steps
         self.steps_left = steps
+        self.encoded = encoded
 
     @property
     def done(self) -> bool:
@@ -33,7 +97,8 @@ class _SimState:
 
 
 class SimAdapter:
-    """Sleeps for each stage's simulated time; emits zero tensors of the real payload size."""
+    """Sleeps for each stage's simulated time; emits tensors of the real payload size, each filled with one
+    request-specific value (the module's docstring)."""
 
     #: no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
     thread_safe = True
@@ -43,7 +108,9 @@ class SimAdapter:
         self.slowdown = slowdown
         self.role = role
         self._zeros = torch.zeros(0)
-        self._encoded: dict[str, bytes] = {}
+        #: encoded images by (pixels, format): a request retried, or many alike, encodes once
+        self._encoded: dict[tuple[bytes, str], bytes] = {}
+        self._encoded_lock = threading.Lock()
         self._lock_fd = None
         self._thread_turn = threading.Lock()
         if device.startswith("sim:"):
@@ -80,30 +147,41 @@ class SimAdapter:
     #: its payload's size follows the request's (the conditioning cache's key: roles/conditioning.py)
     conditioning_depends = ("width", "height", "num_frames")
 
-    def _tensor(self, role: str, p: dict) -> dict[str, torch.Tensor]:
+    def _size(self, role: str, p: dict) -> int:
         with_image = role == "encoder" and p.get("image") is not None
         prof, pixels = self.profile.for_request(p)
-        n = max(prof.payload(role, pixels, p["num_images_per_prompt"], with_image), 64) // 4
+        return max(prof.payload(role, pixels, p.get("num_images_per_prompt", 1), with_image), 64) // 4
+
+    def _tensor(self, role: str, p: dict, value: float) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((self._size(role, p),), value)}
+
+    def _step_latents(self, role: str, p: dict, value_of) -> dict[str, torch.Tensor]:
+        """The latents after a step, for the progress callback: only a preview reads them, so a request without
+        previews gets a view of one zero buffer (nothing to fill)."""
+        if p.get("previews"):
+            return self._tensor(role, p, value_of())
+        n = self._size(role, p)
         if self._zeros.numel() < n:
             self._zeros = torch.zeros(n)
-        # a view of one zero buffer: staging copies it into the pool anyway
         return {"x": self._zeros[:n]}
 
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
         extra = prof.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
         self._busy(prof.encoder.fixed_ms(pixels) + extra)
-        return self._tensor("encoder", p)
+        return self._tensor("encoder", p, encoder_value(p))
 
     def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
         cost = prof.denoiser
+        encoded = first_value(inputs)
         self._busy(cost.fixed_ms(pixels))
-        for _ in range(p["num_inference_steps"]):
+        steps = p["num_inference_steps"]
+        for k in range(1, steps + 1):
             self._busy(cost.step_ms(pixels))
-            if progress:
-                progress(self._tensor("denoiser", p))  # the "latents" a preview is staged from
-        return self._tensor("denoiser", p)
+            if progress:  # the "latents" a preview is staged from
+                progress(self._step_latents("denoiser", p, lambda: latents_value(encoded, p, k)))
+        return self._tensor("denoiser", p, latents_value(encoded, p, steps))
 
     # --- step-level batching (roles/batcher.py) ---
 
@@ -114,7 +192,7 @@ class SimAdapter:
     def denoise_start(self, inputs, p: dict) -> "_SimState":
         prof, pixels = self.profile.for_request(p)
         self._busy(prof.denoiser.fixed_ms(pixels))
-        return _SimState(p, p["num_inference_steps"])
+        return _SimState(p, p["num_inference_steps"], first_value(inputs))
 
     def denoise_steps(self, states: list["_SimState"]) -> None:
         prof, pixels = self.profile.for_request(states[0].params)
@@ -125,28 +203,44 @@ class SimAdapter:
             s.steps_left -= 1
 
     def denoise_result(self, state: "_SimState") -> dict[str, torch.Tensor]:
-        return self._tensor("denoiser", state.params)
+        """The latents after the steps done so far: the result once done, a preview's copy before."""
+        p, done = state.params, state.steps - max(state.steps_left, 0)
+        value = lambda: latents_value(state.encoded, p, done)  # noqa: E731
+        return self._tensor("denoiser", p, value()) if state.done else self._step_latents("denoiser", p, value)
 
     #: a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
     decode_yields = True
 
-    def decode(self, inputs, p: dict, progress=None) -> list[Image.Image]:
+    def _decode_pixels(self, inputs, p: dict, progress=None) -> list[bytes]:
         prof, pixels = self.profile.for_request(p)
         chunks = prof.latent_frames(p.get("num_frames"))
         for k in range(chunks):
             if k and progress is not None:
                 progress()
             self._busy(prof.decoder.fixed_ms(pixels) / chunks)
-        return [Image.new("L", (1, 1), 0) for _ in range(p["num_images_per_prompt"])]
+        latents = first_value(inputs)
+        return [image_pixels(latents, p, i) for i in range(p.get("num_images_per_prompt", 1))]
+
+    def decode(self, inputs, p: dict, progress=None) -> list[Image.Image]:
+        return [Image.frombytes("RGB", (IMAGE_PIXELS, 1), px) for px in self._decode_pixels(inputs, p, progress)]
+
+    #: images kept encoded (decode_encoded), the oldest forgotten first
+    ENCODED_KEPT = 1024
 
     def decode_encoded(self, inputs, p: dict, fmt: str, progress=None) -> list[bytes]:
-        """decode(), already encoded: the image is always the same, so it is encoded once per format
-        (encoding a blank image on every request would be simulated work no profile asked for)."""
-        images = self.decode(inputs, p, progress)
-        data = self._encoded.get(fmt)
-        if data is None:
-            data = self._encoded[fmt] = encode_image(images[0], fmt)
-        return [data] * len(images)
+        """decode(), already encoded: each image is encoded once per format and kept (encoding on every request
+        would be simulated work no profile asked for)."""
+        out = []
+        for px in self._decode_pixels(inputs, p, progress):
+            data = self._encoded.get((px, fmt))
+            if data is None:
+                data = encode_image(Image.frombytes("RGB", (IMAGE_PIXELS, 1), px), fmt)
+                with self._encoded_lock:  # an instance's threads decode at once
+                    if len(self._encoded) >= self.ENCODED_KEPT:
+                        self._encoded.pop(next(iter(self._encoded)), None)
+                    self._encoded[(px, fmt)] = data
+            out.append(data)
+        return out
 
     def components_loaded(self) -> dict[str, int]:
         return {}
