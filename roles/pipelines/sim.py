@@ -43,7 +43,7 @@ def _value(*parts) -> float:
 
 def _loras(p: dict) -> tuple:
     """A request's adapters as (name, scale) pairs, whether LoraRef structs or dicts."""
-    return tuple((r["name"], r.get("scale", 1.0)) if isinstance(r, dict) else (r.name, r.scale)
+    return tuple((r["name"], float(r.get("scale", 1.0))) if isinstance(r, dict) else (r.name, float(r.scale))
                  for r in p.get("loras") or ())
 
 
@@ -74,6 +74,19 @@ def image_checksum(data: bytes) -> str:
     """A sim image's checksum (its pixels, hex) from its file's bytes, whatever the format's container."""
     with Image.open(io.BytesIO(data)) as im:
         return im.convert("RGB").tobytes().hex()
+
+
+def expected_pixels(params: dict, steps_done: int | None = None, index: int = 0) -> bytes:
+    """The pixels a sim decoder makes for a request (`params`: its fields, as a client sends them, seed set), or
+    for its preview after `steps_done` steps: what a benchmark checks a sim image against, computing nothing."""
+    import msgspec
+
+    from transport.params import GenerationParams
+
+    given = {k: v for k, v in msgspec.structs.asdict(msgspec.convert(params, GenerationParams)).items() if v is not None}
+    p = {**SimAdapter.defaults(), **given}
+    steps = p["num_inference_steps"] if steps_done is None else steps_done
+    return image_pixels(latents_value(encoder_value(p), p, steps), p, index)
 
 
 def first_value(inputs) -> float:
