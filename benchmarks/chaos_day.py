@@ -136,12 +136,12 @@ def _previews(rng: random.Random, path: str) -> dict:
 def sim_trace(seed: int, short: bool) -> list[dict]:
     """Phases that want different splits of the 7 devices: images of 512² x 4 and 1024² x 28 steps (denoisers:
     1:5:1), then 1024² x 1 step (decoders: 1:4:2), and back. --short: 1-step first (a move at once), large
-    images of 8 steps, 30 s."""
+    images of 8 steps, 24 s."""
     rng = random.Random(seed)
     large = 8 if short else 28
     mixed = (((512, 4), 0.7), ((1024, large), 0.3))
     quick = (((1024, 1), 1.0),)
-    phases = [(0, 8, 3.0, quick), (8, 30, 2.0, mixed)] if short else [
+    phases = [(0, 8, 3.0, quick), (8, 24, 2.0, mixed)] if short else [
         (0, 40, 1.5, mixed), (40, 70, 3.0, quick), (70, 110, 1.5, mixed), (110, 140, 3.0, quick), (140, 200, 1.5, mixed)]
     prompts = [f"a production day prompt {k}" for k in range(8)]  # few: repeats hit the conditioning cache
     specs, t = [], 0.0
@@ -522,11 +522,14 @@ class Pass:
             if self.done.is_set():
                 return
             give_up = time.monotonic() + (self.args.move_wait if when else 30)
-            killed = False
+            killed, failed = False, 0
             while not killed and time.monotonic() < give_up and not self.done.is_set():
                 try:
                     st, pids = self.victims()
-                except (Unreachable, RuntimeError):
+                except (Unreachable, RuntimeError) as exc:
+                    failed += 1
+                    if failed in (1, 10, 100):
+                        self.say(f"status for the next kill ({step}): {type(exc).__name__}: {exc}")
                     time.sleep(0.2)
                     continue
                 moving = (st.get("rebalance") or {}).get("moving") or []
@@ -535,6 +538,9 @@ class Pass:
                     continue
                 killed = self.kill(kind, st, pids)
                 if not killed:
+                    failed += 1
+                    if failed in (1, 10, 100):
+                        self.say(f"no {kind} to kill: {sorted(pids)}")
                     time.sleep(0.2)
             if not killed and when and not self.done.is_set():  # no such move came: a kill all the same
                 try:
@@ -562,9 +568,11 @@ class Pass:
         end = self.t0 + self.specs[-1]["t"] + self.args.request_timeout + 30
         for t in workers:
             t.join(max(0.0, end - time.monotonic()))
-        # the kill plan may still be at work (a convergence check): it gets its bound, then stops
+        # the kill plan may still be at work (kills after the trace's end, a convergence check): each of its steps
+        # is bounded, so the plan is carried out to its end
         if self.plan and watchers[-1].is_alive():
-            watchers[-1].join(self.args.converge_s + self.args.move_wait + 5)
+            a = self.args
+            watchers[-1].join(len(self.plan) * (a.interval + max(a.move_wait, 30) + a.converge_s + 5))
         self.done.set()
         for t in watchers:
             t.join(10)
@@ -623,6 +631,14 @@ def compare(part: str, specs: list[dict], ref: Pass, run: Pass, tolerance: int) 
 
             if not image or image_checksum(image) != expected_pixels(s["params"]).hex():
                 wrong_model.append(s["id"])
+                # which image it is instead: the request's own latents after fewer steps (a preview's copy)?
+                steps = s["params"].get("num_inference_steps") or 4
+                early = [k for k in range(steps) if image and image_checksum(image) == expected_pixels(
+                    s["params"], steps_done=k).hex()]
+                for w in wrong:
+                    if w["id"] == s["id"]:
+                        w["is"] = f"its latents after step {early[0]} of {steps}" if early else "not its own"
+                        w["previews"] = s["params"].get("previews") or 0
     asked = sum(previews_asked(s["params"]) for s in specs)
     delivered = sum(len(run.partials.get(s["id"], {})) for s in specs)
     wrong_previews = []
@@ -647,6 +663,8 @@ def compare(part: str, specs: list[dict], ref: Pass, run: Pass, tolerance: int) 
         "previews": {"asked": asked, "delivered": delivered, "events": run.partial_events, "sent_reported": sent,
                      "skipped_reported": skipped, "lost_reported": reported_lost,
                      "unaccounted": max(0, asked - delivered - skipped - reported_lost),
+                     # sent by an orchestrator, never received: lost with a gateway (or client) that died
+                     "sent_not_delivered": max(0, sent - delivered),
                      "wrong": len(wrong_previews) if part == "sim" else None},
         "lost_ids": lost[:20], "lost_errors": sorted({run.errors.get(i, "no answer")[:200] for i in lost})[:10],
         "duplicated_ids": duplicated[:20], "wrong": wrong[:20], "wrong_vs_model_ids": wrong_model[:20],
@@ -660,8 +678,8 @@ def kill_plan(short: bool) -> list[str]:
     """Every role kind and the orchestrator; `orchestrator@move`: while a rebalance move is in progress."""
     if short:
         return ["orchestrator@restarting", "encoder", "denoiser", "decoder", "gateway"]
-    return ["orchestrator@draining", "encoder", "denoiser", "gateway", "orchestrator", "decoder", "denoiser",
-            "orchestrator@restarting", "encoder", "decoder", "gateway", "orchestrator@move"]
+    return ["orchestrator@move", "encoder", "denoiser", "gateway", "orchestrator@draining", "decoder", "denoiser",
+            "orchestrator@restarting", "encoder", "decoder", "gateway", "orchestrator"]
 
 
 def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dict:
@@ -670,11 +688,10 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
     plan = kill_plan(args.short)
     if part == "demo":  # no rebalance moves on 1:2:1: every orchestrator kill is a plain one
         plan = [k.partition("@")[0] for k in plan]
-    rng = random.Random(seed)
     report: dict = {"part": part, "run": index + 1, "seed": seed, "plan": plan}
     passes = {}
     for tag, with_plan in (("reference", None), ("chaos", plan)):
-        dep = Deployment(part, work, f"{index + 1}-{tag}", pick_ports(args.port_lo, args.port_hi, rng), loras)
+        dep = Deployment(part, work, f"{index + 1}-{tag}", pick_ports(args.port_lo, args.port_hi, random.Random()), loras)
         print(f"  {part} run {index + 1} {tag}: {len(specs)} requests; {' '.join(dep.cmd[3:])}", flush=True)
         try:
             boot = dep.start()
@@ -748,13 +765,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--part", choices=("sim", "demo", "both"), default="both")
-    ap.add_argument("--short", action="store_true", help="one kill of each kind and a 30 s trace (the test suite's)")
+    ap.add_argument("--short", action="store_true", help="one kill of each kind and a 24 s trace (the test suite's)")
     ap.add_argument("--seed", type=int, default=0, help="run i uses seed + i: its request list and kill draws")
     ap.add_argument("--interval", type=float, default=None, help="seconds between kills (default 8; --short 3)")
     ap.add_argument("--first-kill", type=float, default=None, help="seconds into the trace of the first kill "
                     "(default 6; --short 3)")
     ap.add_argument("--move-wait", type=float, default=None, help="the longest an orchestrator@move kill waits for "
-                    "a move (default 40; --short 20)")
+                    "a move (default 45: a phase of the sim trace; --short 20)")
     ap.add_argument("--converge-s", type=float, default=None, help="after an orchestrator kill, the bound on "
                     "convergence (default 60; --short 30)")
     ap.add_argument("--request-timeout", type=float, default=240.0, help="a request not answered this long is lost")
@@ -765,7 +782,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write every run's report here as JSON")
     ap.add_argument("-v", "--verbose", action="store_true", help="print kills, moves and restarts as they happen")
     args = ap.parse_args(argv)
-    defaults = {"interval": (8, 3), "first_kill": (6, 3), "move_wait": (40, 20), "converge_s": (60, 30)}
+    defaults = {"interval": (8, 3), "first_kill": (6, 3), "move_wait": (45, 20), "converge_s": (60, 30)}
     for name, (full, short) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, short if args.short else full)
@@ -797,7 +814,8 @@ def main(argv=None) -> int:
             if not x["converged"]:
                 print(f"    restart at {x['at_s']} s{' (during a move)' if x['during_move'] else ''}: {x['why']}")
         for w in r["wrong"][:5]:
-            print(f"    wrong image {w['id']} ({w['path']}): max diff {w['max_diff']}")
+            print(f"    wrong image {w['id']} ({w['path']}): max diff {w['max_diff']}"
+                  + (f"; {w['is']} ({w['previews']} previews asked)" if "is" in w else ""))
     print(f"{len(reports) - len(bad)} of {len(reports)} part runs: 0 lost, 0 duplicated, 0 wrong, converged "
           f"({time.monotonic() - t_start:.0f} s)")
     if args.out:
