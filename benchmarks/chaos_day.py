@@ -313,6 +313,8 @@ class Pass:
         self.errors: dict[str, str] = {}
         self.partials: dict[str, dict[int, tuple[int | None, bytes]]] = defaultdict(dict)  # id -> index -> (step, image)
         self.partial_events = 0
+        self.latency: dict[str, float] = {}  # id -> seconds from its (first) send to its answer
+        self.retried: dict[str, int] = {}  # HTTP requests sent again (a dropped connection, a 502/503): how often
         self.counters: dict[str, dict[str, int]] = {}  # orchestrator id -> previews_sent/skipped/lost, its last values
         self.kills: list[dict] = []
         self.restarts: list[dict] = []
@@ -320,6 +322,7 @@ class Pass:
         self.moves_seen = 0
         self.final: dict = {}
         self.done = threading.Event()
+        self.abort = threading.Event()  # stopped early (Ctrl-C, SIGTERM): the HTTP clients give up at once
         self.t0 = 0.0
 
     def say(self, what: str) -> None:
@@ -346,6 +349,7 @@ class Pass:
             with self.lock:
                 if o.ok:
                     self.answers[o.request_id].append({"images": list(o.images), "resolved": dict(o.resolved)})
+                    self.latency[o.request_id] = o.latency_s
                 else:
                     self.errors[o.request_id] = str(o.error)
 
@@ -365,17 +369,23 @@ class Pass:
     def http_one(self, api, spec: dict) -> None:
         import openai
 
-        delay = self.t0 + spec["t"] - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        attempts = 0
+
+        if self.abort.wait(max(0.0, self.t0 + spec["t"] - time.monotonic())):
+            return
         p = dict(spec["params"])
         prompt = p.pop("prompt")
         size = f"{p.pop('width', 64)}x{p.pop('height', 64)}"
         previews = p.pop("previews", None)
         headers = {"X-Request-Id": spec["id"]}
-        deadline = time.monotonic() + self.args.request_timeout
+        sent = time.monotonic()
+        deadline = sent + self.args.request_timeout
         error = "no answer"
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.abort.is_set():
+            attempts += 1
+            if attempts > 1:
+                with self.lock:
+                    self.retried[spec["id"]] = attempts - 1
             try:
                 if spec["path"] == "stream":
                     final = None
@@ -393,6 +403,7 @@ class Pass:
                                 self.answers[spec["id"]].append({"images": [base64.b64decode(ev.b64_json)],
                                                                  "resolved": extra.get("disagg") or {}})
                     if final is not None:
+                        self.latency[spec["id"]] = time.monotonic() - sent
                         return
                     error = "the stream ended without an image"
                 else:
@@ -401,6 +412,7 @@ class Pass:
                     with self.lock:
                         self.answers[spec["id"]].append({"images": [base64.b64decode(d.b64_json) for d in r.data],
                                                          "resolved": (r.model_extra or {}).get("disagg") or {}})
+                        self.latency[spec["id"]] = time.monotonic() - sent
                     return
             except (openai.APIConnectionError, openai.APITimeoutError) as exc:  # the gateway died: again, same id
                 error = f"{type(exc).__name__}: {exc}"
@@ -558,6 +570,14 @@ class Pass:
             next_at = time.monotonic() + self.args.interval
 
     def run(self) -> float:
+        try:
+            return self._run()
+        except BaseException:
+            self.abort.set()
+            self.done.set()
+            raise
+
+    def _run(self) -> float:
         self.t0 = time.monotonic()
         workers = [threading.Thread(target=self.zmq, daemon=True), threading.Thread(target=self.http, daemon=True)]
         watchers = [threading.Thread(target=self.monitor, daemon=True)]
@@ -652,6 +672,11 @@ def compare(part: str, specs: list[dict], ref: Pass, run: Pass, tolerance: int) 
                 step = step if step is not None else at.get(index)
                 if step is None or image_checksum(data) != expected_pixels(s["params"], steps_done=step).hex():
                     wrong_previews.append(f"{s['id']}#{index}")
+    missing: Counter = Counter()  # previews asked and not delivered, by how the request went
+    for s in specs:
+        gap = previews_asked(s["params"]) - len(run.partials.get(s["id"], {}))
+        if gap > 0:
+            missing[s["path"] + (" (sent again)" if s["id"] in run.retried else "")] += gap
     sent = sum(c["previews_sent"] for c in run.counters.values())
     skipped = sum(c["previews_skipped"] for c in run.counters.values())
     reported_lost = sum(c["previews_lost"] for c in run.counters.values())
@@ -663,9 +688,13 @@ def compare(part: str, specs: list[dict], ref: Pass, run: Pass, tolerance: int) 
         "previews": {"asked": asked, "delivered": delivered, "events": run.partial_events, "sent_reported": sent,
                      "skipped_reported": skipped, "lost_reported": reported_lost,
                      "unaccounted": max(0, asked - delivered - skipped - reported_lost),
-                     # sent by an orchestrator, never received: lost with a gateway (or client) that died
-                     "sent_not_delivered": max(0, sent - delivered),
+                     # received twice (the same index again: a preview decoded again after a restart)
+                     "duplicates": run.partial_events - delivered,
+                     # not delivered, by path: "stream (sent again)" are streams cut by a gateway kill, whose previews
+                     # sent meanwhile went with the dead gateway
+                     "missing_by_path": dict(missing),
                      "wrong": len(wrong_previews) if part == "sim" else None},
+        "http_sent_again": len(run.retried),
         "lost_ids": lost[:20], "lost_errors": sorted({run.errors.get(i, "no answer")[:200] for i in lost})[:10],
         "duplicated_ids": duplicated[:20], "wrong": wrong[:20], "wrong_vs_model_ids": wrong_model[:20],
         "wrong_previews": wrong_previews[:20], "cache_info_missing_ids": no_cache_info[:20],
@@ -705,8 +734,11 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
         finally:
             clean = dep.stop()
         passes[tag] = p
+        lat = list(p.latency.values())
         report[tag] = {"boot_s": round(boot, 1), "took_s": round(took, 1), "stopped_clean": clean,
-                       "orchestrators": len(p.counters), "moves_seen": p.moves_seen}
+                       "orchestrators": len(p.counters), "moves_seen": p.moves_seen,
+                       "latency_s": {"p50": round(pct(lat, 0.5), 3), "p99": round(pct(lat, 0.99), 3),
+                                     "max": round(max(lat, default=0.0), 3)}}
         if final is not None:
             enc = [i for i in final["instances"] if i["role"] == "encoder"]
             den = [i for i in final["instances"] if i["role"] == "denoiser"]
@@ -761,6 +793,11 @@ def table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def interrupted(*_) -> None:
+    """SIGTERM: as Ctrl-C (a shell's background job ignores SIGINT), so the deployments are stopped."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
@@ -782,6 +819,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write every run's report here as JSON")
     ap.add_argument("-v", "--verbose", action="store_true", help="print kills, moves and restarts as they happen")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupted)
     defaults = {"interval": (8, 3), "first_kill": (6, 3), "move_wait": (45, 20), "converge_s": (60, 30)}
     for name, (full, short) in defaults.items():
         if getattr(args, name) is None:
@@ -794,13 +832,17 @@ def main(argv=None) -> int:
     print(f"logs in {work}", flush=True)
     reports = []
     t_start = time.monotonic()
-    for i in range(args.runs):
-        for part in parts:
-            t0 = time.monotonic()
-            r = run_part(part, i, args, work, loras)
-            r["wall_s"] = round(time.monotonic() - t0, 1)
-            reports.append(r)
-            print(table([r]).splitlines()[-1], flush=True)
+    try:
+        for i in range(args.runs):
+            for part in parts:
+                t0 = time.monotonic()
+                r = run_part(part, i, args, work, loras)
+                r["wall_s"] = round(time.monotonic() - t0, 1)
+                reports.append(r)
+                print(table([r]).splitlines()[-1], flush=True)
+    except KeyboardInterrupt:
+        print("stopped: the deployments of the run in progress were stopped", flush=True)
+        return 130
     print()
     print(table(reports))
     bad = [r for r in reports if not r["ok"]]
