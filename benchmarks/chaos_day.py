@@ -294,6 +294,23 @@ class Deployment:
         return False
 
 
+def settled_status(dep: Deployment, timeout: float = 10.0) -> dict | None:
+    """The status once its orchestrator has heard a heartbeat from every instance since it started (a successor
+    knows the roles' counters from their heartbeats, not their registration); the last one read after `timeout`."""
+    deadline, st = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            st = dep.status(3)
+        except (Unreachable, RuntimeError):
+            time.sleep(0.5)
+            continue
+        uptime = float(st["orchestrator"].get("uptime_s", 0))
+        if all(i["last_seen_s"] < uptime - 1.5 for i in st["instances"] if i["state"] == "ready"):
+            return st
+        time.sleep(0.5)
+    return st
+
+
 def ready_split(st: dict) -> tuple[str, int, set]:
     """The split E:D:K of the ready instances, how many are ready, and their devices."""
     ready = [i for i in st["instances"] if i["state"] == "ready"]
@@ -726,11 +743,7 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
             boot = dep.start()
             p = Pass(dep, specs, with_plan, args, random.Random(seed * 7 + 1))
             took = p.run()
-            final = None
-            try:
-                final = dep.status(3)
-            except (Unreachable, RuntimeError):
-                pass
+            final = settled_status(dep)
         finally:
             clean = dep.stop()
         passes[tag] = p
@@ -774,20 +787,21 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
 
 
 ROW = ("| {part} | {run} | {requests} | {answered_once} | {lost} | {duplicated} | {wrong_images} | {wrong_vs_model} | "
+       "{cache_info_missing} | "
        "{pv[asked]} / {pv[delivered]} / {pv[skipped_reported]} / {pv[lost_reported]} / {pv[unaccounted]} | {ok_kills} | "
        "{per_role} | {conv} | {took} |")
 
 
 def table(reports: list[dict]) -> str:
-    lines = ["| part | run | requests | answered once | lost | dup | wrong | wrong vs model | previews asked / "
-             "delivered / skipped / lost (reported) / unaccounted | orch. kills (in a move) | kills per role | "
-             "converged after restarts; at the end | ref / chaos s |", "|" + "---|" * 13]
+    lines = ["| part | run | requests | answered once | lost | dup | wrong | wrong vs model | cache info missing | "
+             "previews asked / delivered / skipped / lost (reported) / unaccounted | orch. kills (in a move) | "
+             "kills per role | converged after restarts; at the end | ref / chaos s |", "|" + "---|" * 14]
     for r in reports:
         per = r["kills_per_role"]
         conv = ", ".join(f"{x['after_s']:.0f}s" if x["converged"] else "NO" for x in r["restarts"]) or "-"
         conv += "; end " + ("yes" if r["final"]["chaos"].get("converged") else "NO")
         lines.append(ROW.format(
-            **r, pv=r["previews"], ok_kills=f"{r['orchestrator_kills']} ({r['orchestrator_kills_during_move']})",
+            **{**r, "wrong_vs_model": "-" if r["wrong_vs_model"] is None else r["wrong_vs_model"]}, pv=r["previews"], ok_kills=f"{r['orchestrator_kills']} ({r['orchestrator_kills_during_move']})",
             per_role=" ".join(f"{k[0]}{per.get(k, 0)}" for k in ("encoder", "denoiser", "decoder", "gateway")),
             conv=conv, took=f"{r['reference']['took_s']:.0f} / {r['chaos']['took_s']:.0f}"))
     return "\n".join(lines)

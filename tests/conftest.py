@@ -41,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
 #: the groups that take longest, longest first, handed out first (`--no-loadscope-reorder`: xdist gives groups out
 #: in collection order, to whichever worker has fewest left), so the two workers end together (`--durations`)
 FIRST = (CHECKPOINTS_GROUP, "tests.test_gpu_check", "tests.test_parallel", "tests.test_deploy", "tests.test_multihost",
-         "tests.test_launch", "tests.test_failures", "tests.test_submit_outputs", "tests.test_engines_e2e",
+         "tests.test_launch", "tests.test_failures", "tests.test_submit_outputs", "tests.test_chaos_day",
+         "tests.test_engines_e2e",
          "tests.test_loras", "tests.test_demo", "tests.test_gateway", "tests.test_collisions",
          "tests.test_cli_errors_and_cleanup", "tests.test_standby", "tests.test_settings")
 
