@@ -68,12 +68,12 @@ def test_a_short_production_day_on_sim_loses_nothing_and_converges(tmp_path):
     # the kills the plan asks: the orchestrator (during a move), then an encoder, a denoiser, a decoder, the gateway
     assert report["plan_done"], summary
     assert report["kills_per_role"] == {"orchestrator": 1, "encoder": 1, "denoiser": 1, "decoder": 1, "gateway": 1}
-    assert report["requests"] >= 30 and report["reference_missing"] == 0, summary
+    assert report["requests"] >= 30 and "reference" not in report, summary  # the model's function stands for it
     assert (report["lost"], report["duplicated"], report["wrong_images"], report["wrong_vs_model"]) == (0, 0, 0, 0), \
         summary
     assert report["answered_once"] == report["requests"]
     previews = report["previews"]
     assert previews["asked"] > 0 and previews["delivered"] > 0 and previews["wrong"] == 0, summary
     assert report["converged_all"], summary
-    assert report["reference"]["stopped_clean"] and report["chaos"]["stopped_clean"]
+    assert report["chaos"]["stopped_clean"]
     assert proc.returncode == 0, summary
