@@ -78,11 +78,13 @@ class Orphan:
         return sum(map(len, self.frames))
 
 
-def cache_steps(held: Held) -> dict:
-    """A held output's step-cache report, as the Result's resolved parameters spell it (empty without one)."""
-    if held.steps_computed is None:
+def cache_steps(report: Held | Staged) -> dict:
+    """A denoiser output's step-cache report (its Staged, or its Held in a Register: the same fields), as the
+    Result's resolved parameters spell it; empty without one."""
+    if report.steps_computed is None:
         return {}
-    return {"cache": held.cache or "", "steps_computed": held.steps_computed, "steps_skipped": held.steps_skipped or 0}
+    return {"cache": report.cache or "", "steps_computed": report.steps_computed,
+            "steps_skipped": report.steps_skipped or 0}
 
 
 class Recovery:
@@ -195,8 +197,7 @@ class Recovery:
             return True
         records = self.orphans.get(msg.request_id, [])
         same = [r for r in records if r.kind == "staged" and r.instance_id == inst.id and r.slot.offset == msg.slot.offset]
-        steps = {"cache": msg.cache or "", "steps_computed": msg.steps_computed,
-                 "steps_skipped": msg.steps_skipped or 0} if msg.steps_computed is not None else {}
+        steps = cache_steps(msg)
         for r in same:  # told by its Register already: the report adds its step-cache counts
             r.cache_steps = r.cache_steps or steps
         if not same:

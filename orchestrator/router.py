@@ -19,7 +19,7 @@ from orchestrator.instances import InstanceLifecycle
 from orchestrator.placement import InlineCache, Placement
 from orchestrator.previews import Previews
 from orchestrator.rebalance import Rebalance
-from orchestrator.recovery import Recovery
+from orchestrator.recovery import Recovery, cache_steps
 from orchestrator.slo import Slo, SloCounts, StagePredictor
 from orchestrator.steps import RequestSteps
 from orchestrator.registry import Registry
@@ -257,8 +257,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         if role == "encoder":
             self.note_conditioning(req, inst)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
-            req.cache_steps = {"cache": msg.cache or "", "steps_computed": msg.steps_computed,
-                               "steps_skipped": msg.steps_skipped or 0}
+            req.cache_steps = cache_steps(msg)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
         self.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
