@@ -186,10 +186,6 @@ class StageRunner:
             self.pool.free(offset)
             return True
 
-    def held(self) -> list[Held]:
-        with self.lock:
-            return list(self.staged.values())
-
     def keep_result(self, done: Done, frames: list[bytes]) -> None:
         """Keep a Done for a while: the orchestrator may die before its Result reaches the client."""
         now = time.monotonic()
