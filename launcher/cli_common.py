@@ -19,7 +19,14 @@ keys_option = click.option(
 )
 
 def check_endpoint(ctx, param, value: str) -> str:
-    """tcp://HOST:PORT, or a usage error (exit 2) that says so."""
+    """tcp://HOST:PORT, or a usage error (exit 2) that says so. Every client command takes --endpoint, so its
+    check is where they refuse a mistyped DISAGG_ variable as `launch` does (DISAGG_ENDPIONT would be ignored)."""
+    from settings.sources import SettingsError, check_variables
+
+    try:
+        check_variables(os.environ)
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
     host, sep, port = value.removeprefix("tcp://").rpartition(":")
     if not value.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise click.BadParameter(f"{value!r} is not a tcp://HOST:PORT address (e.g. tcp://127.0.0.1:5555)")

@@ -123,9 +123,21 @@ def _env_value(leaf, raw: str):
         raise SettingsError(f"{leaf.env}={raw!r}: not a valid value ({exc})") from None
 
 
+def check_variables(environ: Mapping[str, str]) -> None:
+    """Refuse a DISAGG_ variable that is neither a setting nor in OTHER_VARIABLES (a typo would otherwise be
+    ignored in silence), naming the closest known name. `launch` checks through from_environment; the client
+    commands (status, submit, stop, bench, serve-http), which read few settings, call this."""
+    by_env = {leaf.env for leaf in leaves()}
+    for name in environ:
+        if name.startswith(ENV_PREFIX) and name not in by_env and name not in OTHER_VARIABLES:
+            raise SettingsError(f"unknown variable {name}{closest(name, [*by_env, *OTHER_VARIABLES])}: not a "
+                                "disagg setting (unset it, or see `disagg launch --help` for the DISAGG_ names)")
+
+
 def from_environment(environ: Mapping[str, str], notes: list[str]) -> dict[str, object]:
     """{leaf path: value} of the DISAGG_ variables; one that is neither a setting nor in OTHER_VARIABLES is
-    refused, naming the closest known name."""
+    refused, naming the closest known name (check_variables)."""
+    check_variables(environ)
     by_env = {leaf.env: leaf for leaf in leaves()}
     out: dict[str, object] = {}
     for name, raw in environ.items():
@@ -137,9 +149,6 @@ def from_environment(environ: Mapping[str, str], notes: list[str]) -> dict[str, 
             if "DISAGG_HTTP_API_KEY" not in environ:
                 notes.append("DISAGG_API_KEY is now DISAGG_HTTP_API_KEY")
                 out["http.api_key"] = raw
-        elif name not in OTHER_VARIABLES:
-            raise SettingsError(f"unknown variable {name}{closest(name, [*by_env, *OTHER_VARIABLES])}: not a "
-                                "disagg setting (unset it, or see `disagg launch --help` for the DISAGG_ names)")
     return out
 
 

@@ -52,6 +52,17 @@ def test_stop_and_status_against_a_dead_port_say_connection_refused():
         assert res.returncode == 3 and "Connection refused" in res.stderr and "--keys" not in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("cmd", [["status"], ["submit", "p.json"], ["stop"], ["bench"], ["serve-http"]])
+def test_client_commands_refuse_a_mistyped_variable_as_launch_does(cmd):
+    """Issue 44 (newcomer D9): DISAGG_ENDPIONT was ignored in silence (the command went to the default port);
+    every client command now refuses it, naming the variable it meant, before it contacts anything."""
+    env = {**os.environ, "DISAGG_ENDPIONT": f"tcp://127.0.0.1:{free_port_pair()}"}
+    res = disagg(*cmd, env=env, timeout=30)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "unknown variable DISAGG_ENDPIONT (did you mean DISAGG_ENDPOINT?)" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_out_dir_check_probes_the_nearest_existing_folder(tmp_path):
     check_out_dir(tmp_path / "a" / "b")  # does not exist yet: its parent is writable
     assert not (tmp_path / "a").exists()
