@@ -91,6 +91,20 @@ def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProces
     )
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def popen_cli(*args: str, **kw) -> subprocess.Popen:
+    """`disagg ARGS` in the background, for a test that sends it Ctrl-C (SIGINT). Its SIGINT is at its default,
+    as at a terminal, wherever the suite was started: a shell's background job (`nohup ... &`, CI) ignores
+    SIGINT, and a child inherits that, so the test's Ctrl-C would be lost. Only then is the child's SIGINT
+    reset (in the child, before exec: a preexec_fn, which the foreground case does without)."""
+    reset = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=kw.pop("cwd", ROOT),
+                            preexec_fn=_sigint_default if reset else None, **kw)
+
+
 def tiny_unless_named(args: list[str]) -> list[str]:
     """Tests run the random-weight `tiny` model (parity with diffusers' pipeline, any size) unless they name a
     model or a config file; a user's `disagg launch` defaults to the trained `demo` one."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 import zmq
 
 from client import Client
-from tests.conftest import ROOT, launch_with_http, wait_until
+from tests.conftest import launch_with_http, popen_cli, wait_until
 from transport.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
 
 pytestmark = pytest.mark.e2e
@@ -84,9 +83,8 @@ def test_ctrl_c_of_submit_cancels_what_it_had_in_flight(sim, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"slow {k}", **SLOW}) for k in range(6)))
     before = status(sim).requests
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", sim.endpoint,
-                             "--out", str(tmp_path / "out"), "--concurrency", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = popen_cli("submit", str(prompts), "--endpoint", sim.endpoint, "--out", str(tmp_path / "out"),
+                     "--concurrency", "3", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until(lambda: status(sim).requests.in_flight == 3, timeout=15, step=0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)

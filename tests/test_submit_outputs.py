@@ -9,7 +9,6 @@ import io
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 from PIL import Image
 
 from client import Client
-from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, wait_until
+from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, popen_cli, wait_until
 from transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
@@ -185,9 +184,8 @@ def test_ctrl_c_on_submit_exits_130_with_a_summary(sim, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"slow {k}", "width": 1024, "height": 1024,
                                              "num_inference_steps": 8}) for k in range(8)))
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", sim.endpoint,
-                             "--out", str(tmp_path / "out"), "--concurrency", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = popen_cli("submit", str(prompts), "--endpoint", sim.endpoint, "--out", str(tmp_path / "out"),
+                     "--concurrency", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # interrupted once the first image is written: the rest are running or not yet sent
     wait_until(lambda: any((tmp_path / "out").glob("*.png")), timeout=60, step=0.05)
     proc.send_signal(signal.SIGINT)
