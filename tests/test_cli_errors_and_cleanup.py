@@ -30,6 +30,19 @@ def test_jsonl_errors_give_the_files_line_and_lists_count_from_1():
         parse_prompts('[{"prompt": "a"}, {"seed": 1}]', "f")
 
 
+@pytest.mark.parametrize("entry, says", [
+    ('{"prompt": "a", "seed": -5}', "Expected `int` >= 0, or -1 for a random seed - at `$.seed`"),
+    ('{"prompt": "a", "steps": 4}', "unknown field `steps` (did you mean num_inference_steps?)"),
+    ('{"prompt": "a", "cfg": 4}', "unknown field `cfg` (did you mean guidance_scale?)"),
+    ('{"prompt": "a", "negative_promt": "x"}', "unknown field `negative_promt` (did you mean negative_prompt?)"),
+])
+def test_a_prompts_files_bad_field_says_what_it_takes(entry, says):
+    """Issue 44 (newcomer D3): -1 is a seed too (a random one), and an unknown field names the one it meant."""
+    with pytest.raises(PromptError) as err:
+        parse_prompts(entry, "f")
+    assert says in str(err.value), err.value
+
+
 @pytest.mark.parametrize("args, needle", [
     (["launch", "--heartbeat-timeout", "0.5"], "under twice the 1 s heartbeat interval"),
     (["launch", "--capacity", "1,2000,1"], "<= 1024"),

@@ -135,7 +135,10 @@ def test_a_bad_cache_is_refused_naming_the_field(flux):
     for spec, words in [({"type": "teacache"}, "type must be one of"), ({"type": "sea"}, "no step index"),
                         ({"type": "first_block", "treshold": 0.2}, "takes no field 'treshold'"),
                         ({"type": "faster", "current_timestep_callback": 1}, "takes no field"),
-                        ({"type": "taylorseer", "taylor_factors_dtype": "int8"}, "taylor_factors_dtype")]:
+                        ({"type": "taylorseer", "taylor_factors_dtype": "int8"}, "taylor_factors_dtype"),
+                        # issue 44 (newcomer D3): diffusers took these, and the first ran every step
+                        ({"type": "first_block", "threshold": -1}, "threshold must be a number >= 0"),
+                        ({"type": "mag", "max_skip_steps": "3"}, "max_skip_steps must be a number >= 0")]:
         with pytest.raises(RequestError, match=words) as err:
             stage.run(GenerationParams(**p, cache=spec), embeds)
         assert err.value.param == "cache"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 
 import torch
 
@@ -17,11 +18,21 @@ UNSHAREABLE_ALLOC_CONF = ("expandable_segments:true", "backend:cudamallocasync")
 MAX_PEERS = 64
 
 
-def alloc_conf_problem(conf: str) -> str:
-    """Why PYTORCH_CUDA_ALLOC_CONF keeps a pool from being shared over CUDA IPC ('' if it does not)."""
+#: where torch reads its allocator settings: the generic name (torch >= 2.9) and the older CUDA one
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def alloc_conf_problem(conf: str, variable: str = "PYTORCH_CUDA_ALLOC_CONF") -> str:
+    """Why allocator settings `conf` (from `variable`) keep a pool from being shared over CUDA IPC ('' if not)."""
     settings = conf.replace(" ", "").lower().split(",")
     bad = [s for s in UNSHAREABLE_ALLOC_CONF if s in settings]
-    return f"PYTORCH_CUDA_ALLOC_CONF={conf!r} ({', '.join(bad)}) makes allocations CUDA IPC cannot export" if bad else ""
+    return f"{variable}={conf!r} ({', '.join(bad)}) makes allocations CUDA IPC cannot export" if bad else ""
+
+
+def environ_alloc_conf_problem(environ=os.environ) -> str:
+    """Why either allocator variable keeps pools from being shared over CUDA IPC ('' if neither does)."""
+    problems = (alloc_conf_problem(environ.get(v, ""), v) for v in ALLOC_CONF_VARIABLES)
+    return "; ".join(p for p in problems if p)
 
 
 class CudaIpcEngine(TransferEngine):
@@ -36,7 +47,7 @@ class CudaIpcEngine(TransferEngine):
     def __init__(self, pool: Pool, options: EngineOptions):
         if not isinstance(pool, CudaPool):
             raise EngineUnavailable("cuda-ipc needs a GPU pool")
-        problem = alloc_conf_problem(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        problem = environ_alloc_conf_problem()
         if problem:
             raise EngineUnavailable(problem)
         if pool.ipc is None:
@@ -45,8 +56,10 @@ class CudaIpcEngine(TransferEngine):
         self.visible = list(options.visible_gpus)
         self.device = torch.device(pool.device).index or 0
         self.gpu = self.visible[self.device] if self.visible else -1
-        #: instance id -> (pool name, the peer's pool opened here), least recently read first
+        #: instance id -> (pool name, the peer's pool opened here), least recently read first; under `_lock`:
+        #: executor threads read, the loop thread forgets
         self._peers: collections.OrderedDict[str, tuple[str, torch.Tensor]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def advertise(self) -> dict:
         return {"cuda_ipc": self.pool.ipc, "gpu": self.gpu}
@@ -71,39 +84,47 @@ class CudaIpcEngine(TransferEngine):
 
     def _peer(self, source: Source) -> torch.Tensor:
         instance, name = source.slot.instance_id, source.pool.pool_name
-        cached = self._peers.get(instance)
-        if cached is not None and cached[0] == name:
-            self._peers.move_to_end(instance)
-            return cached[1]
-        if source.pool.cuda_ipc is None:
-            raise TransferError(f"{instance} advertised no CUDA IPC handle")
-        self._check_visible(source)
-        # a new pool under a known instance: it restarted. Dropping our last reference to the old pool
-        # closes its mapping (torch calls cudaIpcCloseMemHandle with the storage)
-        self._peers.pop(instance, None)
-        buf = self._open(source)
-        self._peers[instance] = (name, buf)
-        while len(self._peers) > MAX_PEERS:
-            self._peers.popitem(last=False)
-        return buf
+        with self._lock:
+            cached = self._peers.get(instance)
+            if cached is not None and cached[0] == name:
+                self._peers.move_to_end(instance)
+                return cached[1]
+            if source.pool.cuda_ipc is None:
+                raise TransferError(f"{instance} advertised no CUDA IPC handle")
+            self._check_visible(source)
+            # a new pool under a known instance: it restarted. Dropping our last reference to the old pool
+            # closes its mapping (torch calls cudaIpcCloseMemHandle with the storage); opened under the lock, so
+            # two threads never open one pool twice
+            self._peers.pop(instance, None)
+            buf = self._open(source)
+            self._peers[instance] = (name, buf)
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+            return buf
 
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         check_bounds(source, dst)
         peer = self._peer(source)
         slot = source.slot
-        with self.pool.copying(after_compute=False):  # a pull does not wait for anyone's compute
+        # a pull waits for no one's compute; the block ends when its copy is done (the producer may reuse the
+        # slot as soon as we report Fetched)
+        with self.pool.copying():
             dst.copy_(peer[slot.offset : slot.offset + slot.nbytes], non_blocking=True)
-        # the producer may reuse the slot as soon as we report Fetched: the copy must be done
-        self.pool.synchronize()
 
     def mapped(self) -> dict[str, str]:
         """Instance id -> pool name of every peer pool open here."""
-        return {k: v[0] for k, v in self._peers.items()}
+        with self._lock:
+            return {k: v[0] for k, v in self._peers.items()}
+
+    def peer_pools(self) -> list[str]:
+        return sorted(self.mapped().values())
 
     def forget(self, pool_name: str) -> None:
-        for instance, (name, _) in list(self._peers.items()):
-            if name == pool_name:
-                del self._peers[instance]
+        with self._lock:
+            for instance, (name, _) in list(self._peers.items()):
+                if name == pool_name:
+                    del self._peers[instance]
 
     def close(self) -> None:
-        self._peers.clear()
+        with self._lock:
+            self._peers.clear()

@@ -285,6 +285,30 @@ def decode(data: bytes | memoryview, kind=ClientMessage):
 RANDOM_SEED = -1
 
 
+#: the names other tools give a request's fields: an unknown field among them is answered with ours
+FIELD_ALIASES = {"steps": "num_inference_steps", "num_steps": "num_inference_steps", "cfg": "guidance_scale",
+                 "cfg_scale": "guidance_scale", "guidance": "guidance_scale", "negative": "negative_prompt",
+                 "n": "num_images_per_prompt", "num_images": "num_images_per_prompt", "batch_size": "num_images_per_prompt",
+                 "frames": "num_frames", "size": "width and height", "lora": "loras"}
+
+
+def _explained(message: str) -> str:
+    """msgspec's message for request parameters, with what it leaves out: the field an unknown one probably
+    meant ("did you mean num_inference_steps?"), and `seed`'s -1 beside its bound."""
+    import difflib
+    import re
+
+    m = re.fullmatch(r"Object contains unknown field `([^`]+)`", message)
+    if m:
+        name = m.group(1)
+        meant = FIELD_ALIASES.get(name.lower()) or next(iter(difflib.get_close_matches(
+            name, GenerationParams.__struct_fields__, n=1, cutoff=0.6)), None)
+        return f"{message} (did you mean {meant}?)" if meant else message
+    if message.endswith("- at `$.seed`") and ">= 0" in message:
+        return message.replace(">= 0", f">= 0, or {RANDOM_SEED} for a random seed", 1)
+    return message
+
+
 def params_from_obj(obj: object) -> GenerationParams:
     """Validate a decoded JSON object as request parameters; errors name the field. `seed: -1` is a random seed
     (the orchestrator picks one and reports it)."""
@@ -293,7 +317,7 @@ def params_from_obj(obj: object) -> GenerationParams:
     try:
         return msgspec.convert(obj, GenerationParams)
     except msgspec.ValidationError as exc:
-        raise MessageError(str(exc)) from None
+        raise MessageError(_explained(str(exc))) from None
 
 
 #: exit status of a process that failed before it was ready (bad config, missing model):
