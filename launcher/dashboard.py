@@ -115,10 +115,17 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
     """Plain log lines for what changed between two snapshots (the --no-dashboard output)."""
     lines = []
     before = {i.id: i for i in prev.instances} if prev else {}
+    #: instances moving to another role (rebalance): their end is planned, not a death
+    moves = {m.instance_id: m for rb in (prev.rebalance if prev else None, cur.rebalance) if rb for m in rb.moving}
     for i in cur.instances:
         old = before.get(i.id)
         if old is None or old.state != i.state:
-            lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
+            m = moves.get(i.id)
+            if i.state == "dead" and m is not None:
+                lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) stopped to move: its device becomes "
+                             f"{m.new_id} ({m.to_role})")
+            else:
+                lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
     urls = {g.url for g in prev.gateways} if prev else set()
     for g in cur.gateways:
         if g.url not in urls:

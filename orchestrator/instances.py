@@ -181,7 +181,7 @@ class InstanceLifecycle:
         for inst in self.registry.alive():
             if inst.state == "draining" and not inst.running and not inst.staged:
                 out.append(to_instance(inst.id, Shutdown(move=inst.id in self.moving)))
-                self.lose_instance(inst, "drained", now, out)
+                self.lose_instance(inst, "drained", now, out, moving=inst.id in self.moving)
 
     def serving_or_standby(self, inst: Instance) -> str:
         """The state of an instance that just became ready: a standby while its role has fewer standbys
@@ -260,9 +260,15 @@ class InstanceLifecycle:
             elif inst.running and now - inst.progress_at > self.config.stall_timeout:
                 self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
 
-    def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out]) -> None:
-        """Mark an instance dead; every request it held or whose data it held gets a new attempt."""
-        log.warning("instance %s is dead: %s", inst.id, why)
+    def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out], moving: bool = False) -> None:
+        """Mark an instance dead; every request it held or whose data it held gets a new attempt. `moving`: it
+        drained and stopped for a planned move (rebalance), which the log says, not a loss."""
+        if moving:
+            move = self.moving[inst.id]
+            log.info("instance %s drained and stopped to move: its device becomes %s (%s)", inst.id, move.new_id,
+                     move.to_role)
+        else:
+            log.warning("instance %s is dead: %s", inst.id, why)
         self._inline_cache.clear()
         if inst.state == "ready":
             self.promote_standby(inst)

@@ -170,8 +170,8 @@ class Rebalance:
             self.plan, self.holding = None, "too few requests measured in the window"
             return
         self.plan = plan(work, current, self.config.rebalance.min_per_role, fixed)
-        if mode == "auto":
-            self.holding = self.maybe_move(now)
+        # advise never moves: nothing holds it back once a plan is made (the last "too few requests" is stale)
+        self.holding = self.maybe_move(now) if mode == "auto" else ""
 
     def maybe_move(self, now: float) -> str:
         """Start the moves to the recommended split, or say why not now."""

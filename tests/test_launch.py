@@ -150,6 +150,15 @@ def test_dashboard_renders_every_instance_and_events():
     assert "encoder-0 (encoder, pid 100, cpu) is ready" in events
     assert "denoiser-0 (denoiser, pid 100, cpu) is dead" in events
     assert any("4 completed, 1 failed" in e for e in events)
+    # issue 44 (newcomer D12): an instance that stops to move (rebalance auto) is not announced as dead
+    from transport.messages import RebalanceStatus, RoleMove
+
+    move = RoleMove(instance_id="denoiser-0", new_id="decoder-1", from_role="denoiser", to_role="decoder",
+                    state="draining")
+    a.rebalance = RebalanceStatus(mode="auto", budget=2, current="1:1:0", moving=[move])
+    events = events_between(a, b)
+    assert "denoiser-0 (denoiser, pid 100, cpu) stopped to move: its device becomes decoder-1 (decoder)" in events
+    assert not any("is dead" in e for e in events), events
 
 
 def test_colocated_baseline_gives_the_same_pixels(tmp_path):

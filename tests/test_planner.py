@@ -356,3 +356,34 @@ def test_live_previews_count_as_decodes_in_the_window():
     mixed = d.router.window_work(d.now).seconds
     assert abs(mixed["decoder"] - 2 * plain["decoder"]) < 1e-9  # (6 x 1 + 6 x 3 decodes) / 12 requests
     assert abs(mixed["denoiser"] - plain["denoiser"]) < 1e-9
+
+
+def test_a_planned_move_is_logged_as_a_move_and_advise_drops_a_stale_holding(caplog):
+    """Issue 44 (newcomer D12): the encoders drained to move were logged "is dead: drained"; and in advise mode
+    `holding` kept its "too few requests measured" from before the window filled, beside the recommendation."""
+    import logging
+
+    d = Deployment(mode="advise")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):
+        d.add(role)
+    d.poll()
+    d.tick(1.0)  # nothing measured yet
+    assert "too few requests" in d.router.snapshot(d.now).rebalance.holding
+    d.serve(2, 6)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:3:1" and rb.holding == "", rb
+    d = Deployment(mode="auto")
+    for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    with caplog.at_level(logging.INFO, logger="disagg.orchestrator"):
+        d.tick(1.0)
+        d.tick(0.05)
+    movers = sorted(o.instance_id for o in d.poll().orders)
+    assert movers == ["encoder-0", "encoder-1"]
+    text = caplog.text
+    assert "is dead" not in text, text
+    for mover in movers:
+        assert f"instance {mover} drained and stopped to move: its device becomes denoiser-" in text, text
