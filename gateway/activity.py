@@ -31,14 +31,15 @@ def thumbnail(image: bytes) -> str:
 
 class Activity:
     def __init__(self):
-        #: (when, latency_s, ok) of every request answered in the window (bounded)
-        self.ended: collections.deque[tuple[float, float, bool]] = collections.deque(maxlen=65_536)
+        #: (when, latency_s, outcome) of every request answered in the window (bounded); outcome: completed,
+        #: invalid (the request's fault: an HTTP 400), cancelled or failed (gateway/metrics.py outcome_label)
+        self.ended: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=65_536)
         #: each tenant's last images (gateway/tenants.py: one per API key, a bounded number)
         self.images: dict[str, collections.deque[dict]] = {}
         self._shown = itertools.count()
 
-    def record(self, ok: bool, latency_s: float) -> None:
-        self.ended.append((time.time(), latency_s, ok))
+    def record(self, outcome: str, latency_s: float) -> None:
+        self.ended.append((time.time(), latency_s, outcome))
 
     def show(self, tenant: str, request_id: str, prompt: str, size: str, latency_s: float, image: bytes) -> None:
         """An image made for `tenant`'s request: it is among the last images that tenant (and admins) see."""
@@ -54,18 +55,20 @@ class Activity:
 
     def doc(self, caller, now: float | None = None) -> dict:
         """Per bucket of the window (oldest first): its start (seconds before now), requests per second, failed
-        ones, and p50 / p95 latency of those that succeeded (every caller's, as /metrics counts them); and the
-        last images `caller` may see."""
+        ones and invalid ones (refused as the request's fault: not failures of the deployment), and p50 / p95
+        latency of those that succeeded (every caller's, as /metrics counts them); and the last images `caller`
+        may see."""
         now = time.time() if now is None else now
         while self.ended and self.ended[0][0] < now - WINDOW_S:
             self.ended.popleft()
         buckets = []
         for k in range(WINDOW_S // BUCKET_S):
             lo = now - WINDOW_S + k * BUCKET_S
-            got = [(lat, ok) for t, lat, ok in self.ended if lo <= t < lo + BUCKET_S]
-            lat = sorted(x for x, ok in got if ok)
+            got = [(lat, outcome) for t, lat, outcome in self.ended if lo <= t < lo + BUCKET_S]
+            lat = sorted(x for x, outcome in got if outcome == "completed")
             buckets.append({"t": round(lo - now, 1), "rps": round(len(got) / BUCKET_S, 3),
-                            "failed": sum(not ok for _, ok in got),
+                            "failed": sum(outcome == "failed" for _, outcome in got),
+                            "invalid": sum(outcome == "invalid" for _, outcome in got),
                             "p50": lat[len(lat) // 2] if lat else None,
                             "p95": lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else None})
         return {"bucket_s": BUCKET_S, "series": buckets, "images": self.last_images(caller)}

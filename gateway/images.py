@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, from_outcome
 from gateway.fields import decode_json, extensions, field_error, parse_size, upload
 from transport.messages import (
     MAX_INPUT_BYTES,
@@ -109,9 +109,23 @@ def to_params(req: ImageRequest, names: tuple[str, ...] = EXTENSIONS, **inputs) 
         return params_from_obj(fields)
     except MessageError as exc:
         err = field_error(exc)
-        if err.param in ("width", "height") and req.size and req.width is None and req.height is None \
-                and not (req.extra_body or {}).keys() & {"width", "height"}:
+        if err.param in ("width", "height") and sent_size(req):
             err.param = "size"
         if err.param == "num_images_per_prompt":
             err.param = "n"
         raise err from None
+
+
+def sent_size(req: ImageRequest) -> bool:
+    """The client gave the size as `size` only (no width or height, at the top level or in extra_body)."""
+    return bool(req.size) and req.width is None and req.height is None \
+        and not (req.extra_body or {}).keys() & {"width", "height"}
+
+
+def refusal(outcome, req: ImageRequest) -> ApiError:
+    """The HTTP error for a request the deployment refused or could not finish (from_outcome), naming the field
+    the client sent: a width or height over the model's maximum is `size` when the client sent `size`."""
+    err = from_outcome(outcome)
+    if err.param in ("width", "height") and sent_size(req):
+        err.param, err.message = "size", f"size {req.size}: {err.message}"
+    return err

@@ -14,6 +14,7 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from transport.codes import CLIENT_FAULT, ErrorCode
 from transport.messages import SLACK_BUCKETS_S, STATES, StatusReport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -162,6 +163,17 @@ def rebalance_metrics(r: StatusReport):
     yield GaugeMetricFamily("disagg_rebalance_moving", "Devices changing role now", value=len(rb.moving))
 
 
+def outcome_label(outcome) -> str:
+    """A request's `outcome` label, as the orchestrator counts it (disagg_requests_total): completed; invalid when
+    the request was at fault (a 400: a size over the maximum, an unknown adapter); cancelled by someone else;
+    else failed."""
+    if outcome.ok:
+        return "completed"
+    if outcome.code in CLIENT_FAULT:
+        return "invalid"
+    return "cancelled" if outcome.code == ErrorCode.CANCELLED else "failed"
+
+
 class Metrics:
     """The gateway's registry."""
 
@@ -176,8 +188,9 @@ class Metrics:
         self.stage = Histogram("disagg_http_stage_seconds", "Per-stage queue, compute and transfer time of requests "
                                "served over HTTP", ["role", "phase"], buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def observe(self, ok: bool, latency_s: float, timings: dict[str, float]) -> None:
-        self.latency.labels("completed" if ok else "failed").observe(latency_s)
+    def observe(self, outcome: str, latency_s: float, timings: dict[str, float]) -> None:
+        """One request answered over HTTP; `outcome`: outcome_label's."""
+        self.latency.labels(outcome).observe(latency_s)
         for key, seconds in timings.items():
             phase, _, role = key.partition("_")
             if phase in PHASES and role:

@@ -13,8 +13,9 @@ import time
 
 from fastapi.responses import StreamingResponse
 
-from gateway.errors import from_outcome
+from gateway.images import refusal
 from gateway.fields import cache_report
+from gateway.metrics import outcome_label
 
 
 def sse(event: str, data: dict) -> bytes:
@@ -28,9 +29,9 @@ def image_event(kind: str, what: str, image: bytes, fmt: str, size: str, **extra
                                   "background": "auto", "output_format": fmt, **extra})
 
 
-def stream_images(gw, caller, rid: str, upstream: str, params, kind: str, headers: dict) -> StreamingResponse:
+def stream_images(gw, caller, rid: str, upstream: str, params, kind: str, headers: dict, req) -> StreamingResponse:
     """The request run with its previews streamed; `kind`: image_generation or image_edit. `rid`: the caller's
-    X-Request-Id, `upstream`: its id at the orchestrator (gateway/tenants.py)."""
+    X-Request-Id, `upstream`: its id at the orchestrator (gateway/tenants.py); `req`: the request as sent."""
     queue: asyncio.Queue = asyncio.Queue()
     size = f"{params.width}x{params.height}"
 
@@ -53,10 +54,11 @@ def stream_images(gw, caller, rid: str, upstream: str, params, kind: str, header
                 yield image_event(kind, "partial_image", data, partial.image_format, size,
                                   partial_image_index=partial.index)
             outcome = task.result()
-            gw.metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
-            gw.activity.record(outcome.ok, outcome.latency_s)
+            label = outcome_label(outcome)
+            gw.metrics.observe(label, outcome.latency_s, outcome.timings)
+            gw.activity.record(label, outcome.latency_s)
             if not outcome.ok:
-                err = from_outcome(outcome)
+                err = refusal(outcome, req)
                 yield sse("error", {"type": "error", "error": {"message": err.message, "code": err.code,
                                                                 "param": err.param, "type": "invalid_request_error"}})
                 return

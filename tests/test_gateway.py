@@ -88,6 +88,44 @@ def test_bad_input_raises_bad_request_naming_the_field(api, kwargs, param):
     assert info.value.body["param"] == param, info.value.body
 
 
+def latency_counts(base: str) -> dict[str, float]:
+    """disagg_request_latency_seconds_count per outcome, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "disagg_request_latency_seconds" for s in f.samples if s.name.endswith("_count")}
+
+
+def test_a_size_over_the_models_maximum_names_size_and_counts_as_invalid_not_failed(tiny, api):
+    """Issue 44 (newcomer D3, D5): a size over the model's maximum (tiny: 1024) is refused naming the field the
+    client sent (`size`, or `width` when it sent width), and the gateway counts those 400s as the orchestrator
+    does, `invalid`, in its latency histogram and the page's chart, not as `failed`."""
+    before = latency_counts(tiny.http)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.images.generate(prompt="a cat", size="2048x2048")
+    assert info.value.body["param"] == "size", info.value.body
+    assert info.value.body["message"].startswith("size 2048x2048: width 2048 is over this deployment's maximum")
+    r = httpx.post(tiny.http + "/v1/images/generations", json={"prompt": "a cat", "width": 2048, "height": 64},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "width", r.text
+    after = latency_counts(tiny.http)
+    assert after.get("invalid", 0) == before.get("invalid", 0) + 2, after
+    assert after.get("failed", 0) == before.get("failed", 0), after
+    series = httpx.get(tiny.http + "/recent", timeout=10).json()["series"]  # the page's chart: the last 5 min
+    assert sum(b["invalid"] for b in series) >= 2, series
+
+
+def test_the_pages_chart_counts_invalid_requests_apart_from_failed_ones():
+    from gateway.activity import Activity
+
+    activity = Activity()
+    for outcome, latency in (("completed", 1.0), ("completed", 3.0), ("invalid", 0.01), ("failed", 9.0)):
+        activity.record(outcome, latency)
+    [bucket] = [b for b in activity.doc(caller=None, now=time.time() + 1)["series"] if b["rps"]]
+    assert (bucket["failed"], bucket["invalid"], bucket["p95"]) == (1, 1, 3.0), bucket
+
+
 def test_unknown_model_route_and_garbage_get_openai_shaped_errors(tiny, api):
     with pytest.raises(openai.NotFoundError) as info:
         api.images.generate(prompt="a cat", model="dall-e-3", size="64x64")

@@ -12,14 +12,16 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.errors import ApiError, from_outcome
+from gateway.errors import ApiError
 from gateway.fields import cache_headers, cache_report
 from gateway.images import (
     ImageEditRequest,
     parse_edit_request,
     parse_image_request,
+    refusal,
     to_params,
 )
+from gateway.metrics import outcome_label
 from gateway.state import caller_of, gateway_of, model_name
 from gateway.streams import stream_images
 from gateway.tenants import upstream_id
@@ -62,7 +64,7 @@ async def answer_images(request: Request, req, params):
     if req.stream:  # OpenAI's streaming: partial images as they come, then the completed images
         kind = "image_edit" if isinstance(req, ImageEditRequest) else "image_generation"
         params = msgspec.structs.replace(params, previews=req.partial_images or None)
-        return stream_images(gw, caller, rid, upstream, params, kind, headers)
+        return stream_images(gw, caller, rid, upstream, params, kind, headers, req)
     asked = hashlib.sha1(msgspec.msgpack.encode(params)).hexdigest()
     answered = gw.recent.get(upstream)
     if answered is not None:  # a resubmission of a finished request: the same answer, not a second run
@@ -74,10 +76,11 @@ async def answer_images(request: Request, req, params):
     outcome = await gw.submit_unless_gone(request, upstream, params)
     if outcome is None:  # the client hung up: cancelled unless a caller of its key still waits on it
         return Response(status_code=499, headers=headers)
-    gw.metrics.observe(outcome.ok, outcome.latency_s, outcome.timings)
-    gw.activity.record(outcome.ok, outcome.latency_s)
+    label = outcome_label(outcome)
+    gw.metrics.observe(label, outcome.latency_s, outcome.timings)
+    gw.activity.record(label, outcome.latency_s)
     if not outcome.ok:
-        err = from_outcome(outcome)
+        err = refusal(outcome, req)
         err.headers.update(headers)
         raise err
     fmt = outcome.image_format
