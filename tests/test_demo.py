@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -97,6 +98,40 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(deployment, tm
     assert Image.open(shot).size == (1100, 1100)
     (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
     shutil.copy(shot, ROOT / "benchmarks" / "results" / "web-page.png") if os.environ.get("DISAGG_SAVE_SHOT") else None
+
+
+def readme_http_examples() -> tuple[str, str]:
+    """The README's first curl block and first Python block of its HTTP API section, as written there."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## HTTP API\n"):]
+    section = section[:section.index("\n## ", 1)]
+    bash = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "curl" in b)
+    python = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    return bash, python
+
+
+def test_the_readmes_http_examples_work_on_the_deployment_the_readme_starts(deployment, tmp_path):
+    """Issue 44 (newcomer D1): the README's curl and openai examples, taken from the README (they cannot drift
+    from it), run against the demo deployment `disagg launch --http-port 8000` starts (here on its own port):
+    each writes its 64x64 picture, and the error example prints the field it names."""
+    wait_http(deployment.http + "/health")
+    port = deployment.http.rsplit(":", 1)[1]
+    bash, python = (block.replace(":8000", f":{port}") for block in readme_http_examples())
+    assert f"localhost:{port}" in bash and f"127.0.0.1:{port}" in python
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # `python` as the user's
+    res = subprocess.run(["bash", "-euo", "pipefail", "-c", bash], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-c", python], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("size Expected `int` >= 16"), res.stdout
+    made = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in made] == ["circle.png", "square.png"], made
+    for png, (colour, shape, position) in zip(made, [("red", "circle", "left"), ("blue", "square", "center")]):
+        image = Image.open(png)
+        assert image.size == (64, 64)
+        seen = verdict(colour, shape, position, 7, image)
+        assert seen["colour_ok"] and seen["position_ok"], (png.name, seen)
 
 
 def restart_params() -> list[GenerationParams]:
