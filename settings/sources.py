@@ -34,6 +34,8 @@ OTHER_VARIABLES = {
     "DISAGG_HOST_ID": "this host's id, as launchers and `status --ready-here` name hosts (default: the machine's)",
     "DISAGG_LOG_LEVEL": "log level of the orchestrator and role processes (default INFO)",
     "DISAGG_HEAD_ROLES": "deploy/slurm/disagg.sbatch: the instances on the head node",
+    "DISAGG_HEAD_ADDR": "deploy/slurm/disagg.sbatch: the address the other nodes reach the head at",
+    "DISAGG_HEAD_WAIT": "deploy/slurm/disagg.sbatch: seconds the head's orchestrator has to answer",
     "DISAGG_RUN_DIR": "deploy/slurm/disagg.sbatch: the job's run folder",
     "DISAGG_BIN": "deploy/slurm/disagg.sbatch: the disagg command to run",
     "DISAGG_RUN_ID": "set by the launcher for its processes: the run's id",

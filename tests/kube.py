@@ -5,7 +5,7 @@ kubelet and the endpoints controller to test its readiness logic for real:
   container's command (with `$(VAR)` from its env: values and the downward API's podIP and metadata.name),
   started again when it exits (restartPolicy Always), with the kubelet's growing back-off;
 - readiness probes run as the kubelet runs them: httpGet from outside the pod to POD_IP:port, exec inside
-  the pod; a pod is Ready once its probe passed;
+  the pod, each within its timeoutSeconds (the kubelet's 1 s when unset); a pod is Ready once its probe passed;
 - every Service name resolves, inside every pod, to the pods it selects that are Ready, or to all of them
   with publishNotReadyAddresses: a hosts file bind-mounted over each pod's /etc/hosts, rewritten in place
   as readiness changes. A name with no endpoints does not resolve, as in a cluster.
@@ -30,6 +30,8 @@ from tests.netns import Hosts
 #: the kubelet's restart back-off: 10 s doubling to 5 min; shortened here so a test sees several restarts
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 PROBE_EVERY_S = 1.0
+#: a probe's timeout when the recipe sets none (timeoutSeconds): the kubelet's default
+PROBE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -109,12 +111,17 @@ class Cluster:
             return True
         if "httpGet" in probe:
             try:
-                r = httpx.get(f"http://{pod.ip}:{probe['httpGet']['port']}{probe['httpGet']['path']}", timeout=2)
+                r = httpx.get(f"http://{pod.ip}:{probe['httpGet']['port']}{probe['httpGet']['path']}",
+                              timeout=probe.get("timeoutSeconds", PROBE_TIMEOUT_S))
                 return 200 <= r.status_code < 400
             except httpx.HTTPError:
                 return False
         cmd = self._expand(pod, probe["exec"]["command"])
-        res = subprocess.run(self._in_pod(pod, cmd), env=self._pod_env(pod), capture_output=True, timeout=30)
+        try:
+            res = subprocess.run(self._in_pod(pod, cmd), env=self._pod_env(pod), capture_output=True,
+                                 timeout=probe.get("timeoutSeconds", PROBE_TIMEOUT_S))
+        except subprocess.TimeoutExpired:  # the kubelet counts a probe past its timeout as failed
+            return False
         return res.returncode == 0
 
     # --- services ------------------------------------------------------------------------------------

@@ -114,6 +114,56 @@ def test_the_sbatch_script_on_one_node_runs_a_denoiser_there(tmp_path):
     run_sbatch(tmp_path, 1, ["decoder", "denoiser", "encoder"])
 
 
+# srun on this machine: its options dropped, the command run here (a one-node job of stubs)
+LOCAL_SRUN = r'''#!PYTHON
+import os, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    if args.pop(0) == "-w":
+        args.pop(0)
+os.execvp(args[0], args)
+'''
+#: a `disagg` whose launch records its arguments and then `LAUNCH` does (exit at once, or hang), and whose status
+#: records its endpoint and finds nothing there
+STUB_DISAGG = '''#!/bin/sh
+echo "$@" >> "$STUB_CALLS"
+[ "$1" = launch ] && eval "$LAUNCH"
+exit 3
+'''
+
+
+@pytest.mark.parametrize("launch, wait, says", [
+    # a head that exits is seen at once: the wait (600 s) is not waited out, the test's 60 s timeout says so
+    ("exit 1", 600, "the head's step on node0 exited (status 1) before its orchestrator answered"),
+    ("exec sleep 600", 2, "the head's orchestrator did not answer at tcp://10.9.9.9:"),
+])
+def test_the_sbatch_script_fails_loudly_when_the_head_never_answers(tmp_path, launch, wait, says):
+    """Issue 44: the script waited 300 s in silence for a head that had died (or was never reachable at the first
+    address of `hostname -I`), then started the joins against nothing. Now the head's address may be set
+    (DISAGG_HEAD_ADDR), and a head that exits or does not answer in DISAGG_HEAD_WAIT fails the job, saying so."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(LOCAL_SRUN.replace("PYTHON", sys.executable))
+    (stubs / "scontrol").write_text(SCONTROL)
+    (stubs / "disagg").write_text(STUB_DISAGG)
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    calls = tmp_path / "calls"
+    port = free_port_pair()
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_NODES": "node0,node1", "STUB_CALLS": str(calls),
+           "LAUNCH": launch, "SLURM_JOB_NODELIST": "ignored", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7",
+           "DISAGG_PORT": str(port), "DISAGG_HEAD_ADDR": "10.9.9.9", "DISAGG_HEAD_WAIT": str(wait)}
+    res = subprocess.run(["bash", str(ROOT / "deploy/slurm/disagg.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert says in res.stderr, res.stderr
+    lines = calls.read_text().splitlines()
+    [head] = [c for c in lines if c.startswith("launch ")]  # no join step against a head that is not there
+    assert f"--advertise-host 10.9.9.9 --port {port}" in head and "--join" not in head, lines
+    status = [c for c in lines if c.startswith("status ")]
+    assert status and set(status) == {f"status --endpoint tcp://10.9.9.9:{port}"}, lines
+
+
 def node_roles(tmp_path: Path, which: str, nodes: int, env: dict) -> str:
     """What the sbatch script's node_roles prints on a node with `env` (and an nvidia-smi listing 8 GPUs)."""
     script = (ROOT / "deploy/slurm/disagg.sbatch").read_text()
@@ -180,6 +230,19 @@ def test_every_command_in_the_kubernetes_yaml_is_one_the_cli_accepts():
         assert services[target]["spec"].get("publishNotReadyAddresses") is True
 
 
+def test_every_probe_of_the_kubernetes_yaml_has_a_timeout_a_busy_node_meets_and_the_recipe_says_it_is_open():
+    """Issue 44: the denoisers' exec probe ran under the kubelet's default 1 s timeout, and `disagg status` takes
+    0.6-0.9 s just to start: on a busy GPU node the pods would flap unready. And the head, bound to 0.0.0.0
+    without keys and with an optional API key, was open without the recipe saying so."""
+    probes = []
+    for doc in k8s_docs():
+        for c in (doc.get("spec") or {}).get("template", {}).get("spec", {}).get("containers", []):
+            probes += [c[p] for p in ("readinessProbe", "livenessProbe") if p in c]
+    assert len(probes) == 3 and all(p.get("timeoutSeconds", 1) >= 5 for p in probes), probes
+    text = (ROOT / "deploy/k8s/disagg.yaml").read_text()
+    assert "OPEN AS SHIPPED" in text and "NetworkPolicy" in text
+
+
 def test_the_kubernetes_yaml_is_valid_against_the_api_schemas():
     """kubernetes-validate (PyPI) checks every document against Kubernetes' own OpenAPI schemas, offline."""
     res = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", str(ROOT / "deploy/k8s/disagg.yaml")],
@@ -195,7 +258,8 @@ def test_the_image_the_recipe_runs_is_pinned_and_built_by_the_dockerfile():
 
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     dockerfile = (ROOT / "deploy/docker/Dockerfile").read_text()
-    assert f"-t disagg:{version} ." in dockerfile and ".[mooncake]" in dockerfile
+    # issue 44 (newcomer D7): peft too (the lora extra), else every LoRA request fails in the image
+    assert f"-t disagg:{version} ." in dockerfile and ".[mooncake,lora]" in dockerfile
     for line in dockerfile.splitlines():
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
