@@ -33,3 +33,26 @@ def test_every_folder_of_the_project_is_described():
     text = DOC.read_text()
     for folder in ("client", "gateway", "launcher", "orchestrator", "roles", "settings", "transport"):
         assert f"`{folder}/`" in text, folder
+
+
+def test_the_readmes_gpu_quick_start_launches_a_config_that_exists_with_flags_the_cli_takes():
+    """Issue 44: the README shows near its top how to serve a real checkpoint on a GPU host; its launch line
+    names a deployment of configs/models/ and flags `disagg launch` accepts (the model itself needs the hub)."""
+    import re
+    import shlex
+
+    import yaml
+
+    from launcher.cli import cli
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Serve a real model on a GPU host\n")
+    assert start < text.index("\n## What it is\n")  # near the top, before the design
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
+    assert "'.[mooncake,lora]'" in block and "hf auth login" in block and "HF_TOKEN" in block and "hf download" in block
+    [launch] = [shlex.split(line) for line in block.splitlines() if line.startswith("disagg launch")]
+    ctx = cli.make_context("disagg", launch[1:])
+    name, cmd, rest = cli.resolve_command(ctx, launch[1:])
+    params = cmd.make_context(name, rest, parent=ctx).params  # raises on an unknown option or a bad value
+    config = yaml.safe_load((ROOT / params["config_path"]).read_text())
+    assert params["config_path"].startswith("configs/models/") and config["model"] in block
