@@ -206,8 +206,9 @@ class StageRunner:
         view = self.pool.view(slot.offset, slot.nbytes)
         if view.device.type == "cpu":
             return view.numpy().tobytes()
-        with self.pool.copying(after_compute=False):
-            host = view.to("cpu", non_blocking=False)
+        host = self.pool.host_buffer(slot.nbytes)  # pinned: one DMA, on this thread's copy stream
+        with self.pool.copying():
+            host.copy_(view, non_blocking=True)
         return host.numpy().tobytes()
 
     def registered(self) -> tuple[dict[str, int], list[Held]]:
@@ -268,7 +269,10 @@ class StageRunner:
                 self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
                 t0 = time.perf_counter()
                 out = self.stage.run(run.params, inputs, step, ticket)
-                self.pool.compute_done()  # GPU kernels are asynchronous: the time counts until they finish
+                # where this request's compute ends: its outputs are staged after it, not after whatever other
+                # requests queued on the device since (GPU kernels are asynchronous: the time counts until they finish)
+                computed = self.pool.mark()
+                self.pool.compute_done(computed)
                 compute_s = time.perf_counter() - t0
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
@@ -285,7 +289,7 @@ class StageRunner:
                 self.keep_result(done, out.images)
                 self.report(done, out.images)
             else:
-                slot = self.pool.stage(self.instance_id, out.tensors)
+                slot = self.pool.stage(self.instance_id, out.tensors, after=computed)
                 with self.lock:
                     self.computed += not out.from_cache  # a conditioning-cache hit computed nothing
                     self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,

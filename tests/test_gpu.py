@@ -8,6 +8,7 @@ import select
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import msgspec
@@ -123,6 +124,52 @@ def test_a_pull_does_not_wait_for_queued_compute():
         mine.compute_done()
         assert torch.cuda.current_stream().query()
     finally:
+        engine.close()
+        producer.stop()
+
+
+def test_a_stage_and_a_pull_do_not_wait_for_another_requests_queued_compute():
+    """A finished request's stage waits for the event of its own compute, not for the compute stream, where
+    another request's step is queued by then; a pull does not queue behind another thread's copies, which wait
+    for that thread's compute (a preview of latents its step is still making)."""
+    from transport.manifest import unpack
+
+    producer = Producer("gpu-producer-d", 4)
+    mine, engine = consumer()
+    others = []
+    try:
+        out = torch.randn(256, 1024, device="cuda:0")  # this request's output
+        done = mine.mark()
+        mine.compute_done(done)
+        torch.cuda._sleep(int(3e9))  # ~1-2 s: another request's step, queued after ours ended
+        t0 = time.perf_counter()
+        slot = mine.stage("denoiser-0", {"x": out}, after=done)
+        staged_s = time.perf_counter() - t0
+        assert not torch.cuda.current_stream().query(), "the other compute finished first: the test proves nothing"
+        assert staged_s < 0.5
+        assert torch.equal(unpack(mine.view(slot.offset, slot.nbytes), slot.tensors)["x"], out)
+
+        queued = threading.Event()
+
+        def preview():  # another thread's copy that waits for the compute queued so far (the sleep above)
+            with mine.copying(after=mine.mark()):
+                queued.set()
+
+        others.append(threading.Thread(target=preview))
+        others[0].start()
+        assert queued.wait(WAIT_S)
+        nbytes = producer.source.slot.nbytes
+        dst = mine.view(mine.alloc(nbytes), nbytes)
+        t0 = time.perf_counter()
+        engine.read(producer.source, dst, [])
+        pulled_s = time.perf_counter() - t0
+        assert not torch.cuda.current_stream().query(), "the other compute finished first: the test proves nothing"
+        assert pulled_s < 0.5
+        assert torch.equal(unpack(dst, producer.source.slot.tensors)["emb"], producer.expected)
+    finally:
+        for t in others:
+            t.join(WAIT_S)
+        mine.compute_done()
         engine.close()
         producer.stop()
 

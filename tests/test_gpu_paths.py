@@ -32,11 +32,17 @@ class HostCudaPool(CudaPool):
         self.buffer = torch.zeros(1 << 20, dtype=torch.uint8)
         self.ipc, self.ipc_error = ipc, ipc_error
 
-    def copying(self, after_compute: bool = True):
+    def mark(self):
+        return None
+
+    def copying(self, after=None):
         return contextlib.nullcontext()
 
-    def synchronize(self) -> None:
+    def compute_done(self, mark=None) -> None:
         pass
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def source(instance: str, pool_name: str, nbytes: int = 64, gpu: int | None = 0) -> Source:
@@ -72,12 +78,16 @@ def test_a_pool_that_cannot_be_shared_refuses_cuda_ipc_instead_of_crashing():
     assert "cuda-ipc" not in make_engines(pool, "auto")
 
 
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "backend:cudaMallocAsync", "max_split_size_mb:64,expandable_segments:True"])
-def test_allocator_settings_that_ipc_cannot_export_refuse_cuda_ipc(monkeypatch, conf):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-    with pytest.raises(EngineUnavailable, match="PYTORCH_CUDA_ALLOC_CONF"):
+def test_allocator_settings_that_ipc_cannot_export_refuse_cuda_ipc(monkeypatch, conf, variable):
+    # torch reads the generic PYTORCH_ALLOC_CONF too (and first): either name must be checked
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, conf)
+    with pytest.raises(EngineUnavailable, match=f"^{variable}="):
         make_engine("cuda-ipc", HostCudaPool())
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv(variable, "max_split_size_mb:64")
     make_engine("cuda-ipc", HostCudaPool())
 
 
@@ -138,6 +148,165 @@ def test_a_peer_gpu_we_cannot_see_is_a_clear_transfer_error(monkeypatch):
         engine.read(source("encoder-0", "p", gpu=5), torch.empty(64, dtype=torch.uint8), [])
 
 
+# --- a handoff waits for its own request's compute and its own copies only (review M1) ------------------------
+
+class FakeCuda:
+    """torch.cuda's streams and events as a model: each queued op depends on the op before it on its stream and
+    on what the stream was told to wait for; a host wait records every compute op it had to wait for (the
+    closure of what it synchronised), so a test sees whose work a handoff waited behind."""
+
+    def __init__(self):
+        self.default = self.Stream()
+        self.local = threading.local()
+        #: (thread name, compute ops waited for) per host wait
+        self.waits: list[tuple[str, set[str]]] = []
+        #: called on every host wait before it is noted (another thread queues work meanwhile)
+        self.on_wait = lambda: None
+        fake = self
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                self.op = None
+
+            def record(self, stream=None):
+                stream = stream or fake.current_stream()
+                self.op = stream.ops[-1] if stream.ops else None
+
+            def synchronize(self):
+                fake.wait_for(self.op)
+
+        self.Event = Event
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            self.ops: list[tuple[str, tuple]] = []
+
+        def queue(self, label: str, deps: tuple = ()) -> tuple:
+            op = (label, deps + ((self.ops[-1],) if self.ops else ()))
+            self.ops.append(op)
+            return op
+
+        def wait_event(self, event):
+            if event.op is not None:
+                self.queue("wait", (event.op,))
+
+        def wait_stream(self, other):
+            if other.ops:
+                self.queue("wait", (other.ops[-1],))
+
+        def synchronize(self):
+            fake_cuda_of[id(self)].wait_for(self.ops[-1] if self.ops else None)
+
+    def current_stream(self, device=None):
+        return getattr(self.local, "stream", None) or self.default
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        before = getattr(self.local, "stream", None)
+        self.local.stream = s
+        try:
+            yield
+        finally:
+            self.local.stream = before
+
+    def wait_for(self, op) -> None:
+        self.on_wait()
+        seen, todo = set(), [op] if op is not None else []
+        while todo:
+            label, deps = todo.pop()
+            seen.add(label)
+            todo.extend(deps)
+        self.waits.append((threading.current_thread().name, seen - {"wait"}))
+
+    def install(self, monkeypatch) -> None:
+        fake = self
+
+        class Stream(FakeCuda.Stream):
+            def __init__(self, *args, **kwargs):
+                super().__init__()
+                fake_cuda_of[id(self)] = fake
+
+        fake_cuda_of[id(self.default)] = self
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+
+
+fake_cuda_of: dict[int, FakeCuda] = {}
+
+
+class ModelCudaPool(CudaPool):
+    """A CudaPool's own stream and event logic over FakeCuda, its bytes in host memory."""
+
+    def __init__(self):
+        Pool.__init__(self, "model-cuda", 1 << 20)
+        self.device = "cuda:0"
+        self.buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+        self.ipc, self.ipc_error = HANDLE, ""
+        self._streams = threading.local()
+        self.copy_stream = torch.cuda.Stream()  # what a single copy stream per pool would be
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)  # no pinned memory without CUDA
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    return fake
+
+
+def test_a_finished_requests_stage_waits_for_its_own_compute_not_for_work_queued_after(fake_cuda):
+    from roles.compute import StageRunner
+    from roles.stage import StageOutput
+    from transport.messages import GenerationParams, Staged
+
+    pool = ModelCudaPool()
+    reports = []
+
+    class Stage:
+        role, turn, turns = "encoder", contextlib.nullcontext(), None
+
+        class adapter:
+            defaults = staticmethod(lambda: {})
+
+        def ticket(self, *args):
+            return None
+
+        def run(self, params, inputs, step, ticket=None):
+            fake_cuda.default.queue("mine")  # this request's kernels, queued on the one compute stream
+            return StageOutput(tensors={"x": torch.ones(4)})
+
+    def batcher_queues_the_next_step():  # while this request waited for its compute, another queued more
+        if not any(label == "theirs" for label, _ in fake_cuda.default.ops):
+            fake_cuda.default.queue("theirs")
+
+    fake_cuda.on_wait = batcher_queues_the_next_step
+    runner = StageRunner("encoder-0", pool, {}, lambda msg, frames=(): reports.append(msg))
+    runner.stage = Stage()
+    runner.execute(Run(request_id="r", attempt=1, params=GenerationParams(prompt="p")), [], time.perf_counter())
+    assert [type(m) for m in reports if m is not None] == [Staged], reports
+    assert fake_cuda.waits and all(waited == {"mine"} for _, waited in fake_cuda.waits), fake_cuda.waits
+
+
+def test_a_pull_does_not_queue_behind_another_threads_stage_that_waits_for_compute(fake_cuda):
+    pool = ModelCudaPool()
+    engine = make_engine("cuda-ipc", pool, EngineOptions(visible_gpus=(0,)))
+    engine._open = lambda src: torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8)
+    fake_cuda.default.queue("their step")  # a denoiser's step, still running: its preview is staged after it
+    preview = threading.Thread(target=pool.stage, args=("denoiser-0", {"latents": torch.ones(8)}), name="preview")
+    preview.start()
+    preview.join()
+    dst = torch.empty(64, dtype=torch.uint8)
+    engine.read(source("encoder-0", "pool-e"), dst, [])
+    assert torch.equal(dst, torch.arange(64, dtype=torch.uint8))
+    waits = dict(fake_cuda.waits)
+    assert waits["preview"] == {"their step"}  # a preview copies the latents once its step has made them
+    assert waits[threading.current_thread().name] == set(), "the pull waited for another request's compute"
+
+
 # --- compute times include the device's time ----------------------------------------------------------
 
 class AsyncDevicePool(HostCudaPool):
@@ -151,7 +320,7 @@ class AsyncDevicePool(HostCudaPool):
         self.done.clear()
         threading.Timer(0.3, self.done.set).start()
 
-    def compute_done(self):
+    def compute_done(self, mark=None):
         self.done.wait(5)
 
 

@@ -50,33 +50,41 @@ class Pool:
         with self._lock:
             self.allocator.free(offset)
 
-    def copying(self, after_compute: bool = True):
-        """Where copies into and out of the pool run (a GPU pool: its own copy stream, which first waits
-        for the compute queued so far when `after_compute`: the tensors to stage come from it)."""
+    def mark(self):
+        """A point in the compute this thread has queued so far on the pool's device (a GPU pool: a CUDA event
+        recorded now on the compute stream; None here, where compute is synchronous)."""
+        return None
+
+    def copying(self, after=None):
+        """Where copies into and out of the pool run; they are complete when the block ends, and only they are
+        waited for (a GPU pool: this thread's copy stream, and an event recorded after its copies). `after`: a
+        `mark` the copies first wait for (the tensors to copy come from that compute), not the whole stream."""
         return contextlib.nullcontext()
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
 
-    def stage(self, instance_id: str, tensors: dict[str, torch.Tensor]) -> SlotRef:
-        """Copy tensors into a fresh slot and describe it; the bytes are complete on return."""
+    def stage(self, instance_id: str, tensors: dict[str, torch.Tensor], after=None) -> SlotRef:
+        """Copy tensors into a fresh slot and describe it; the bytes are complete on return. `after`: the `mark`
+        of the compute that made the tensors (None: the compute this thread queued so far)."""
         specs, nbytes = plan(tensors)
         offset = self.alloc(nbytes)
         try:
-            with self.copying():
+            with self.copying(after=self.mark() if after is None else after):
                 pack(tensors, self.view(offset, nbytes), specs)
-            self.synchronize()
         except BaseException:
             self.free(offset)
             raise
         return SlotRef(instance_id=instance_id, offset=offset, nbytes=nbytes, tensors=specs)
 
-    def synchronize(self) -> None:
-        """Wait until copies into the pool are complete (a peer may read right after)."""
+    def compute_done(self, mark=None) -> None:
+        """Wait until the compute this thread queued on the pool's device has finished, up to `mark` (None: up to
+        now); timers call it: GPU kernels run asynchronously, so a timer stopped without it sees only the launch
+        time. Compute queued after the mark, by other requests' threads, is not waited for."""
 
-    def compute_done(self) -> None:
-        """Wait until the compute this thread queued on the pool's device has finished (timers call it:
-        GPU kernels run asynchronously, so a timer stopped without it sees only the launch time)."""
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer for a copy to or from the pool (a GPU pool: pinned, so the copy is one DMA)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def close(self) -> None:
         self.buffer = None
@@ -112,8 +120,9 @@ class ShmPool(Pool):
 class CudaPool(Pool):
     """One CUDA allocation; outputs of GPU stages are staged here with no host round trip.
 
-    Copies into and out of it run on the pool's own copy stream, and a handoff synchronises only that
-    stream: it never waits behind other requests' denoising steps queued on the compute stream. Its
+    Copies into and out of it run on a copy stream of the copying thread's own; they wait for the event of the
+    compute that made their tensors, and a handoff waits for an event recorded after its own copies: it never
+    waits behind other requests' denoising steps queued on the compute stream, nor their copies. Its
     CUDA IPC handle is made once, here: making it again would swap the storage's data pointer under
     copies that may be running."""
 
@@ -121,7 +130,7 @@ class CudaPool(Pool):
         super().__init__(name, nbytes)
         self.device = device
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.copy_stream = torch.cuda.Stream(self.buffer.device)
+        self._streams = threading.local()
         #: the IPC handle, or why there is none (cuda-ipc then refuses to serve this pool)
         self.ipc: CudaIpcHandle | None = None
         self.ipc_error = ""
@@ -130,16 +139,37 @@ class CudaPool(Pool):
         except (RuntimeError, TypeError) as exc:
             self.ipc_error = f"{type(exc).__name__}: {exc}"
 
-    def copying(self, after_compute: bool = True):
-        if after_compute:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
-        return torch.cuda.stream(self.copy_stream)
+    def _copy_stream(self) -> "torch.cuda.Stream":
+        """This thread's copy stream: one per thread, so one request's copies never queue behind another's
+        (a preview's copy waits for its own request's compute)."""
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.buffer.device)
+        return stream
 
-    def synchronize(self) -> None:
-        self.copy_stream.synchronize()
+    def mark(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.buffer.device))
+        return event
 
-    def compute_done(self) -> None:
-        torch.cuda.current_stream(self.buffer.device).synchronize()
+    @contextlib.contextmanager
+    def copying(self, after=None):
+        stream = self._copy_stream()
+        if after is not None:
+            stream.wait_event(after)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            copied.synchronize()  # our own copies only, not what other threads queued
+
+    def compute_done(self, mark=None) -> None:
+        (self.mark() if mark is None else mark).synchronize()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def ipc_handle(self) -> CudaIpcHandle:
         if self.ipc is None:
