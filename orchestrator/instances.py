@@ -90,11 +90,19 @@ class InstanceLifecycle:
         inst.phase, inst.compile_s = msg.phase, msg.compile_s
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
-        out.append(to_instance(inst.id, Alive(orchestrator_id=self.id)))
+        out.append(to_instance(inst.id, Alive(orchestrator_id=self.id, forget_pools=self.gone_pools(msg.peer_pools))))
         if msg.ready and inst.state == "starting":
             inst.state = self.serving_or_standby(inst)
             self._inline_cache.clear()
             log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
+
+    def gone_pools(self, mapped: list[str]) -> list[str]:
+        """Of the pools a role holds mapped, those no live instance owns: a dead one's, a restarted one's old pool,
+        one that moved to another role (a new id, a new pool). A role that keeps them keeps their memory."""
+        if not mapped:
+            return []
+        live = {i.pool.pool_name for i in self.registry.alive()}
+        return [name for name in mapped if name not in live]
 
     def handle_dead(self, sender, msg: Dead, frames, now, out) -> None:
         self.lose_instance(self.registry.get(sender), f"it reported: {msg.reason}", now, out)

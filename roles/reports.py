@@ -76,6 +76,7 @@ class SelfReport:
                 **self.conditioning_state(),
                 phase=self.phase,
                 compile_s=round(self.compile_s, 3),
+                peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()}),
             )
         )
 

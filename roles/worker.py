@@ -243,6 +243,11 @@ class Worker(Link, SelfReport):
         if self.orchestrator_id and msg.orchestrator_id != self.orchestrator_id:
             self.log.warning("a different orchestrator answers; registering again")
             self.register()
+            return
+        for name in msg.forget_pools:  # their instances are gone: close our mappings of their pools
+            self.log.info("closing the mapping of %s: its instance is gone", name)
+            for engine in self.engines.values():
+                engine.forget(name)
 
     def handle_rejected(self, msg: Rejected, frames) -> None:
         if msg.code == ErrorCode.FOREIGN_MODEL:

@@ -74,11 +74,35 @@ def wait_busy(dep, iid):
     wait_until(lambda: instance(dep, iid).in_flight > 0, timeout=30, step=0.02)
 
 
+def pool_of(pid: int) -> str:
+    """The shared-memory pool of role process `pid` (its name ends with the pid)."""
+    [name] = [n for n in os.listdir("/dev/shm") if n.startswith("disagg-") and n.endswith(f"-{pid}")]
+    return name
+
+
+def mapping(dep, pool: str) -> list[str]:
+    """The other live instances whose process maps `pool` (a consumer's shm engine maps the pools it pulled from)."""
+    holders = []
+    for i in status(dep).instances:
+        if pool.endswith(f"-{i.pid}"):
+            continue  # its owner
+        try:
+            with open(f"/proc/{i.pid}/maps") as f:
+                if f"/dev/shm/{pool}" in f.read():
+                    holders.append(i.id)
+        except OSError:
+            continue  # exited meanwhile
+    return holders
+
+
 @pytest.mark.parametrize("role", ["denoiser", "encoder", "decoder"])
 def test_kill_9_under_load_loses_nothing(deployment, role):
     iid = f"{role}-0"
     old_pid = instance(deployment, iid).pid
+    old_pool = pool_of(old_pid)
     load = Load(deployment.endpoint, small(50, f"kill {role}"))
+    if role != "decoder":  # its consumers map its pool as they pull (nobody pulls from a decoder)
+        wait_until(lambda: mapping(deployment, old_pool), timeout=30, step=0.02)
     wait_busy(deployment, iid)
     os.kill(old_pid, signal.SIGKILL)
     t_kill = time.monotonic()
@@ -91,6 +115,9 @@ def test_kill_9_under_load_loses_nothing(deployment, role):
     RECOVERY[f"{role}_retried"] = sum(o.attempts > 1 for o in outcomes)
     assert back.restarts >= 1 and not pid_alive(old_pid)
     assert any(o.attempts > 1 for o in outcomes)  # the kill hit requests in flight, which were retried
+    # the orchestrator tells its consumers that the dead pool is nobody's (Alive.forget_pools): they unmap it
+    wait_until(lambda: not mapping(deployment, old_pool), timeout=30, step=0.1,
+               why=lambda: f"{old_pool} is still mapped by {mapping(deployment, old_pool)}")
 
 
 def fork_server(dep) -> psutil.Process:

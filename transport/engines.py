@@ -57,8 +57,12 @@ class TransferEngine(ABC):
     def read(self, source: Source, dst: torch.Tensor, frames: list[bytes]) -> None:
         """Fill `dst` (uint8, `source.slot.nbytes` long) with the source slot's bytes."""
 
+    def peer_pools(self) -> list[str]:
+        """The names of the peer pools this engine holds open (mapped), sorted (heartbeats carry them)."""
+        return []
+
     def forget(self, pool_name: str) -> None:
-        """Drop anything cached about a peer's pool (it restarted)."""
+        """Drop anything cached about a peer's pool, closing its mapping (its instance is gone)."""
 
     def close(self) -> None:
         pass
@@ -117,7 +121,11 @@ class ShmEngine(TransferEngine):
         # numpy on both sides: slicing is ~20x cheaper than torch's and the copy is one memcpy
         np.copyto(dst.numpy(), peer[source.slot.offset : source.slot.offset + source.slot.nbytes])
 
+    def peer_pools(self) -> list[str]:
+        return sorted(self._maps)
+
     def forget(self, pool_name: str) -> None:
+        # a read in progress keeps its own reference: the mapping closes when that read is done
         self._maps.pop(pool_name, None)
 
     def close(self) -> None:

@@ -116,12 +116,17 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: what it does before it is ready: "compiling" (compile: its warm-up), else ""; its compile's seconds
     phase: Annotated[str, Meta(max_length=32)] = ""
     compile_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: the peers' pools it holds mapped (cuda-ipc, shm), by pool name: the orchestrator answers which are gone
+    peer_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
 
 
 class Alive(_Msg, tag="alive", kw_only=True):
     """Orchestrator answers a Heartbeat, so roles can tell when the orchestrator is gone."""
 
     orchestrator_id: str
+    #: of the Heartbeat's `peer_pools`, those no live instance owns (it died, restarted, or moved to another role
+    #: under a new id): the role closes its mappings of them, which frees their memory
+    forget_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
 
 
 class Run(_Msg, tag="run", kw_only=True):
