@@ -99,6 +99,10 @@ def launch(config_path, print_config, run_dir, no_dashboard, submit_path, out_di
         check_gpus(config)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    from launcher.topology import place, shared_gpu_warnings
+
+    for note in shared_gpu_warnings(place(config)):
+        click.echo(f"warning: {note}", err=True)
     if config.join and (submit_path or config.http.port):
         raise click.UsageError("a join host runs roles only: --submit and --http-port belong to the head")
     if config.http.port and not config.join and config.http.port in (config.port, config.port + 1):

@@ -156,6 +156,21 @@ def default_pool_bytes(spec: ModelSpec, role: str, capacity: int) -> int:
     return max(MIN_POOL_BYTES, (need + mib - 1) // mib * mib)
 
 
+def shared_gpu_warnings(placements: list[Placement]) -> list[str]:
+    """One warning per GPU that holds more than one instance of a role (standbys and ranks counted): each process
+    holds the role's weights on it, and without MPS they take turns on the device, so they add no throughput."""
+    on: dict[tuple[int, str], list[str]] = {}
+    for p in placements:
+        if p.simulated:
+            continue
+        for gpu in dict.fromkeys(p.rank_gpus or ([p.gpu] if p.gpu is not None else [])):
+            on.setdefault((gpu, p.role), []).append(p.instance_id)
+    return [f"GPU {gpu} holds {len(ids)} {role} instances ({', '.join(ids)}): each holds the {role}'s weights there, "
+            f"and they take turns on the device (no throughput gained without MPS); give each its own GPU (--gpus, "
+            f"or the role's gpus list) or run fewer"
+            for (gpu, role), ids in sorted(on.items()) if len(ids) > 1]
+
+
 def rerole(config: Settings, p: Placement, role: str, instance_id: str) -> Placement:
     """The placement of instance `instance_id` of `role` on `p`'s device and CPUs (rebalance moves a device to
     another role): that role's capacity, batching and pool, as launch gives its instances."""

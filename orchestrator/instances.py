@@ -70,7 +70,7 @@ class InstanceLifecycle:
 
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
-        inst.pool_free_bytes = msg.pool_free_bytes
+        inst.pool_free_bytes, inst.memory_free_bytes = msg.pool_free_bytes, msg.memory_free_bytes
         if msg.components:
             inst.components, inst.weights_bytes = msg.components, msg.weights_bytes
         inst.steps = msg.steps

@@ -213,9 +213,17 @@ class Rebalance:
         serving = [i for i in self.registry.of_role(from_role) if i.state in ("ready", "starting") and i.id not in self.moving]
         if len(serving) <= self.config.rebalance.min_per_role:
             return None
-        cands = [i for i in serving if i.state == "ready" and self.movable(i, now)
-                 and (not i.memory_bytes or need <= i.memory_bytes)]
+        cands = [i for i in serving if i.state == "ready" and self.movable(i, now) and self.fits(i, need)]
         return min(cands, key=lambda i: (self.work_in_hand(i, now), len(i.staged), i.id), default=None)
+
+    @staticmethod
+    def fits(inst, need: int) -> bool:
+        """Whether `inst`'s device holds `need` bytes once `inst` has exited: what the device has free now (other
+        processes on it, activations, caches counted) plus the weights and pool `inst` frees; where the device's
+        free memory is unknown (the CPU, a simulated device), its total (0: unknown, no check)."""
+        if inst.memory_free_bytes:
+            return need <= inst.memory_free_bytes + inst.weights_bytes + inst.pool.pool_bytes
+        return not inst.memory_bytes or need <= inst.memory_bytes
 
     def work_in_hand(self, inst, now: float) -> float:
         """Predicted seconds until what `inst` runs is done (how long it would take to drain)."""

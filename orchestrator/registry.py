@@ -48,6 +48,8 @@ class Instance:
     #: its weights' bytes (Heartbeat.weights_bytes) and its device's memory (Register.memory_bytes; 0 unknown)
     weights_bytes: int = 0
     memory_bytes: int = 0
+    #: its device's free memory, every process on it counted (Heartbeat.memory_free_bytes; 0 unknown)
+    memory_free_bytes: int = 0
     devices: list[str] = field(default_factory=list)
     parallel: str = ""
     lane: bool = False

@@ -71,6 +71,16 @@ def device_memory(device: str) -> int:
     return 0
 
 
+def device_free_memory(device: str) -> int:
+    """Bytes free on `device` now, as the driver counts them (every process on a GPU: torch.cuda.mem_get_info); 0
+    where unknown (the CPU, a simulated device): rebalance then checks against the device's total."""
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
 def param_bytes(dtype: str, device: str) -> int:
     """Bytes per weight at `dtype` (auto: bfloat16 on a GPU, float32 elsewhere)."""
     if dtype == "auto":

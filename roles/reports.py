@@ -8,7 +8,7 @@ import os
 import time
 
 from roles.layout import describe_layout
-from roles.limits import device_memory, param_bytes
+from roles.limits import device_free_memory, device_memory, param_bytes
 from transport.messages import Heartbeat, PoolInfo, Register
 
 
@@ -76,6 +76,7 @@ class SelfReport:
                 **self.conditioning_state(),
                 phase=self.phase,
                 compile_s=round(self.compile_s, 3),
+                memory_free_bytes=device_free_memory(self.spec.device),
                 peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()}),
             )
         )

@@ -410,3 +410,11 @@ def test_each_role_gets_its_own_gpu_first_through_the_parents_list(monkeypatch, 
     assert seen["encoder-0"]["CUDA_VISIBLE_DEVICES"] == "GPU-d,GPU-b"  # --gpus 3 first, then 1
     assert seen["denoiser-0"]["CUDA_VISIBLE_DEVICES"] == "GPU-b,GPU-d"
     assert {env["CUDA_DEVICE_ORDER"] for env in seen.values()} == {"PCI_BUS_ID"}
+
+
+def test_heartbeats_report_a_gpus_free_memory_and_nothing_where_it_is_unknown(monkeypatch):
+    from roles.limits import device_free_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    assert device_free_memory("cuda:0") == 3 << 30  # free, not total: other processes on the GPU counted
+    assert device_free_memory("cpu") == 0 and device_free_memory("sim:0") == 0  # rebalance checks the total

@@ -88,6 +88,8 @@ class Deployment:
         self.now = 100.0
         self.router = Router(RouterConfig(rebalance=RebalanceSettings(mode=mode, **cfg)), now=self.now)
         self.n = 0
+        #: instance id -> the free device memory its heartbeats report (0: unknown)
+        self.free: dict[str, int] = {}
 
     def add(self, role, iid=None, memory=0):
         iid = iid or f"{role}-{sum(1 for i in self.router.registry.by_id if i.startswith(role))}"
@@ -107,7 +109,7 @@ class Deployment:
     def tick(self, dt):
         self.now += dt
         for inst in self.router.registry.alive():  # the instances are alive all along
-            self.role(inst.id, Heartbeat(instance_id=inst.id))
+            self.role(inst.id, Heartbeat(instance_id=inst.id, memory_free_bytes=self.free.get(inst.id, 0)))
         return self.router.tick(self.now)
 
     def serve(self, steps, n, times=None):
@@ -249,6 +251,28 @@ def test_advise_never_moves_and_silent_launchers_and_small_devices_keep_their_in
     d.tick(1.0)
     rb = d.router.snapshot(d.now).rebalance
     assert rb.recommended == "1:2:1" and rb.moving == [] and "fit" in rb.holding
+
+
+def test_the_fit_check_counts_what_else_the_device_holds_from_the_free_memory_its_instance_reports():
+    """Review M6: a GPU shared by several processes (or full of activations and caches) may not hold a role its
+    total memory would: the instance's reported free memory, plus what it frees by exiting, decides."""
+    def encoders_moving(free: int) -> list:
+        d = Deployment(mode="auto")
+        for role in ("encoder", "encoder", "denoiser", "decoder"):
+            d.add(role, memory=1 << 30)  # 1 GiB in all: the denoiser's 40 kB of weights and 1 MiB pool fit that
+        d.free = {"encoder-0": free, "encoder-1": free}
+        d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000}, weights_bytes=40_000))
+        d.poll()
+        d.serve(2, 6)
+        d.tick(1.0)
+        return d.router.snapshot(d.now).rebalance
+
+    rb = encoders_moving(free=20_000)  # other processes hold the rest: the encoder's 1 MiB pool + 20 kB free < need
+    assert rb.recommended == "1:2:1" and rb.moving == [] and "fit" in rb.holding, rb
+    rb = encoders_moving(free=40_000)  # with the pool it frees, enough
+    assert [(m.from_role, m.to_role) for m in rb.moving] == [("encoder", "denoiser")], rb
+    rb = encoders_moving(free=0)  # unknown (the CPU): the device's total decides, as before
+    assert [(m.from_role, m.to_role) for m in rb.moving] == [("encoder", "denoiser")], rb
 
 
 def test_rebalance_off_reports_nothing():

@@ -102,3 +102,19 @@ def test_model_configs_parse_and_name_their_family(tmp_path):
         placed = place(config, cpu_ids=list(range(16)))
         assert {p.role for p in placed} == {"encoder", "denoiser", "decoder"}
         assert all(p.gpu is not None for p in placed), path
+
+
+def test_a_gpu_with_several_instances_of_one_role_is_warned_about():
+    from launcher.topology import shared_gpu_warnings
+
+    cfg = Settings(model="tiny", gpus=[0])  # everything on GPU 0: 1:2:1 puts both denoisers there
+    cfg.denoisers.count = 2
+    [note] = shared_gpu_warnings(place(cfg, cpu_ids=[0]))
+    assert note.startswith("GPU 0 holds 2 denoiser instances (denoiser-0, denoiser-1)") and "--gpus" in note
+    cfg = Settings(model="tiny", gpus=[0, 1, 2, 3])  # one per GPU: different roles may share, one role does not
+    cfg.denoisers.count = 2
+    assert shared_gpu_warnings(place(cfg, cpu_ids=[0])) == []
+    cfg.model = "sim:flux-h200"  # simulated GPUs hold nothing
+    cfg.gpus = [0]
+    assert shared_gpu_warnings(place(cfg, cpu_ids=[0])) == []
+    assert shared_gpu_warnings(place(Settings(model="tiny"), cpu_ids=[0])) == []  # CPU roles

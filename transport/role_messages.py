@@ -116,6 +116,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: what it does before it is ready: "compiling" (compile: its warm-up), else ""; its compile's seconds
     phase: Annotated[str, Meta(max_length=32)] = ""
     compile_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: its device's free memory now, every process on it counted (a GPU's, torch.cuda.mem_get_info; 0 elsewhere:
+    #: unknown): what `rebalance` checks before it gives this device another role
+    memory_free_bytes: Count = 0
     #: the peers' pools it holds mapped (cuda-ipc, shm), by pool name: the orchestrator answers which are gone
     peer_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
 
