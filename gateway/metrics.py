@@ -60,6 +60,15 @@ class StatusCollector:
             for s in STATES:
                 state.add_metric(labels + [s], 1.0 if i.state == s else 0.0)
         yield from (free, total, state, restarts, busy)
+        unavailable = GaugeMetricFamily("disagg_transfer_engine_unavailable", "1 per live instance and transfer engine "
+                                        "that applies to its pool but could not start there (a GPU pool Mooncake "
+                                        "cannot register): its hand-offs that need it go inline through the "
+                                        "orchestrator", labels=["role", "instance", "engine"])
+        for i in r.instances:
+            if i.state != "dead":
+                for engine in sorted(i.unavailable_engines):
+                    unavailable.add_metric([i.role, i.id, engine], 1.0)
+        yield unavailable
         moved = CounterMetricFamily("disagg_transfer_bytes", "Bytes moved between stages since the orchestrator "
                                     "started", labels=["source", "target", "engine"])
         handoffs = CounterMetricFamily("disagg_transfers", "Stage handoffs since the orchestrator started",

@@ -91,10 +91,18 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
         f"  restarts {orch.get('restarts', 0)}{http}",
         style="dim",
     )
-    lines = [table, totals]
+    lines = [table, *unavailable_engine_lines(report), totals]
     if report.rebalance is not None:
         lines.append(rebalance_line(report.rebalance))
     return Group(*lines, head)
+
+
+def unavailable_engine_lines(report: StatusReport) -> list[Text]:
+    """One bold red line per live instance with an engine that applies to its pool and could not start (a GPU pool
+    Mooncake cannot register): its hand-offs that need it go inline through the orchestrator."""
+    return [Text(f"{i.id}: {engine} unavailable ({reason}): its hand-offs that need {engine} go inline through the "
+                 "orchestrator", style="bold red")
+            for i in report.instances if i.state != "dead" for engine, reason in sorted(i.unavailable_engines.items())]
 
 
 def rebalance_line(rb) -> Text:

@@ -58,6 +58,7 @@ class InstanceLifecycle:
         if inst.role == self.first_stage:
             self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
+        self.warn_unavailable_engines(inst)
         out.append(
             to_instance(
                 inst.id,
@@ -95,6 +96,21 @@ class InstanceLifecycle:
             inst.state = self.serving_or_standby(inst)
             self._inline_cache.clear()
             log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
+
+    def warn_unavailable_engines(self, inst: Instance) -> None:
+        """An engine that applies to an instance's pool and could not start there is an operator's problem, not a
+        detail of its log: without it, hand-offs that need it (a GPU pool to another host: Mooncake) go inline
+        through the orchestrator. Said once per instance, engine and reason; status, the table and /metrics show
+        it as long as the instance lives."""
+        for engine, reason in sorted(inst.unavailable_engines.items()):
+            key = (inst.id, engine, reason)
+            if key in self._warned_engines:
+                continue
+            self._warned_engines.add(key)
+            note = (f"{inst.id} ({inst.device} pool on {inst.host}): {engine} unavailable: {reason}; its hand-offs that "
+                    f"need {engine} go inline through the orchestrator")
+            log.warning("%s", note)
+            self.warnings.append(note)
 
     def gone_pools(self, mapped: list[str]) -> list[str]:
         """Of the pools a role holds mapped, those no live instance owns: a dead one's, a restarted one's old pool,

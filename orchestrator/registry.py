@@ -50,6 +50,8 @@ class Instance:
     memory_bytes: int = 0
     #: its device's free memory, every process on it counted (Heartbeat.memory_free_bytes; 0 unknown)
     memory_free_bytes: int = 0
+    #: engines that apply to its pool but could not start there, and why (Register.unavailable_engines)
+    unavailable_engines: dict[str, str] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
     parallel: str = ""
     lane: bool = False
@@ -116,6 +118,7 @@ class Instance:
             loras=list(msg.loras),
             lora_slots=msg.lora_slots,
             memory_bytes=msg.memory_bytes,
+            unavailable_engines=dict(msg.unavailable_engines),
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None, request_id: str = "") -> None:
@@ -188,6 +191,7 @@ class Instance:
             cond_entries=self.cond_entries,
             phase=self.phase,
             compile_s=self.compile_s,
+            unavailable_engines=dict(self.unavailable_engines),
         )
 
 

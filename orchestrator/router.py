@@ -58,6 +58,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         self.endpoint = ""  # shown in status; set by the server that owns the sockets
         self.lane = ""  # the same-host fast lane's path, likewise; told to roles in Registered
         self._warned_pairs: set[tuple[str, str]] = set()
+        #: (instance id, engine, reason) of each unavailable engine warned about (instances.warn_unavailable_engines)
+        self._warned_engines: set[tuple[str, str, str]] = set()
         #: what status shows an operator (StatusReport.warnings)
         self.warnings: collections.deque[str] = collections.deque(maxlen=16)
         #: (consumer role, producer pool kind) -> whether some consumer needs its output inline; and

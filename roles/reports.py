@@ -53,6 +53,7 @@ class SelfReport:
                 identity=self.identity,
                 launcher=self.spec.launcher_id,
                 memory_bytes=device_memory(self.spec.device),
+                unavailable_engines=self.engine_problems,
                 **self.lora_state(register=True),
                 **self.limits,
             )

@@ -70,7 +70,9 @@ class Worker(Link, SelfReport):
         self.pool = pool
         self.log = logging.getLogger("disagg.role")
         options = EngineOptions(spec.data_host, spec.transfer_protocol, spec.ib_device, tuple(spec.visible_gpus))
-        self.engines: dict[str, TransferEngine] = make_engines(pool, spec.transfer, options, self.log)
+        #: engines that apply to our pool but could not start, and why (every Register tells them: status shows them)
+        self.engine_problems: dict[str, str] = {}
+        self.engines: dict[str, TransferEngine] = make_engines(pool, spec.transfer, options, self.log, self.engine_problems)
         self.ctx = zmq.Context()
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.bind(REPORTS)

@@ -8,7 +8,9 @@ import threading
 
 import torch
 
-from transport.engines import EngineOptions, EngineUnavailable, TransferEngine, TransferError, check_bounds
+from transport.engines import (
+    EngineOptions, EngineUnavailable, NotApplicable, TransferEngine, TransferError, check_bounds,
+)
 from transport.messages import Source
 from transport.pool import CudaPool, Pool
 
@@ -46,7 +48,7 @@ class CudaIpcEngine(TransferEngine):
 
     def __init__(self, pool: Pool, options: EngineOptions):
         if not isinstance(pool, CudaPool):
-            raise EngineUnavailable("cuda-ipc needs a GPU pool")
+            raise NotApplicable("cuda-ipc needs a GPU pool")
         problem = environ_alloc_conf_problem()
         if problem:
             raise EngineUnavailable(problem)

@@ -34,6 +34,11 @@ class EngineUnavailable(RuntimeError):
     """An engine that cannot run in this process (package missing, no device, init failed)."""
 
 
+class NotApplicable(EngineUnavailable):
+    """An engine that does not apply here at all (another kind of pool, its package not installed): nothing is
+    wrong. Any other EngineUnavailable is a problem an operator must see (make_engines' `problems`)."""
+
+
 @dataclass
 class EngineOptions:
     """Settings shared by every engine of a role."""
@@ -89,7 +94,7 @@ class ShmEngine(TransferEngine):
 
     def __init__(self, pool: Pool, options: EngineOptions):
         if pool.device != "cpu":
-            raise EngineUnavailable("shm needs a host-memory pool")
+            raise NotApplicable("shm needs a host-memory pool")
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
 
     def _peer(self, source: Source) -> np.ndarray:
@@ -172,8 +177,11 @@ def make_engine(name: str, pool: Pool, options: EngineOptions | None = None) -> 
     return classes[name](pool, options or EngineOptions())
 
 
-def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None = None, log=None) -> dict[str, TransferEngine]:
-    """Every engine this process can serve, fastest first. A forced engine must work (else raise)."""
+def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None = None, log=None,
+                 problems: dict[str, str] | None = None) -> dict[str, TransferEngine]:
+    """Every engine this process can serve, fastest first. A forced engine must work (else raise). `problems`
+    gets each engine that applies here but could not start, with the reason (a GPU pool Mooncake cannot register,
+    one torch cannot share over CUDA IPC): hand-offs that needed it go inline through the orchestrator."""
     engines: dict[str, TransferEngine] = {}
     for name in _engine_classes():
         try:
@@ -181,6 +189,10 @@ def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None
         except EngineUnavailable as exc:
             if name == forced:
                 raise
-            if log is not None and name == "mooncake" and "not installed" not in str(exc):
-                log.warning("mooncake engine unavailable: %s", exc)
+            if isinstance(exc, NotApplicable):
+                continue
+            if log is not None:
+                log.warning("%s engine unavailable: %s", name, exc)
+            if problems is not None:
+                problems[name] = str(exc)[:1024]
     return engines

@@ -6,7 +6,9 @@ from importlib import metadata
 
 import torch
 
-from transport.engines import MOONCAKE_HINT, EngineOptions, EngineUnavailable, TransferEngine, TransferError, check_bounds
+from transport.engines import (
+    MOONCAKE_HINT, EngineOptions, EngineUnavailable, NotApplicable, TransferEngine, TransferError, check_bounds,
+)
 from transport.messages import Source
 from transport.pool import Pool
 
@@ -27,7 +29,7 @@ class MooncakeEngine(TransferEngine):
         try:
             from mooncake.engine import TransferEngine as Mooncake
         except ImportError as exc:
-            raise EngineUnavailable(f"mooncake is not installed ({exc}): {MOONCAKE_HINT}") from None
+            raise NotApplicable(f"mooncake is not installed ({exc}): {MOONCAKE_HINT}") from None
         if pool.device.startswith("cuda") and not cuda_build_installed():
             # its TCP transport stages device memory through cudaMemcpy only when built with CUDA: the
             # host build would read the GPU address as host memory (EFAULT, or a crash)
