@@ -145,8 +145,13 @@ class DiffusersLoras:
         return "cpu"
 
     def offload(self, name: str) -> None:
-        """Move `name`'s weights to host memory (it must not be applied until restored)."""
-        self.pipe.set_lora_device([self.alias.get(name, name)], "cpu")
+        """Move `name`'s weights to host memory (it must not be applied until restored); pinned when the model is on
+        a GPU, so that its restore is one DMA, not a synchronous copy from pageable memory."""
+        internal = self.alias.get(name, name)
+        on_gpu = str(self._device()).startswith("cuda")
+        self.pipe.set_lora_device([internal], "cpu")
+        if on_gpu:
+            pin_adapter(self.modules(), internal)
 
     def restore(self, name: str) -> None:
         """Move an offloaded adapter's weights back to the model's device."""
@@ -217,6 +222,16 @@ class DiffusersLoras:
                 for tensor, one in scalings[n]:
                     tensor.fill_(w * one)
                 applied[n] = w
+
+
+def pin_adapter(models, internal: str) -> None:
+    """Pin the host copies of peft adapter `internal`'s weights (each LoRA layer's lora_A and lora_B)."""
+    for model in models:
+        for module in model.modules():
+            for table in (getattr(module, "lora_A", None), getattr(module, "lora_B", None)):
+                if table is not None and internal in table:
+                    for param in table[internal].parameters():
+                        param.data = param.data.pin_memory()
 
 
 class SimLoras:

@@ -187,6 +187,23 @@ def test_gpu_pool_stages_without_host_copy():
     assert pool.ipc_handle() is pool.ipc  # made once, at creation
 
 
+def test_inline_copies_out_of_and_into_a_gpu_pool_go_through_pinned_memory():
+    from roles.compute import StageRunner
+    from transport.engines import make_engine
+    from transport.messages import PoolInfo, Source
+    from transport.pool import CudaPool
+
+    pool = CudaPool("gpu-inline", 1 << 20, "cuda:0")
+    assert pool.host_buffer(64).is_pinned()
+    slot = pool.stage("denoiser-0", {"x": torch.randn(64, 64, device="cuda:0")})
+    frame = StageRunner("denoiser-0", pool, {}, lambda *args, **kwargs: None).inline_bytes(slot)
+    source = Source(slot=slot, engine="inline", pool=PoolInfo(host_id="h", engines=["inline"], pool_name="gpu-inline",
+                                                               pool_bytes=1 << 20, device="cuda:0"))
+    dst = pool.view(pool.alloc(slot.nbytes), slot.nbytes)
+    make_engine("inline", pool).read(source, dst, [frame])
+    assert torch.equal(dst, pool.view(slot.offset, slot.nbytes))
+
+
 def test_mooncake_refuses_a_gpu_pool_without_its_cuda_build():
     from transport.engines import EngineUnavailable, make_engine
     from transport.mooncake_engine import cuda_build_installed, installed_build

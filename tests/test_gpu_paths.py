@@ -259,3 +259,42 @@ def test_heartbeats_report_a_gpus_free_memory_and_nothing_where_it_is_unknown(mo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
     assert device_free_memory("cuda:0") == 3 << 30  # free, not total: other processes on the GPU counted
     assert device_free_memory("cpu") == 0 and device_free_memory("sim:0") == 0  # rebalance checks the total
+
+
+def test_an_adapter_offloaded_from_a_gpu_model_is_pinned_in_host_memory(monkeypatch):
+    """Review L2: the LoRA host tier was pageable, so a restore was a synchronous pageable copy."""
+    from torch import nn
+
+    from roles.lora_backends import DiffusersLoras
+
+    class Layer(nn.Module):  # a peft LoRA layer's tables: adapter name -> its A and B
+        def __init__(self):
+            super().__init__()
+            self.lora_A = nn.ModuleDict({n: nn.Linear(4, 2) for n in ("a", "b")})
+            self.lora_B = nn.ModuleDict({n: nn.Linear(2, 4) for n in ("a", "b")})
+
+    class Pipe:
+        _lora_loadable_modules = ["transformer"]
+
+        def __init__(self):
+            self.transformer = nn.Sequential(Layer(), nn.Linear(4, 4))
+            self.moved = []
+
+        def load_lora_weights(self, *args, **kwargs):
+            pass
+
+        def set_lora_device(self, names, device):
+            self.moved.append((names, device))
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(tuple(self.shape)) or self.clone())
+    pipe = Pipe()
+    loras = DiffusersLoras(pipe, "denoiser")
+    monkeypatch.setattr(loras, "_device", lambda: torch.device("cuda", 0))
+    loras.offload("a")
+    assert pipe.moved == [(["a"], "cpu")]
+    assert sorted(pinned) == [(2,), (2, 4), (4,), (4, 2)]  # adapter a's A and B (weights, biases); not b's
+    pinned.clear()
+    monkeypatch.setattr(loras, "_device", lambda: torch.device("cpu"))  # a model on the CPU: nothing to pin
+    loras.offload("b")
+    assert pinned == []
