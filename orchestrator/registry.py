@@ -168,6 +168,7 @@ class Instance:
             pool_free_bytes=self.pool_free_bytes,
             session_id=self.pool.session_id,
             base_addr=self.pool.base_addr,
+            unavailable_engines=dict(self.unavailable_engines),
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             restarts=self.restarts,
             busy_s=round(self.busy_s, 6),
@@ -191,7 +192,6 @@ class Instance:
             cond_entries=self.cond_entries,
             phase=self.phase,
             compile_s=self.compile_s,
-            unavailable_engines=dict(self.unavailable_engines),
         )
 
 

@@ -66,6 +66,7 @@ class SelfReport:
                 ready=self.ready,
                 in_flight=self.in_flight,
                 pool_free_bytes=self.pool.free_bytes,
+                memory_free_bytes=device_free_memory(self.spec.device),
                 progress=self.runner.progress,
                 components=self.components,
                 weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
@@ -73,12 +74,12 @@ class SelfReport:
                 batch_steps=self.batch_steps(),
                 running=list(self.runner.busy),
                 computed=self.runner.computed,
+                # at most as many as a Heartbeat takes (a role mapping more would be refused its every heartbeat)
+                peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()})[:4096],
                 **self.lora_state(),
                 **self.conditioning_state(),
                 phase=self.phase,
                 compile_s=round(self.compile_s, 3),
-                memory_free_bytes=device_free_memory(self.spec.device),
-                peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()}),
             )
         )
 

@@ -80,6 +80,9 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     ready: bool = True
     in_flight: Count = 0
     pool_free_bytes: Count = 0
+    #: its device's free memory now, every process on it counted (a GPU's, torch.cuda.mem_get_info; 0 elsewhere:
+    #: unknown): what `rebalance` checks before it gives this device another role
+    memory_free_bytes: Count = 0
     #: grows while the role makes progress (stages started and finished, denoising steps)
     progress: Count = 0
     #: once loaded: parameters held per model component (the role loads only its own)
@@ -96,6 +99,8 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: stages this process finished since it started, by its own count (an orchestrator's count
     #: starts again when it restarts; this one shows whether work was done twice)
     computed: Count = 0
+    #: the peers' pools it holds mapped (cuda-ipc, shm), by pool name: the orchestrator answers which are gone
+    peer_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
     #: LoRA adapters loaded here now, the next to unload first, of lora_slots; adapter loads (misses) and hits
     #: since it started; the seconds one load takes here (moving average of its loads: reading and installing)
     loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
@@ -119,11 +124,6 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     #: what it does before it is ready: "compiling" (compile: its warm-up), else ""; its compile's seconds
     phase: Annotated[str, Meta(max_length=32)] = ""
     compile_s: Annotated[float, Meta(ge=0)] = 0.0
-    #: its device's free memory now, every process on it counted (a GPU's, torch.cuda.mem_get_info; 0 elsewhere:
-    #: unknown): what `rebalance` checks before it gives this device another role
-    memory_free_bytes: Count = 0
-    #: the peers' pools it holds mapped (cuda-ipc, shm), by pool name: the orchestrator answers which are gone
-    peer_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
 
 
 class Alive(_Msg, tag="alive", kw_only=True):

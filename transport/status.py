@@ -31,6 +31,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: mooncake registration: peer id and registered base address of the pool
     session_id: str = ""
     base_addr: int = 0
+    #: engines that apply to its pool but could not start here, and why (Register.unavailable_engines)
+    unavailable_engines: dict[str, str] = {}
     last_seen_s: float = 0.0
     restarts: int = 0
     #: seconds spent computing (fetch + stage) since registration, for utilization
@@ -68,8 +70,6 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: "compiling" while a compiled denoiser warms up (state starting); its compile's seconds once done
     phase: str = ""
     compile_s: float = 0.0
-    #: engines that apply to its pool but could not start here, and why (Register.unavailable_engines)
-    unavailable_engines: dict[str, str] = {}
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""
