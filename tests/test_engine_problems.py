@@ -84,3 +84,14 @@ def test_status_the_live_table_and_metrics_show_it_while_the_instance_lives():
     metrics = generate_latest(registry).decode()
     assert ('disagg_transfer_engine_unavailable{engine="mooncake",instance="denoiser-0@h2",role="denoiser"} 1.0'
             in metrics)
+
+
+def test_under_a_forced_engine_the_others_are_no_problem(monkeypatch):
+    fake_mooncake(monkeypatch, register_rc=-1)
+    pool = ShmPool(f"disagg-test-forced-{id(monkeypatch)}", 1 << 20)
+    try:
+        problems: dict[str, str] = {}
+        assert list(make_engines(pool, "shm", problems=problems)) == ["shm", "inline"]
+        assert problems == {}
+    finally:
+        pool.close()

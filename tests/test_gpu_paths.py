@@ -260,6 +260,12 @@ def test_heartbeats_report_a_gpus_free_memory_and_nothing_where_it_is_unknown(mo
     assert device_free_memory("cuda:0") == 3 << 30  # free, not total: other processes on the GPU counted
     assert device_free_memory("cpu") == 0 and device_free_memory("sim:0") == 0  # rebalance checks the total
 
+    def broken(device=None):
+        raise RuntimeError("CUDA error: unknown error")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    assert device_free_memory("cuda:0") == 0  # unknown: the heartbeat goes on
+
 
 def test_an_adapter_offloaded_from_a_gpu_model_is_pinned_in_host_memory(monkeypatch):
     """Review L2: the LoRA host tier was pageable, so a restore was a synchronous pageable copy."""

@@ -181,7 +181,8 @@ def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None
                  problems: dict[str, str] | None = None) -> dict[str, TransferEngine]:
     """Every engine this process can serve, fastest first. A forced engine must work (else raise). `problems`
     gets each engine that applies here but could not start, with the reason (a GPU pool Mooncake cannot register,
-    one torch cannot share over CUDA IPC): hand-offs that needed it go inline through the orchestrator."""
+    one torch cannot share over CUDA IPC): hand-offs that needed it go inline through the orchestrator. Under a
+    forced engine the others are not used, so none is a problem."""
     engines: dict[str, TransferEngine] = {}
     for name in _engine_classes():
         try:
@@ -193,6 +194,6 @@ def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None
                 continue
             if log is not None:
                 log.warning("%s engine unavailable: %s", name, exc)
-            if problems is not None:
+            if problems is not None and forced == "auto":
                 problems[name] = str(exc)[:1024]
     return engines
