@@ -136,9 +136,14 @@ def test_a_stage_and_a_pull_do_not_wait_for_another_requests_queued_compute():
 
     producer = Producer("gpu-producer-d", 4)
     mine, engine = consumer()
-    others = []
+    others: list[threading.Thread] = []
     try:
+        nbytes = producer.source.slot.nbytes
+        # a first pull opens the peer's pool and makes this thread's copy stream: what follows times waits only
+        engine.read(producer.source, mine.view(mine.alloc(nbytes), nbytes), [])
+        dst = mine.view(mine.alloc(nbytes), nbytes)
         out = torch.randn(256, 1024, device="cuda:0")  # this request's output
+        expected = out.clone()
         done = mine.mark()
         mine.compute_done(done)
         torch.cuda._sleep(int(3e9))  # ~1-2 s: another request's step, queued after ours ended
@@ -147,29 +152,29 @@ def test_a_stage_and_a_pull_do_not_wait_for_another_requests_queued_compute():
         staged_s = time.perf_counter() - t0
         assert not torch.cuda.current_stream().query(), "the other compute finished first: the test proves nothing"
         assert staged_s < 0.5
-        assert torch.equal(unpack(mine.view(slot.offset, slot.nbytes), slot.tensors)["x"], out)
 
         queued = threading.Event()
 
-        def preview():  # another thread's copy that waits for the compute queued so far (the sleep above)
+        def preview():  # another thread's copy that waits for the compute queued so far (the sleeps)
             with mine.copying(after=mine.mark()):
                 queued.set()
 
+        torch.cuda._sleep(int(3e9))  # more of that step
         others.append(threading.Thread(target=preview))
         others[0].start()
         assert queued.wait(WAIT_S)
-        nbytes = producer.source.slot.nbytes
-        dst = mine.view(mine.alloc(nbytes), nbytes)
         t0 = time.perf_counter()
         engine.read(producer.source, dst, [])
         pulled_s = time.perf_counter() - t0
         assert not torch.cuda.current_stream().query(), "the other compute finished first: the test proves nothing"
         assert pulled_s < 0.5
+        others[0].join(WAIT_S)
+        mine.compute_done()
+        assert torch.equal(unpack(mine.view(slot.offset, slot.nbytes), slot.tensors)["x"], expected)
         assert torch.equal(unpack(dst, producer.source.slot.tensors)["emb"], producer.expected)
     finally:
         for t in others:
             t.join(WAIT_S)
-        mine.compute_done()
         engine.close()
         producer.stop()
 
