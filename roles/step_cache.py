@@ -58,6 +58,10 @@ def _error(msg: str) -> RequestError:
     return RequestError(f"cache: {msg}", param="cache")
 
 
+def _count(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def config_of(spec: dict, family: str, steps: int, timestep) -> object:
     """The diffusers config for a request's `cache` spec; a RequestError naming the field otherwise.
 
@@ -81,6 +85,10 @@ def config_of(spec: dict, family: str, steps: int, timestep) -> object:
             settable = sorted(n for n in known if n not in CALLBACKS)
             raise _error(f"{kind} takes no field {name!r}; it takes {', '.join(settable) or 'none'}")
         default = known[name].default
+        if _count(default) and not (_count(value) and value >= 0):
+            # diffusers takes threshold -1 or a step count "x" as they are (a cache that never skips, or a
+            # TypeError mid-request): a number field with a number default is a count or a bound, >= 0
+            raise _error(f"{kind}: {name} must be a number >= 0 (default {default}), not {value!r}")
         if isinstance(value, list) and isinstance(default, tuple):
             value = tuple(value)
         if name == "taylor_factors_dtype":
