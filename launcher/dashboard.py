@@ -28,9 +28,9 @@ COLUMN_EXTRA = 3
 
 def _cells(i) -> dict[str, str]:
     return {
-        # a compiled denoiser warming up shows "compiling" while starting
+        # while starting, its boot's phase and bytes so far: "downloading 3.20 GB", "loading", "compiling"
         "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host,
-        "state": i.phase if i.state == "starting" and i.phase else i.state,
+        "state": boot_state(i) if i.state == "starting" and i.phase else i.state,
         # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"
         "device": f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device,
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
@@ -42,6 +42,15 @@ def _cells(i) -> dict[str, str]:
                      + (f", host {len(i.lora_host)}, restores {i.lora_restores}" if i.lora_host or i.lora_restores else "")
                      + ")" if i.lora_slots and i.role != "encoder" else ""),
     }
+
+
+def boot_state(i) -> str:
+    """A starting instance's state cell: its boot's phase, with the bytes downloaded or loaded so far."""
+    return f"{i.phase} {_size(i.boot_bytes)}" if i.boot_bytes and i.phase in ("downloading", "loading") else i.phase
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def fit_columns(rows: list[dict[str, str]], width: int | None, adapters: bool = False) -> list[tuple[str, str]]:
@@ -134,6 +143,8 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
                              f"{m.new_id} ({m.to_role})")
             else:
                 lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
+        if i.state == "starting" and i.phase and (old is None or old.phase != i.phase or old.state != i.state):
+            lines.append(f"{i.id} is {i.phase}" + (f" ({i.phase_detail})" if i.phase_detail else ""))
     urls = {g.url for g in prev.gateways} if prev else set()
     for g in cur.gateways:
         if g.url not in urls:

@@ -17,6 +17,7 @@ import msgspec
 from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
+from launcher.readiness import StallWatch, boot_mark, cpu_seconds, describe, stall_error
 from launcher.runs import prune_runs
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import Placement, cuda_env, place, rerole
@@ -247,7 +248,9 @@ class Deployment:
         return {
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else ""),
-            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            # a Hugging Face id: each role downloads its own weights (as the launcher fetched the configs), unless
+            # the launcher's environment says offline; anything else never needs the hub
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0" if _hub_id(self.config.model) else "1"),
             "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
             "DISAGG_RUN_ID": self.run_id,
         }
@@ -299,7 +302,7 @@ class Deployment:
         """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
         host, whose orchestrator runs elsewhere and may restart meanwhile."""
         expected = {p.instance_id for p in self.placements}
-        deadline = time.monotonic() + self.config.ready_timeout
+        watch = StallWatch(self.config.ready_timeout)
         with self.client() as client:
             while True:
                 self._check_children()
@@ -319,13 +322,34 @@ class Deployment:
                     on_status(report)
                 # only the instances this launcher started (their pids), whatever else registered
                 pids = {name: c.pid for name, c in self.supervisor.children.items()}
-                ready = {i.id for i in report.instances if i.state in ("ready", "standby") and pids.get(i.id) == i.pid}
+                mine = {i.id: i for i in report.instances if i.id in expected and pids.get(i.id) == i.pid}
+                ready = {name for name, i in mine.items() if i.state in ("ready", "standby")}
                 if expected <= ready and self._gateway_listens():
                     return report
-                if time.monotonic() > deadline:
-                    missing = ", ".join(sorted(expected - ready))
-                    raise BootError(f"not ready after {self.config.ready_timeout:g} s: {missing}")
+                self._watch_boots(watch, expected - ready, mine)
+                stalled = watch.stalled(expected - ready)
+                if stalled:
+                    logs = {name: str(self.supervisor.children[name].log_path) for name, _, _ in stalled
+                            if name in self.supervisor.children}
+                    raise BootError(stall_error(stalled, self.config.ready_timeout, logs))
                 time.sleep(POLL_S)
+
+    def _watch_boots(self, watch: StallWatch, waiting: set[str], registered: dict) -> None:
+        """One look at each instance not ready yet: what it reports (registered), else its process's CPU time; and
+        its follower ranks' CPU time (an instance over several ranks)."""
+        followers: dict[str, list[int]] = {}
+        for name, child in self.supervisor.children.items():
+            if child.group and name != child.group:
+                followers.setdefault(child.group, []).append(child.pid)
+        for name in waiting:
+            child = self.supervisor.children.get(name)
+            inst = registered.get(name)
+            pids = followers.get(name, []) + ([child.pid] if inst is None and child is not None else [])
+            cpu = cpu_seconds(pids)
+            if inst is None:
+                watch.see(name, None, "starting (its process has not registered yet)", cpu)
+            else:
+                watch.see(name, boot_mark(inst), describe(inst), cpu)
 
     def _gateway_listens(self) -> bool:
         h = self.config.http
@@ -375,6 +399,12 @@ class Deployment:
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))
+
+
+def _hub_id(model: str) -> bool:
+    """Whether `model` names a checkpoint on the Hugging Face hub (owner/name, not a local folder)."""
+    return (not model.startswith(("sim:", ".", "/", "~")) and model.count("/") == 1
+            and not Path(model).expanduser().exists())
 
 
 def _inode(path: str) -> tuple[int, int] | None:

@@ -89,6 +89,7 @@ class InstanceLifecycle:
         inst.lora_restore_s = msg.lora_restore_s or inst.lora_restore_s
         inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
         inst.phase, inst.compile_s = msg.phase, msg.compile_s
+        inst.phase_detail, inst.boot_bytes, inst.boot_progress = msg.phase_detail, msg.boot_bytes, msg.boot_progress
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id, forget_pools=self.gone_pools(msg.peer_pools))))

@@ -86,8 +86,11 @@ class Instance:
     cond_lookups: int = 0
     cond_hits: int = 0
     cond_entries: int = 0
-    #: Heartbeat.phase and compile_s
+    #: Heartbeat.phase, phase_detail, boot_bytes, boot_progress and compile_s
     phase: str = ""
+    phase_detail: str = ""
+    boot_bytes: int = 0
+    boot_progress: int = 0
     compile_s: float = 0.0
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
@@ -191,6 +194,9 @@ class Instance:
             cond_hits=self.cond_hits,
             cond_entries=self.cond_entries,
             phase=self.phase,
+            phase_detail=self.phase_detail,
+            boot_bytes=self.boot_bytes,
+            boot_progress=self.boot_progress,
             compile_s=self.compile_s,
         )
 

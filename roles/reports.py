@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from roles.boot import PROGRESS as BOOT
 from roles.layout import describe_layout
 from roles.limits import device_free_memory, device_memory, param_bytes
 from transport.messages import Heartbeat, PoolInfo, Register
@@ -78,7 +79,7 @@ class SelfReport:
                 peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()})[:4096],
                 **self.lora_state(),
                 **self.conditioning_state(),
-                phase=self.phase,
+                **BOOT.snapshot(),
                 compile_s=round(self.compile_s, 3),
             )
         )

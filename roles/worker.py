@@ -21,6 +21,8 @@ from pathlib import Path
 
 import zmq
 
+from roles.boot import PROGRESS as BOOT, BootMeter, test_hold
+from roles.boot import phase as boot_phase
 from roles.compute import StageRunner
 from roles.limits import model_limits, served_model
 from roles.link import Link
@@ -92,8 +94,7 @@ class Worker(Link, SelfReport):
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.ready = False
-        #: what it does before it is ready ("compiling"; "" otherwise), and how long its compile took
-        self.phase = ""
+        #: how long its compile took (its boot's phase and progress: roles/boot.py)
         self.compile_s = 0.0
         self.components: dict[str, int] = {}
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
@@ -120,24 +121,31 @@ class Worker(Link, SelfReport):
     # --- socket side (loop thread only) ----------------------------------------------------
 
     def boot(self) -> None:
-        """Load the model off the loop thread, so heartbeats go on while it loads."""
+        """Load the model off the loop thread, so heartbeats go on while it loads; they carry the boot's phase and
+        progress (roles/boot.py), so the launcher tells a slow boot from a stuck one."""
+        meter = BootMeter(self.spec.model, self.spec.compile_cache_dir).start()
         try:
+            boot_phase("loading", f"model {self.spec.model}")
             stage = self.load_stage()
             self.components = stage.adapter.components_loaded()
+            test_hold(self.spec.instance_id)
             if self.spec.compile and stage.role in ("denoiser", "monolith"):
                 from roles.compile import compile_stage
 
-                self.phase = "compiling"  # heartbeats say so: the live table shows it
+                boot_phase("compiling", f"torch.compile {self.spec.compile_mode}, warm-up at "
+                           f"{', '.join(self.spec.compile_sizes) or 'the default size'}")
                 self.compile_s = compile_stage(stage, self.spec.compile_mode, self.spec.compile_sizes,
                                                self.spec.compile_cache_dir, self.spec.compile_scope)
-                self.phase = ""
                 self.log.info("compiled in %.1f s", self.compile_s)
             self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process
             self.log.exception("cannot load the model")
             self.report(None, [f"{type(exc).__name__}: {exc}".encode()], kind=b"boot-failed")
         else:
+            BOOT.done()
             self.report(None, kind=b"ready")
+        finally:
+            meter.stop()
 
     def serve_forever(self) -> None:
         threading.Thread(target=self.boot, name="boot", daemon=True).start()

@@ -166,7 +166,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "registration, other hosts and big messages. false: everything over ZeroMQ."),
         extra=use("orchestrator", "role", flag="--lane/--no-lane"))] = True
     ready_timeout: Annotated[float, Meta(gt=0, description=(
-        "Seconds `disagg launch` waits for every instance to load its model and report ready."),
+        "Seconds an instance may go without progress while it boots before `disagg launch` gives up on it (a "
+        "stall, not the whole boot: downloading weights, loading them and compiling go on for as long as they "
+        "progress; `disagg status` shows each instance's phase and bytes so far)."),
         extra=use("launcher", legacy="ready_timeout_s"))] = 180.0
     fork_server: Annotated[bool, Meta(description=(
         "Roles without a GPU start (where there are two or more) as forks of one process that imported torch, diffusers and the model's "

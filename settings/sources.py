@@ -44,6 +44,7 @@ OTHER_VARIABLES = {
     "DISAGG_LAUNCHER_PID": "set by the launcher: its pid (its processes exit when it is gone)",
     "DISAGG_FORK_SERVER_PID": "set by the fork server for a role it forked: its pid (the role's parent)",
     "DISAGG_TITLE_ROOM": "set by the launcher for its fork server: room for the forked roles' process titles",
+    "DISAGG_TEST_BOOT_HOLD": "a test hook (roles/boot.py): INSTANCE:progress|hang:PATH holds that role's boot until PATH exists",
     "DISAGG_SAVE_SHOT": "tests/test_demo.py (the web page): keep the page's screenshot in benchmarks/results/",
 }
 

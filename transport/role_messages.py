@@ -121,8 +121,14 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     cond_lookups: Count = 0
     cond_hits: Count = 0
     cond_entries: Count = 0
-    #: what it does before it is ready: "compiling" (compile: its warm-up), else ""; its compile's seconds
+    #: its boot (roles/boot.py), until it is ready: what it does ("starting", "downloading", "loading", "compiling",
+    #: "warming up"; "" once ready), a line of detail, the bytes so far (downloaded, or in memory), and a count that
+    #: grows while the boot progresses (the launcher's ready_timeout counts only time without growth); its
+    #: compile's seconds
     phase: Annotated[str, Meta(max_length=32)] = ""
+    phase_detail: Annotated[str, Meta(max_length=256)] = ""
+    boot_bytes: Count = 0
+    boot_progress: Count = 0
     compile_s: Annotated[float, Meta(ge=0)] = 0.0
 
 

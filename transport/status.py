@@ -67,8 +67,13 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cond_lookups: int = 0
     cond_hits: int = 0
     cond_entries: int = 0
-    #: "compiling" while a compiled denoiser warms up (state starting); its compile's seconds once done
+    #: its boot while state is starting (Heartbeat.phase and the rest): "starting", "downloading", "loading",
+    #: "compiling", "warming up"; a line of detail; bytes so far; a count that grows while it progresses. Its
+    #: compile's seconds once done
     phase: str = ""
+    phase_detail: str = ""
+    boot_bytes: int = 0
+    boot_progress: int = 0
     compile_s: float = 0.0
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
