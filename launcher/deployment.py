@@ -17,6 +17,7 @@ import msgspec
 from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
+from launcher.leftovers import RunRecord, remove_leftovers
 from launcher.readiness import StallWatch, boot_mark, cpu_seconds, describe, stall_error
 from launcher.runs import prune_runs
 from launcher.supervisor import Child, Supervisor
@@ -72,6 +73,8 @@ class Deployment:
         self.lane_inode: tuple[int, int] | None = None
         #: this launcher, as its roles tell the orchestrator (Register.launcher): a join launcher stops its own
         self.launcher_id = f"{self.host_id}/{os.getpid()}"
+        #: this run's record, locked while this launcher lives (launcher/leftovers.py)
+        self.record = RunRecord(self.run_id)
 
     def client(self) -> Client:
         return Client(self.endpoint, curve=self.curve)
@@ -91,9 +94,24 @@ class Deployment:
         self.start_processes()
         self.wait_ready()
 
+    def claim_run(self) -> list[str]:
+        """Before anything is started: remove what deployments killed whole left on this machine (their pools and
+        lane sockets; never a live one's), and record this run so a later launch can do the same for it. What was
+        removed, in words (once; later calls: nothing)."""
+        if self.record.fd is not None:
+            return []
+        said = remove_leftovers(mine=self.run_id)
+        for line in said:
+            log.info("%s", line)
+        self.record.claim()
+        if self.config.lane and not self.config.join:
+            self.record.update(lane=lane_path(self.config.port))
+        return said
+
     def start_processes(self) -> None:
         """Spawn the orchestrator, wait until it answers, then spawn every role."""
         c = self.config
+        self.claim_run()
         self.start_fork_server()
         self.supervisor.spawn(
             "orchestrator",
@@ -297,6 +315,8 @@ class Deployment:
         if report.orchestrator.get("id") != self.orchestrator_id:
             self.orchestrator_id = str(report.orchestrator.get("id", ""))
             self.lane_inode = _inode(str(report.orchestrator.get("lane", "")))
+            if self.lane_inode is not None:
+                self.record.update(lane_inode=list(self.lane_inode))
 
     def wait_ready(self, on_status=None, any_orchestrator: bool = False) -> StatusReport:
         """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
@@ -399,6 +419,7 @@ class Deployment:
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))
+        self.record.release()
 
 
 def _hub_id(model: str) -> bool:

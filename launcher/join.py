@@ -39,6 +39,7 @@ class JoinDeployment(Deployment):
             p.instance_id = f"{p.instance_id}@{self.host_id}"
 
     def start_processes(self) -> None:
+        self.claim_run()
         report = self._head_status(timeout_s=30)
         self.deployment_id = str(report.orchestrator.get("deployment_id", ""))
         self.follow(report)
@@ -96,3 +97,4 @@ class JoinDeployment(Deployment):
         leftover = remove_segments(self.shm_prefix)
         if leftover:
             log.info("removed %d shared-memory segments left by killed processes", len(leftover))
+        self.record.release()

@@ -84,6 +84,8 @@ def run_deployment(
         view.live.start()
         view.live.update(f"starting {n} role processes…")
     try:
+        for line in dep.claim_run():
+            view.say(line)
         dep.start_processes()
         dep.wait_ready(on_status=view)
         view.say(f"ready: {len(dep.placements)} instances registered" + (f" ({n} processes)" if n != len(dep.placements) else "")

@@ -1,0 +1,84 @@
+"""A deployment killed whole (every process SIGKILLed at once: the OOM killer, a container's kill) leaves its pools
+and lane socket behind; the next launch on the machine removes them, and never a live deployment's (issue 44)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import psutil
+import pytest
+
+from launcher.leftovers import RunRecord, remove_leftovers
+from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
+from transport.lane import lane_in_use, lane_path
+
+pytestmark = pytest.mark.e2e
+
+PAYLOAD = ["--model", "payload", "-e", "1", "-d", "1", "-k", "1", "--no-dashboard"]
+
+
+def kill_whole(dep: Launched) -> list[int]:
+    """SIGKILL the launcher and every process under it at once (all stopped first, so none cleans up)."""
+    procs = [psutil.Process(dep.proc.pid), *psutil.Process(dep.proc.pid).children(recursive=True)]
+    for p in procs:
+        p.send_signal(signal.SIGSTOP)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    dep.proc.wait(timeout=30)
+    wait_until(lambda: not any(pid_alive(p.pid) for p in procs), timeout=30)
+    return [p.pid for p in procs]
+
+
+def test_the_next_launch_removes_what_a_deployment_killed_whole_left_and_nothing_of_a_live_one(tmp_path):
+    for name in ("live", "killed"):
+        (tmp_path / name).mkdir()
+    live = Launched(PAYLOAD, tmp_path / "live")
+    killed = Launched(PAYLOAD, tmp_path / "killed")
+    try:
+        live.wait_ready(3)
+        killed.wait_ready(3)
+        gone_id, live_id = deployment_id(killed.run_dir), deployment_id(live.run_dir)
+        pids = kill_whole(killed)
+        assert len(pids) >= 5  # launcher, orchestrator, fork server, three roles
+        left = segments_of(gone_id)
+        assert len(left) == 3 and os.path.exists(lane_path(killed.port)), left  # what it left
+        live_segments = segments_of(live_id)
+        assert len(live_segments) == 3
+
+        prompts = tmp_path / "one.json"
+        prompts.write_text(json.dumps({"prompt": "after a kill", "width": 32, "height": 32}))
+        res = disagg("launch", *PAYLOAD, "--spares", "0", "--port", str(free_port_pair()), "--run-dir",
+                     str(tmp_path / "next"), "--submit", str(prompts), "--out", str(tmp_path / "out"), timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        said = " ".join(res.stdout.split())
+        assert "removed 3 shared-memory segment(s)" in said and f"left by deployment {gone_id}" in said, said
+        assert lane_path(killed.port) in said, said
+        assert segments_of(gone_id) == [] and not os.path.exists(lane_path(killed.port))
+        # the live deployment keeps everything, and serves
+        assert segments_of(live_id) == live_segments and lane_in_use(lane_path(live.port))
+        assert live_id not in said
+        assert all(i.state == "ready" for i in live.status().instances)
+    finally:
+        live.stop()
+        killed.stop()
+
+
+def test_a_record_is_left_alone_while_its_launcher_lives_and_taken_once_it_is_gone(tmp_path):
+    """The lock, not the pid: a record whose lock is held is never cleaned, whatever its content says."""
+    name = f"disagg-feedbeef-encoder-0-{2**22 + 12345}"  # an owner pid that cannot run
+    path = f"/dev/shm/{name}"
+    record = RunRecord("feedbeef", folder=str(tmp_path))
+    record.claim()
+    try:
+        open(path, "wb").close()
+        assert remove_leftovers(str(tmp_path)) == [] and os.path.exists(path)  # held: a live deployment
+        os.close(record.fd)  # as the kernel does when the launcher dies
+        record.fd = None
+        [said] = remove_leftovers(str(tmp_path))
+        assert "deployment feedbeef" in said and not os.path.exists(path)
+        assert os.listdir(tmp_path) == []  # nothing of it is left: the record goes too
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
