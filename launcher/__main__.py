@@ -1,5 +1,5 @@
 """`python -m launcher` is the `disagg` command."""
 
-from launcher.cli import main
+from launcher.entry import main
 
 main()
