@@ -28,7 +28,7 @@ from launcher.cli_common import (
     make_client,
     make_console,
 )
-from launcher.dashboard import status_view
+from launcher.dashboard import boot_state, status_view
 from launcher.prompts import PromptError, load_prompts
 from launcher.options import file_only_epilog, flags_from, settings_options
 from launcher.topology import ConfigError
@@ -164,7 +164,8 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool, ready_he
 
             here = host_id()
             mine = [i for i in report.instances if i.host == here and i.state != "dead"]
-            waiting = [f"{i.id} {i.state}" for i in mine if i.state not in ("ready", "standby")]
+            waiting = [f"{i.id} {boot_state(i) if i.state == 'starting' and i.phase else i.state}"
+                       for i in mine if i.state not in ("ready", "standby")]
             if not mine or waiting:
                 click.echo(f"not ready: {', '.join(waiting) or f'no instance of host {here} has registered'}", err=True)
                 sys.exit(EXIT_FAILED)

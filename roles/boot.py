@@ -9,7 +9,8 @@ progresses. Progress comes from two places:
   calls it per size and batch); every call counts as progress, as does `tick(detail)`;
 - a meter thread (`BootMeter`) that looks, every METER_S, at what grows while a boot gets on: the checkpoint's
   folder in the Hugging Face cache (a download: phase "downloading" with the bytes so far), the process's memory
-  (host RSS plus CUDA memory: weights being loaded) and the inductor cache folder (a compile writing kernels).
+  (host RSS plus CUDA memory: weights being loaded) and, while compiling, the inductor cache folder and the CPU
+  time of the process and its compile workers (a compile burns CPU all along; one blocked for good does not).
 
 Heartbeats carry the snapshot (transport Heartbeat.phase, phase_detail, boot_bytes, boot_progress) to the
 orchestrator; `disagg status` and the launcher's table show it.
@@ -33,6 +34,9 @@ log = logging.getLogger("disagg.role")
 METER_S = 0.5
 #: growth smaller than this is noise (allocator churn), not progress
 MIN_GROWTH = 1 << 20
+#: CPU seconds a compile must burn (the process and its compile workers) from one look to the next (METER_S) to
+#: count as progress: 5 % of a core, which a compile starved on a busy machine still gets; an idle process, far less
+WORK_S = 0.025
 HOLD_ENV = "DISAGG_TEST_BOOT_HOLD"
 #: how often the test hook's slow load ticks
 HOLD_TICK_S = 0.2
@@ -135,15 +139,36 @@ def memory_bytes() -> int:
     return total
 
 
+def work_seconds() -> float:
+    """CPU seconds of this process (all its threads: dynamo traces on the boot thread, inductor compiles on worker
+    threads) plus those of its child processes (inductor's compile workers)."""
+    import psutil
+
+    me = psutil.Process()
+    times = me.cpu_times()
+    total = times.user + times.system
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
 class BootMeter:
     """Watches what grows while the boot gets on and counts it as progress, until stopped."""
 
-    def __init__(self, model: str, compile_cache_dir: str = "", progress: BootProgress = PROGRESS):
+    def __init__(self, model: str, compile_cache_dir: str = "", progress: BootProgress = PROGRESS,
+                 memory=memory_bytes, work=None):
         self.progress = progress
+        self.memory = memory  # a test's own measures
+        self.work = work or work_seconds
         self.hub = hub_folder(model)
         self.compile_cache_dir = compile_cache_dir
         self.stopped = threading.Event()
         self.high = {"hub": folder_bytes(self.hub), "memory": 0, "inductor": folder_bytes(compile_cache_dir)}
+        self.work_before = float("inf")  # the first look only takes the measure
         self.thread = threading.Thread(target=self.run, name="boot-meter", daemon=True)
 
     def start(self) -> BootMeter:
@@ -170,11 +195,16 @@ class BootMeter:
                 return
         if current == "downloading":
             self.progress.set("loading", "weights into memory")
-        mem = memory_bytes()
+        mem = self.memory()
         if self.grew("memory", mem):  # the bytes, not the detail: that stays what the boot said it does
             self.progress.tick(done_bytes=mem if current in ("loading", "starting") else None)
-        if current in ("compiling", "warming up") and self.grew("inductor", folder_bytes(self.compile_cache_dir)):
-            self.progress.tick()
+        if current in ("compiling", "warming up"):
+            # a compile writes kernels now and then, and burns CPU all along (its threads' and its compile
+            # workers'): either is progress; a compile blocked for good does neither
+            work, before = self.work(), self.work_before
+            self.work_before = work  # the rate, not the sum: a process idling for good adds up CPU slowly too
+            if self.grew("inductor", folder_bytes(self.compile_cache_dir)) or work >= before + WORK_S:
+                self.progress.tick()
 
     def run(self) -> None:
         while not self.stopped.wait(METER_S):

@@ -59,7 +59,7 @@ def test_a_download_into_the_hub_cache_is_progress(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     progress = BootProgress()
     progress.set("loading", "model org/name")
-    meter = BootMeter("org/name", progress=progress)
+    meter = BootMeter("org/name", progress=progress, memory=lambda: 0)
     blobs = tmp_path / "models--org--name" / "blobs"
     blobs.mkdir(parents=True)
     (blobs / "abc.incomplete").write_bytes(b"\0" * (3 << 20))
@@ -70,6 +70,39 @@ def test_a_download_into_the_hub_cache_is_progress(tmp_path, monkeypatch):
     assert "org/name" in snap["phase_detail"], snap
     meter.look()  # no more bytes: the download is over, the weights load
     assert progress.snapshot()["phase"] == "loading"
+
+
+def test_a_compile_that_writes_kernels_or_calls_the_phase_hook_is_progress(tmp_path):
+    """What roles/compile.py has for the launcher: `phase("compiling", ...)` / `tick(...)` from its thread, and the
+    inductor cache growing meanwhile."""
+    import threading
+
+    from roles import boot
+
+    progress = BootProgress()
+    work = [0.0]  # CPU seconds of the boot thread and its compile workers
+    meter = BootMeter("tiny", compile_cache_dir=str(tmp_path), progress=progress, memory=lambda: 0,
+                      work=lambda: work[0])
+    progress.set("compiling", "torch.compile default")
+    count = progress.count
+    meter.look()  # nothing written yet
+    assert progress.count == count
+    (tmp_path / "kernel.so").write_bytes(b"\0" * (2 << 20))
+    meter.look()
+    assert progress.count == count + 1 and progress.snapshot()["phase"] == "compiling"
+    meter.look()  # no kernel, no CPU: a blocked compile
+    assert progress.count == count + 1
+    work[0] = 0.5  # tracing, lowering: CPU all along, nothing written yet
+    meter.look()
+    assert progress.count == count + 2
+    # the module-level hook, from another thread, is what the heartbeat sends
+    before = boot.PROGRESS.snapshot()["boot_progress"]
+    t = threading.Thread(target=lambda: (boot.phase("warming up", "size 64x64 batch 1"), boot.tick("size 64x64 batch 2")))
+    t.start()
+    t.join()
+    snap = boot.PROGRESS.snapshot()
+    assert snap["phase"] == "warming up" and snap["phase_detail"] == "size 64x64 batch 2"
+    assert snap["boot_progress"] == before + 2
 
 
 def instance(**kw) -> InstanceStatus:
