@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import tempfile
 import time
 import uuid
@@ -18,7 +17,7 @@ from client import Client, Unreachable
 from transport.auth import client_curve
 from launcher.hosts import host_id, route_address
 from launcher.leftovers import RunRecord, remove_leftovers
-from launcher.readiness import StallWatch, boot_mark, cpu_seconds, describe, stall_error
+from launcher.readiness import BootError, Startup, StoppedDuringStartup  # noqa: F401 - importers take them from here
 from launcher.runs import prune_runs
 from launcher.supervisor import Child, Supervisor
 from launcher.topology import Placement, cuda_env, place, rerole
@@ -32,19 +31,10 @@ from transport.shm import SHM_PREFIX, remove_segments
 
 log = logging.getLogger("disagg.launcher")
 
-POLL_S = 0.2
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-class BootError(RuntimeError):
-    """A process of the deployment failed before it was ready."""
-
-
-class StoppedDuringStartup(RuntimeError):
-    """`disagg stop` (or a Shutdown) ended the deployment before it was ready."""
-
-
-class Deployment:
+class Deployment(Startup):
     """Starts the orchestrator and N:M:K roles, waits for them, and tears everything down."""
 
     def __init__(self, config: Settings, run_dir: str | Path | None = None):
@@ -281,35 +271,6 @@ class Deployment:
             self.supervisor.keep_spares(self.config.spares, self.supervisor.python("roles", "--spare"), self._env())
         self.supervisor.start_supervising()
 
-    def _check_children(self) -> None:
-        for child in self.supervisor.reap_children():
-            if child.name == "orchestrator" and child.returncode == 0:
-                raise StoppedDuringStartup("the deployment was stopped before it was ready")
-            why = "failed to start" if child.boot_error else f"exited with status {child.returncode}"
-            raise BootError(f"{child.name} {why} before the deployment was ready; last log lines "
-                            f"({child.log_path}):\n{child.log_tail()}")
-
-    def _wait_reachable(self) -> None:
-        """Until the orchestrator we started answers: one of another deployment may answer on the
-        same port (ours then fails to bind, and _check_children says so)."""
-        deadline = time.monotonic() + 30
-        mine = self.supervisor.children["orchestrator"].pid
-        with self.client() as client:
-            while True:
-                self._check_children()
-                if self.interrupted:
-                    raise KeyboardInterrupt
-                try:
-                    report = client.status(timeout_s=0.5)
-                except Unreachable:
-                    report = None
-                if report is not None and report.orchestrator.get("pid") == mine:
-                    self.follow(report)
-                    return
-                if time.monotonic() > deadline:
-                    raise BootError(f"the orchestrator did not answer at {self.endpoint} within 30 s")
-                time.sleep(0.05 if report is None else 0.2)
-
     def follow(self, report: StatusReport) -> None:
         """`report` came from the orchestrator this launcher runs: remember its id and lane file."""
         if report.orchestrator.get("id") != self.orchestrator_id:
@@ -317,69 +278,6 @@ class Deployment:
             self.lane_inode = _inode(str(report.orchestrator.get("lane", "")))
             if self.lane_inode is not None:
                 self.record.update(lane_inode=list(self.lane_inode))
-
-    def wait_ready(self, on_status=None, any_orchestrator: bool = False) -> StatusReport:
-        """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
-        host, whose orchestrator runs elsewhere and may restart meanwhile."""
-        expected = {p.instance_id for p in self.placements}
-        watch = StallWatch(self.config.ready_timeout)
-        with self.client() as client:
-            while True:
-                self._check_children()
-                if self.interrupted:
-                    raise KeyboardInterrupt
-                try:
-                    report = client.status(timeout_s=5)
-                except Unreachable:
-                    self._check_children()  # stopped or dead: say so in one line
-                    raise BootError(f"the orchestrator at {self.endpoint} stopped answering during startup") from None
-                if any_orchestrator:
-                    self.follow(report)
-                elif report.orchestrator.get("id") != self.orchestrator_id:
-                    self._check_children()
-                    raise BootError(f"another orchestrator ({report.orchestrator.get('pid')}) answers at {self.endpoint}")
-                if on_status:
-                    on_status(report)
-                # only the instances this launcher started (their pids), whatever else registered
-                pids = {name: c.pid for name, c in self.supervisor.children.items()}
-                mine = {i.id: i for i in report.instances if i.id in expected and pids.get(i.id) == i.pid}
-                ready = {name for name, i in mine.items() if i.state in ("ready", "standby")}
-                if expected <= ready and self._gateway_listens():
-                    return report
-                self._watch_boots(watch, expected - ready, mine)
-                stalled = watch.stalled(expected - ready)
-                if stalled:
-                    logs = {name: str(self.supervisor.children[name].log_path) for name, _, _ in stalled
-                            if name in self.supervisor.children}
-                    raise BootError(stall_error(stalled, self.config.ready_timeout, logs))
-                time.sleep(POLL_S)
-
-    def _watch_boots(self, watch: StallWatch, waiting: set[str], registered: dict) -> None:
-        """One look at each instance not ready yet: what it reports (registered), else its process's CPU time; and
-        its follower ranks' CPU time (an instance over several ranks)."""
-        followers: dict[str, list[int]] = {}
-        for name, child in self.supervisor.children.items():
-            if child.group and name != child.group:
-                followers.setdefault(child.group, []).append(child.pid)
-        for name in waiting:
-            child = self.supervisor.children.get(name)
-            inst = registered.get(name)
-            pids = followers.get(name, []) + ([child.pid] if inst is None and child is not None else [])
-            cpu = cpu_seconds(pids)
-            if inst is None:
-                watch.see(name, None, "starting (its process has not registered yet)", cpu)
-            else:
-                watch.see(name, boot_mark(inst), describe(inst), cpu)
-
-    def _gateway_listens(self) -> bool:
-        h = self.config.http
-        if not h.port:
-            return True
-        try:
-            socket.create_connection((h.host if h.host not in ("0.0.0.0", "::") else "127.0.0.1", h.port), timeout=0.5).close()
-            return True
-        except OSError:
-            return False
 
     def status(self, client: Client) -> StatusReport | None:
         try:
