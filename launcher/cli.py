@@ -29,6 +29,7 @@ from launcher.cli_common import (
     make_console,
 )
 from launcher.dashboard import boot_state, status_view
+from launcher.entry import run_click
 from launcher.prompts import PromptError, load_prompts
 from launcher.options import file_only_epilog, flags_from, settings_options
 from launcher.topology import ConfigError
@@ -387,21 +388,4 @@ def main(argv: list[str] | None = None) -> None:
     # -v/--verbose belongs to the group; `disagg launch -v` means the same as `disagg -v launch`
     if args and not args[0].startswith("-") and any(a in ("-v", "--verbose") for a in args[1:]):
         args = ["-v", *[a for a in args if a not in ("-v", "--verbose")]]
-    # not click's standalone mode, which turns Ctrl-C into "Aborted!" and exit 1: a Ctrl-C goes up to
-    # launcher/entry.py (exit 130, "interrupted"); the rest is handled as click would
-    try:
-        code = cli.main(args=args, prog_name="disagg", standalone_mode=False)
-    except click.exceptions.Abort as exc:
-        if isinstance(exc.__cause__, KeyboardInterrupt):
-            raise exc.__cause__ from None
-        click.echo("Aborted!", err=True)
-        sys.exit(1)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except BrokenPipeError:  # `disagg status | head`: nothing more to say, and nothing on exit either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
+    run_click(cli, args)
