@@ -171,10 +171,17 @@ class Startup:
                 pids = {name: c.pid for name, c in self.supervisor.children.items()}
                 mine = {i.id: i for i in report.instances if i.id in expected and pids.get(i.id) == i.pid}
                 ready = {name for name, i in mine.items() if i.state in ("ready", "standby")}
-                if expected <= ready and self._gateway_listens():
+                listens = self._gateway_listens()
+                if expected <= ready and listens:
                     return report
-                self._watch_boots(watch, expected - ready, mine)
-                stalled = watch.stalled(expected - ready)
+                waiting = expected - ready
+                self._watch_boots(watch, waiting, mine)
+                gateway = self.supervisor.children.get("gateway")
+                if not listens and gateway is not None:  # it imports, then binds: its CPU time is its progress
+                    waiting.add("gateway")
+                    watch.see("gateway", None, f"starting (not listening on port {self.config.http.port} yet)",
+                              cpu_seconds([gateway.pid]))
+                stalled = watch.stalled(waiting)
                 if stalled:
                     logs = {name: str(self.supervisor.children[name].log_path) for name, _, _ in stalled
                             if name in self.supervisor.children}
