@@ -12,6 +12,12 @@ the same pipeline call in lockstep, its part only.
 
 Every rank asks rank 0 at each denoising step whether to go on, so a cancelled request stops on all ranks
 together. Nothing here is pickled: a request travels as msgpack bytes and raw tensors.
+
+Two process groups: the request channel (gloo, on the CPU), over which rank 0 tells the followers what comes
+next (a request, or stop), and the compute group (gloo on the CPU, NCCL on GPUs: the request's tensors, each
+step's go-on, the attention's and CFG's collectives). A follower waits for the next request on the channel,
+which has no practical timeout (IDLE_WAIT_S): an idle instance is not a broken one. Inside a request every
+collective keeps COLLECTIVE_TIMEOUT_S, so a rank that hangs mid-request is found.
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ from transport.messages import GenerationParams
 
 log = logging.getLogger("disagg.role")
 
-#: how long a rank waits for the others in a collective before it gives up (a dead rank is found sooner:
-#: the launcher stops the whole group when one of its processes dies)
+#: how long a rank waits for the others in a collective of a request before it gives up (a dead rank is found
+#: sooner: the launcher stops the whole group when one of its processes dies). Read when a Group is made.
 COLLECTIVE_TIMEOUT_S = 120
+
+#: how long a follower waits on the request channel for the next request: idleness is no failure (a year: gloo
+#: takes no "never"; a rank 0 that dies closes its sockets, which ends the wait at once)
+IDLE_WAIT_S = 365 * 86400
+
+#: the attention backend ring attention runs on a GPU: diffusers' default `native` refuses `return_lse=True`,
+#: which the ring's merge of partial results needs; `_native_cudnn` (torch's cuDNN SDPA, in every CUDA build)
+#: returns it, takes attention masks (Qwen-Image passes one; flash-attn 2 refuses them) and runs context parallel
+RING_BACKEND = "_native_cudnn"
 
 
 class GroupBroken(RuntimeError):
@@ -69,6 +84,8 @@ class Group:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        #: what comes next (a request's header, or stop): waited on between requests, so no timeout to speak of
+        self.channel = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_WAIT_S))
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, tuple(self.layout[k] for k in KINDS), mesh_dim_names=KINDS)
@@ -87,6 +104,10 @@ class Group:
             from diffusers import ContextParallelConfig
 
             u, r = self.layout["ulysses"], self.layout["ring"]
+            if r > 1:  # before enable_parallelism, which checks that the backend runs context parallel
+                backend = ring_backend(self.device.type, next(model.parameters()).dtype)
+                model.set_attention_backend(backend)
+                log.info("ring %d: attention backend %s (it returns the log-sum-exp the ring merges with)", r, backend)
             # "anything": sequence lengths (a prompt's tokens, an image's) that the degree does not divide
             config = ContextParallelConfig(ulysses_degree=u, ring_degree=r, mesh=self.mesh["ring", "ulysses"],
                                            ulysses_anything=u > 1 and r == 1, ring_anything=r > 1 and u == 1)
@@ -120,17 +141,19 @@ class Group:
             raise GroupBroken(f"the instance's ranks lost each other ({type(exc).__name__}: {exc})") from None
 
     def _send_bytes(self, data: bytes) -> None:
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self._comm_device)
-        self._collective(dist.broadcast, n, src=0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm_device)
-        self._collective(dist.broadcast, buf, src=0)
+        """On the request channel (CPU tensors, gloo)."""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        self._collective(dist.broadcast, n, src=0, group=self.channel)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._collective(dist.broadcast, buf, src=0, group=self.channel)
 
     def _recv_bytes(self) -> bytes:
-        n = torch.zeros(1, dtype=torch.int64, device=self._comm_device)
-        self._collective(dist.broadcast, n, src=0)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self._comm_device)
-        self._collective(dist.broadcast, buf, src=0)
-        return bytes(buf.cpu().numpy())
+        """On the request channel: the wait for the next request, as long as the instance stays idle."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self._collective(dist.broadcast, n, src=0, group=self.channel)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        self._collective(dist.broadcast, buf, src=0, group=self.channel)
+        return bytes(buf.numpy())
 
     def share(self, params: GenerationParams, inputs: dict[str, torch.Tensor]) -> None:
         """Rank 0: send the request to the other ranks (they run it with us)."""
@@ -160,6 +183,17 @@ class Group:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def ring_backend(device_type: str, dtype: torch.dtype) -> str:
+    """The attention backend ring attention runs on (RING_BACKEND); a ValueError says why it cannot run here."""
+    if device_type != "cuda":
+        raise ValueError(f"ring attention needs an attention backend that returns its log-sum-exp ({RING_BACKEND}, "
+                         f"cuDNN's, on GPUs); none does on {device_type}: use ulysses")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"ring attention on GPUs runs {RING_BACKEND} (cuDNN), which takes bfloat16 or float16, and "
+                         f"this model's weights are {dtype_name(dtype)}: set dtype bfloat16, or use ulysses")
+    return RING_BACKEND
 
 
 def split_cfg(model: torch.nn.Module, group, degree: int, rank: int) -> None:

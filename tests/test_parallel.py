@@ -55,6 +55,8 @@ def test_gpus_are_carved_into_contiguous_groups_per_instance():
      "is 4 ranks, but --gpus-per-denoiser is 2"),
     (dict(parallel={"denoiser": {"cfg": 2}}), "model 'tiny' cannot run cfg parallelism (it takes ulysses, ring)"),
     (dict(parallel={"denoiser": {"ring": 2}}), "ring attention needs an attention backend"),
+    (dict(parallel={"denoiser": {"ring": 2}}, gpus=[0, 1], dtype="float32"),
+     "ring 2 with dtype float32: ring attention runs cuDNN's attention"),
     (dict(parallel={"encoder": {"ulysses": 2}}), "only denoisers run over several devices"),
     (dict(parallel={"denoiser": {"ulysses": 2}}, denoisers=RolePool(count=1, max_batch=4)),
      "with a parallel denoiser: its ranks run one request at a time"),
