@@ -1,6 +1,8 @@
 """Compiled denoisers: torch.compile on the transformer (diffusers' own regional compilation,
-`compile_repeated_blocks`, or the model's `compile`, in place), warmed up at boot over the configured sizes
-before the instance reports ready, so no request pays the compile.
+`compile_repeated_blocks`, or the model's `compile`, in place), warmed up at boot over the configured sizes and,
+for a batching denoiser, at batch 1 and its max_batch (a batch of another size is a new shape: dynamo would
+recompile inside the request, with no step's progress for minutes), before the instance reports ready, so no
+request pays the compile. While it warms up, the log says so every TICK_S ("compiling: ... (N s so far)").
 
 A request with a step cache (roles/step_cache.py) runs the transformer uncompiled (`eager`): diffusers' cache hooks
 keep Python state (step counters, a skip decision per step) that torch.compile would guard on, recompiling for
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -25,6 +28,65 @@ log = logging.getLogger("disagg.role")
 
 #: denoising steps of a warm-up run (enough that every step's graph has run once)
 WARMUP_STEPS = 2
+
+#: seconds between the log's "compiling: ... (N s so far)" lines while a warm-up compiles
+TICK_S = 10.0
+
+#: the modes whose compiled code replays CUDA graphs (inductor's cudagraph trees)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+#: the first torch whose cudagraph trees work from a thread other than the one that compiled (pytorch#123177,
+#: fixed by #184357, merged into main on 2026-06-01 when main was 2.13's development line: 2.13.0.dev20260518 still
+#: failed; 2.13.0's `cudagraph_trees.get_obj` initialises a new thread's state instead of asserting)
+CUDAGRAPH_THREADS_FIXED = (2, 13)
+
+
+def refuse_cudagraphs(mode: str, device: str, torch_version: str = torch.__version__) -> None:
+    """A ValueError naming the setting where `mode`'s CUDA graphs would crash at serving time: compiled and warmed
+    up on the boot thread, they run on the executor and batcher threads, and torch before 2.13 keeps a CUDA graph
+    tree's state in the compiling thread's storage only (`assert torch._C._is_key_in_tls` in another)."""
+    if mode not in CUDAGRAPH_MODES or not device.startswith("cuda"):
+        return
+    release = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if release < CUDAGRAPH_THREADS_FIXED:
+        raise ValueError(f"compile_mode {mode} (--compile-mode) uses CUDA graphs, which crash in torch {torch_version} "
+                         "when the compiled model runs on another thread than the one that compiled it, as a role's "
+                         "requests do (pytorch#123177, fixed in torch 2.13): use compile_mode default or "
+                         "max-autotune-no-cudagraphs, or torch >= 2.13")
+
+
+class _Ticker:
+    """While a warm-up runs: every TICK_S, a log line of what compiles and for how long so far, and `hook(what, s)`
+    (a role that reports its boot phase takes it from there)."""
+
+    def __init__(self, t0: float, hook=None, every_s: float | None = None):
+        self.t0, self.hook, self.every_s = t0, hook, TICK_S if every_s is None else every_s
+        self.what = ""
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def say(self, what: str) -> None:
+        self.what = what
+        self._tell()
+
+    def _tell(self) -> None:
+        so_far = time.perf_counter() - self.t0
+        log.info("compiling: %s (%.0f s so far)", self.what, so_far)
+        if self.hook is not None:
+            self.hook(self.what, so_far)
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            self._tell()
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, name="compile-ticker", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
 
 
 def compiled_modules(models) -> list[torch.nn.Module]:
@@ -71,10 +133,17 @@ def warmup_inputs(adapter) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = "blocks") -> float:
-    """Compile the stage's transformer(s) and run a warm-up denoise at each size; the seconds it took. `scope`:
-    blocks (diffusers' compile_repeated_blocks, where the model names its repeated blocks) or model (the whole
-    transformer)."""
+def warmup_batches(stage) -> list[int]:
+    """The batch sizes a warm-up runs at each size: 1, and for a batching denoiser 2 and its max_batch (the second
+    size of a dimension makes dynamo compile it dynamic, so the sizes between are compiled too)."""
+    top = stage.batcher.max_batch if stage.batcher is not None else 1
+    return sorted({1, min(2, top), top})
+
+
+def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = "blocks", hook=None) -> float:
+    """Compile the stage's transformer(s) and run a warm-up denoise at each size and batch size (warmup_batches);
+    the seconds it took. `scope`: blocks (diffusers' compile_repeated_blocks, where the model names its repeated
+    blocks) or model (the whole transformer). `hook(what, seconds_so_far)`: told at each warm-up and every TICK_S."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -98,19 +167,22 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
             m.compile(mode=mode)
     inputs = warmup_inputs(adapter)
     defaults = adapter.defaults()
-    for size in sizes or [f"{defaults['width']}x{defaults['height']}"]:
-        if inputs is None:
-            log.warning("no warm-up inputs for %s: its first request compiles", type(adapter).__name__)
-            break
-        w, h = parse_size(size)
-        p = {**defaults, "width": w, "height": h, "num_inference_steps": WARMUP_STEPS, "prompt": "warm-up",
-             "guidance_scale": defaults.get("guidance_scale", 1.0)}
-        with torch.inference_mode():
-            if stage.batcher is not None:  # the batched path's forward (one request: batch 1)
-                state = adapter.denoise_start(inputs, p)
-                while not state.done:
-                    adapter.denoise_steps([state])
-            else:
-                adapter.denoise(inputs, p)
-        log.info("compiled and warmed up at %s (%.1f s so far)", size, time.perf_counter() - t0)
+    if inputs is None:
+        log.warning("no warm-up inputs for %s: its first request compiles", type(adapter).__name__)
+        return time.perf_counter() - t0
+    with _Ticker(t0, hook) as ticker:
+        for size in sizes or [f"{defaults['width']}x{defaults['height']}"]:
+            w, h = parse_size(size)
+            p = {**defaults, "width": w, "height": h, "num_inference_steps": WARMUP_STEPS, "prompt": "warm-up",
+                 "guidance_scale": defaults.get("guidance_scale", 1.0)}
+            for batch in warmup_batches(stage):
+                ticker.say(f"warming up at {size}, batch {batch}")
+                with torch.inference_mode():
+                    if stage.batcher is not None:  # the batched path's forward, as the batcher runs it
+                        states = [adapter.denoise_start(inputs, p) for _ in range(batch)]
+                        while not states[0].done:
+                            adapter.denoise_steps(states)
+                    else:
+                        adapter.denoise(inputs, p)
+            log.info("compiled and warmed up at %s (%.1f s so far)", size, time.perf_counter() - t0)
     return time.perf_counter() - t0

@@ -125,17 +125,24 @@ class Worker(Link, SelfReport):
         progress (roles/boot.py), so the launcher tells a slow boot from a stuck one."""
         meter = BootMeter(self.spec.model, self.spec.compile_cache_dir).start()
         try:
+            if self.spec.compile:  # before the load: a mode that cannot serve here fails the boot at once
+                from roles.compile import refuse_cudagraphs
+
+                refuse_cudagraphs(self.spec.compile_mode, self.spec.device)
             boot_phase("loading", f"model {self.spec.model}")
             stage = self.load_stage()
             self.components = stage.adapter.components_loaded()
             test_hold(self.spec.instance_id)
             if self.spec.compile and stage.role in ("denoiser", "monolith"):
+                from roles.boot import tick as boot_tick
                 from roles.compile import compile_stage
 
                 boot_phase("compiling", f"torch.compile {self.spec.compile_mode}, warm-up at "
                            f"{', '.join(self.spec.compile_sizes) or 'the default size'}")
+                # each warm-up (size, batch) and every TICK_S of it: the boot's detail, and progress
                 self.compile_s = compile_stage(stage, self.spec.compile_mode, self.spec.compile_sizes,
-                                               self.spec.compile_cache_dir, self.spec.compile_scope)
+                                               self.spec.compile_cache_dir, self.spec.compile_scope,
+                                               hook=lambda what, s: boot_tick(f"{what} ({s:.0f} s so far)"))
                 self.log.info("compiled in %.1f s", self.compile_s)
             self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process

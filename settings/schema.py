@@ -119,11 +119,14 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("role", flag=None))] = {}
     compile: Annotated[bool, Meta(description=(
         "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
-        "boot at each of compile_sizes before the instance reports ready (the live table shows it compiling; "
-        "status its compile_s), so no request pays the compile."),
+        "boot at each of compile_sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
+        "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
         extra=use("role", flag="--compile/--no-compile"))] = False
     compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                            Meta(description="compile: torch.compile's mode.", extra=use("role"))] = "default"
+                            Meta(description=(
+        "compile: torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "
+        "with torch < 2.13, which crashes them on a request's thread (pytorch#123177)."),
+        extra=use("role"))] = "default"
     compile_scope: Annotated[Literal["blocks", "model"], Meta(description=(
         "compile: blocks compiles each repeated transformer block class once (diffusers' "
         "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
