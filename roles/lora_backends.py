@@ -133,8 +133,12 @@ class DiffusersLoras:
             self.parts[c].add(name)
         self.alias.pop(into, None)
         self.alias[name] = internal
-        for _, _, applied in self._static.values():  # peft set the slot's scalings back to weight 1
+        for _, scalings, applied in self._static.values():
+            # peft set the slot's scaling tensors, in place, to the new adapter's at weight 1 (its alpha / rank):
+            # read them again, so its weights scale those, not the old adapter's (the same tensors: no recompile)
             applied.pop(internal, None)
+            if internal in scalings:
+                scalings[internal] = [(tensor, float(tensor)) for tensor, _ in scalings[internal]]
         self.hotswaps += 1
         return True
 

@@ -307,6 +307,39 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
         assert encoder.lora_names_only == len(set(encoder.loras) - {"T"}) >= 2, encoder
 
 
+def test_a_hotswapped_adapter_takes_its_own_scaling_on_a_compiled_denoiser(flux_files):
+    """Issue 44 L1: the compiled bank writes weight x each layer's scaling at weight 1 into peft's scaling tensors;
+    after a hotswap, that is the new adapter's (its alpha / rank, which peft wrote in place), not the old one's.
+    C carries its alpha (8, rank 4) as diffusers-format `.alpha` keys, A none (alpha = rank)."""
+    import diffusers
+    from peft.tuners.lora import LoraLayer
+
+    from roles.lora_backends import DiffusersLoras
+
+    folder, lora_dir, _ = flux_files
+
+    def scalings(pipe, name):
+        return [float(layer.scaling[name]) for layer in pipe.transformer.modules()
+                if isinstance(layer, LoraLayer) and name in layer.scaling]
+
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    bank = DiffusersLoras(pipe, "denoiser", compiled=True)
+    a, _ = bank.read("A", str(lora_dir / "A"))
+    c, _ = bank.read("C", str(lora_dir / "B"))
+    c.update({f"{k.rsplit('.lora_A', 1)[0]}.alpha": torch.tensor(8.0) for k in list(c) if ".lora_A" in k})
+    assert not bank.install("A", a)
+    bank.activate((("A", 0.5),))
+    assert bank.install("C", c, into="A")  # hotswapped: the same layers and rank
+    bank.activate((("C", 0.5),))
+    # diffusers' own: C loaded alone at weight 0.5
+    ref = diffusers.FluxPipeline.from_pretrained(folder)
+    ref.load_lora_weights(dict(c), adapter_name="C")
+    ref.set_adapters(["C"], [0.5])
+    want = scalings(ref, "C")
+    assert set(want) == {1.0}  # 0.5 x 8 / 4: the alpha counts
+    assert scalings(pipe, bank.alias["C"]) == want
+
+
 def test_a_compiled_denoiser_takes_other_scales_no_adapter_and_a_hotswap_without_recompiling(flux_files, module_tmp):
     """The piece alone, in this process (dynamo's graph count is visible here): a compiled transformer whose bank
     keeps every adapter active and writes each request's scales in place."""
