@@ -71,14 +71,14 @@ class DiffusersLoras:
             raise LoraError("LoRA adapters need peft on the role's host: pip install 'disagg[lora]' (with torch pinned "
                             "in the same command)")
         try:
-            got = self.pipe.lora_state_dict(source)
+            got = self.pipe.lora_state_dict(source, return_lora_metadata=True)
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file: the reason goes back
             # the path stays in this host's log; the answer names the file only
             log.warning("adapter %r cannot be read from %s: %s: %s", name, source, type(exc).__name__, exc)
             short = os.path.basename(os.path.normpath(str(source)))
             raise LoraError(f"adapter {name!r} cannot be read ({short}): {type(exc).__name__}: "
                             f"{str(exc).replace(str(source), short)}") from None
-        state = got[0] if isinstance(got, tuple) else got
+        state, metadata = (got[0], got[-1]) if isinstance(got, tuple) else (got, None)
         if not state:
             raise LoraError(f"adapter {name!r} ({os.path.basename(os.path.normpath(str(source)))}) holds no LoRA weights")
         parts = {k.split(".", 1)[0] for k in state}
@@ -89,6 +89,7 @@ class DiffusersLoras:
         # copies: safetensors maps the file into memory, and a file rewritten in place under a loaded adapter would
         # then fault the process (SIGBUS) on its next forward
         mine = {k: v.clone() for k, v in state.items() if k.split(".", 1)[0] in self.components}
+        scale_by_alpha(mine, metadata or {})
         return mine, sum(v.numel() * v.element_size() for v in mine.values())
 
     def install(self, name: str, state: dict, into: str | None = None) -> bool:
@@ -236,6 +237,32 @@ def pin_adapter(models, internal: str) -> None:
                 if table is not None and internal in table:
                     for param in table[internal].parameters():
                         param.data = param.data.pin_memory()
+
+
+def scale_by_alpha(state: dict, metadata: dict) -> None:
+    """Fold each layer's scaling (lora_alpha / r, or / sqrt(r) with rslora, per peft's alpha_pattern) into its lora_B,
+    in place, from the adapter's metadata (the `lora_adapter_metadata` that diffusers' save_lora_weights writes into
+    the safetensors header, keys `COMPONENT.lora_alpha`, ...). An adapter installs from its state dict in memory, and
+    diffusers reads that metadata from files only: without this, every such adapter would load at alpha = r (scaling
+    1), at the wrong strength wherever it was trained with another alpha."""
+    import math
+
+    from peft.utils.other import get_pattern_key
+
+    for key, tensor in state.items():
+        component, _, rest = key.partition(".")
+        module, found, _ = rest.partition(".lora_B.")
+        alpha = metadata.get(f"{component}.lora_alpha")
+        weight = state.get(f"{component}.{module}.lora_B.weight")
+        if not found or alpha is None or weight is None or weight.dim() != 2:
+            continue
+        pattern = metadata.get(f"{component}.alpha_pattern") or {}
+        if pattern:
+            alpha = pattern.get(get_pattern_key(pattern.keys(), module), alpha)
+        rank = weight.shape[1]  # lora_B: (out, r); its bias (lora_bias) is scaled alike
+        scaling = alpha / (math.sqrt(rank) if metadata.get(f"{component}.use_rslora") else rank)
+        if scaling != 1:
+            tensor.mul_(scaling)
 
 
 class SimLoras:

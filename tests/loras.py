@@ -11,9 +11,11 @@ import torch
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encoder: bool = False) -> Path:
+def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encoder: bool = False,
+              alpha: int | None = None) -> Path:
     """An adapter for the checkpoint's denoiser (and, with text_encoder, its CLIP text encoder) saved to
-    OUT/pytorch_lora_weights.safetensors; returns OUT."""
+    OUT/pytorch_lora_weights.safetensors; returns OUT. `alpha` (default: rank) other than rank: the denoiser part's
+    lora_alpha, saved in the file's adapter metadata, as diffusers' training scripts save it."""
     import diffusers
     from peft import LoraConfig, get_peft_model_state_dict
 
@@ -25,8 +27,11 @@ def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encode
     layers = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False))
+        config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=TARGETS, init_lora_weights=False)
+        module.add_adapter(config)
         layers[f"{name}_lora_layers"] = get_peft_model_state_dict(module)
+        if alpha is not None:
+            layers[f"{name}_lora_adapter_metadata"] = config.to_dict()
         if text_encoder:
             import transformers
 
@@ -38,7 +43,9 @@ def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encode
                                                     target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]), te)
             layers["text_encoder_lora_layers"] = get_peft_model_state_dict(te)
     # peft's random init draws lora_B small: scale it up, so an adapter visibly changes the image
-    for part in layers.values():
+    for part_name, part in layers.items():
+        if part_name.endswith("_metadata"):
+            continue
         for key, value in part.items():
             if "lora_B" in key:
                 value.mul_(50.0)

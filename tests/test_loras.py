@@ -307,6 +307,27 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
         assert encoder.lora_names_only == len(set(encoder.loras) - {"T"}) >= 2, encoder
 
 
+def test_an_adapter_trained_with_another_alpha_applies_at_its_own_strength(flux_files, module_tmp):
+    """An adapter saved by diffusers with lora_alpha 8 at rank 4 (in the file's metadata, which diffusers reads from
+    files only, and a role installs from memory) equals diffusers' own load of the file: scaling 2, not 1."""
+    import diffusers
+
+    from roles.lora_backends import DiffusersLoras
+
+    folder, _, _ = flux_files
+    make_lora(folder, module_tmp / "alpha" / "D", seed=4, alpha=8)
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    bank = DiffusersLoras(pipe, "denoiser")
+    state, _ = bank.read("D", str(module_tmp / "alpha" / "D"))
+    bank.install("D", state)
+    bank.activate((("D", 0.7),))
+    got = np.asarray(pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
+                          generator=torch.Generator("cpu").manual_seed(3)).images[0].convert("RGB"), dtype=np.int16)
+    want = expected(folder, module_tmp / "alpha", [("D", 0.7)])
+    assert int(np.abs(got - want).max()) <= 1
+
+
 def test_a_hotswapped_adapter_takes_its_own_scaling_on_a_compiled_denoiser(flux_files):
     """Issue 44 L1: the compiled bank writes weight x each layer's scaling at weight 1 into peft's scaling tensors;
     after a hotswap, that is the new adapter's (its alpha / rank, which peft wrote in place), not the old one's.
