@@ -9,6 +9,7 @@ text-encoder parts load where the text encoders are, its transformer / UNet part
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -71,14 +72,19 @@ class DiffusersLoras:
             raise LoraError("LoRA adapters need peft on the role's host: pip install 'disagg[lora]' (with torch pinned "
                             "in the same command)")
         try:
-            got = self.pipe.lora_state_dict(source, return_lora_metadata=True)
+            # the alphas too where they come apart from the weights (a Flux file's `.alpha` keys, kohya SD/SDXL)
+            returns_alphas = "return_alphas" in inspect.signature(self.pipe.lora_state_dict).parameters
+            got = self.pipe.lora_state_dict(source, return_lora_metadata=True,
+                                            **({"return_alphas": True} if returns_alphas else {}))
         except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file: the reason goes back
             # the path stays in this host's log; the answer names the file only
             log.warning("adapter %r cannot be read from %s: %s: %s", name, source, type(exc).__name__, exc)
             short = os.path.basename(os.path.normpath(str(source)))
             raise LoraError(f"adapter {name!r} cannot be read ({short}): {type(exc).__name__}: "
                             f"{str(exc).replace(str(source), short)}") from None
-        state, metadata = (got[0], got[-1]) if isinstance(got, tuple) else (got, None)
+        got = got if isinstance(got, tuple) else (got,)
+        state, metadata = got[0], got[-1] if len(got) > 1 else None
+        alphas = got[1] if len(got) == 3 else None  # (state, network alphas, metadata)
         if not state:
             raise LoraError(f"adapter {name!r} ({os.path.basename(os.path.normpath(str(source)))}) holds no LoRA weights")
         parts = {k.split(".", 1)[0] for k in state}
@@ -90,6 +96,10 @@ class DiffusersLoras:
         # then fault the process (SIGBUS) on its next forward
         mine = {k: v.clone() for k, v in state.items() if k.split(".", 1)[0] in self.components}
         scale_by_alpha(mine, metadata or {})
+        unplaced = scale_by_alphas(mine, {k: v for k, v in (alphas or {}).items() if k.split(".", 1)[0] in self.components})
+        if unplaced:
+            log.warning("adapter %r: %d alpha(s) name no LoRA layer found (e.g. %s): those layers load at alpha = rank",
+                        name, len(unplaced), unplaced[0])
         return mine, sum(v.numel() * v.element_size() for v in mine.values())
 
     def install(self, name: str, state: dict, into: str | None = None) -> bool:
@@ -263,6 +273,22 @@ def scale_by_alpha(state: dict, metadata: dict) -> None:
         scaling = alpha / (math.sqrt(rank) if metadata.get(f"{component}.use_rslora") else rank)
         if scaling != 1:
             tensor.mul_(scaling)
+
+
+def scale_by_alphas(state: dict, alphas: dict) -> list[str]:
+    """Fold network alphas (`MODULE.alpha` -> alpha, as diffusers' lora_state_dict returns them apart from the weights)
+    into each module's up weight, in place: scaling alpha / rank, as diffusers' own load applies them. The alphas whose
+    layer is not found, which stay unapplied."""
+    unplaced = []
+    for key, alpha in alphas.items():
+        base = key.removesuffix(".alpha")
+        for up in (f"{base}.lora_B.weight", f"{base}.lora.up.weight", base.replace(".down.", ".up.")):
+            if up != base and up in state and state[up].dim() == 2:
+                state[up].mul_(float(alpha) / state[up].shape[1])
+                break
+        else:
+            unplaced.append(key)
+    return unplaced
 
 
 class SimLoras:

@@ -307,24 +307,34 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
         assert encoder.lora_names_only == len(set(encoder.loras) - {"T"}) >= 2, encoder
 
 
-def test_an_adapter_trained_with_another_alpha_applies_at_its_own_strength(flux_files, module_tmp):
-    """An adapter saved by diffusers with lora_alpha 8 at rank 4 (in the file's metadata, which diffusers reads from
-    files only, and a role installs from memory) equals diffusers' own load of the file: scaling 2, not 1."""
+@pytest.mark.parametrize("form", ["metadata", "alpha keys"])
+def test_an_adapter_trained_with_another_alpha_applies_at_its_own_strength(flux_files, module_tmp, form):
+    """An adapter with alpha 8 at rank 4, saved by diffusers (the alpha in the file's metadata) or with `.alpha` keys
+    beside its weights, equals diffusers' own load of the file (scaling 2, not 1): diffusers reads the metadata from
+    files only and returns the alphas apart from the weights, and a role installs from the weights in memory."""
     import diffusers
+    import safetensors.torch
 
     from roles.lora_backends import DiffusersLoras
 
-    folder, _, _ = flux_files
-    make_lora(folder, module_tmp / "alpha" / "D", seed=4, alpha=8)
+    folder, lora_dir, _ = flux_files
+    where = module_tmp / f"alpha-{form.replace(' ', '-')}"
+    if form == "metadata":
+        make_lora(folder, where / "D", seed=4, alpha=8)
+    else:
+        state = safetensors.torch.load_file(lora_dir / "A" / "pytorch_lora_weights.safetensors")
+        state.update({f"{k.rsplit('.lora_A', 1)[0]}.alpha": torch.tensor(8.0) for k in list(state) if ".lora_A" in k})
+        (where / "D").mkdir(parents=True)
+        safetensors.torch.save_file(state, where / "D" / "pytorch_lora_weights.safetensors")
     pipe = diffusers.FluxPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     bank = DiffusersLoras(pipe, "denoiser")
-    state, _ = bank.read("D", str(module_tmp / "alpha" / "D"))
+    state, _ = bank.read("D", str(where / "D"))
     bank.install("D", state)
     bank.activate((("D", 0.7),))
     got = np.asarray(pipe(prompt=PROMPT, width=64, height=64, num_inference_steps=2, guidance_scale=3.5,
                           generator=torch.Generator("cpu").manual_seed(3)).images[0].convert("RGB"), dtype=np.int16)
-    want = expected(folder, module_tmp / "alpha", [("D", 0.7)])
+    want = expected(folder, where, [("D", 0.7)])
     assert int(np.abs(got - want).max()) <= 1
 
 
