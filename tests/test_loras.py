@@ -338,6 +338,43 @@ def test_an_adapter_trained_with_another_alpha_applies_at_its_own_strength(flux_
     assert int(np.abs(got - want).max()) <= 1
 
 
+def test_a_kohya_sdxl_adapter_with_alphas_loads_at_diffusers_strength_on_the_denoiser_and_encoder(module_tmp):
+    """kohya's SDXL format (lora_unet_* / lora_te1_*, lora_down / lora_up, an `.alpha` of 8 at rank 4 per layer): each
+    LoRA layer's scaling times its up weight equals diffusers' own load of the file, on the UNet and the text encoder."""
+    import diffusers
+    import safetensors.torch
+    from peft.tuners.lora import LoraLayer
+
+    from roles.lora_backends import DiffusersLoras
+
+    folder = module_tmp / "sdxl-kohya"
+    save_tiny("sdxl", folder)
+    peft_file = make_lora(folder, module_tmp / "sdxl-kohya-peft", seed=6, text_encoder=True)
+    kohya = {}
+    for key, value in safetensors.torch.load_file(peft_file / "pytorch_lora_weights.safetensors").items():
+        component, rest = key.split(".", 1)
+        module, _, ab = rest.rpartition(".lora_")
+        name = {"unet": "lora_unet_", "text_encoder": "lora_te1_"}[component] + module.replace(".", "_")
+        kohya[name + (".lora_down.weight" if ab.startswith("A") else ".lora_up.weight")] = value
+        kohya[name + ".alpha"] = torch.tensor(8.0)
+    (module_tmp / "sdxl-kohya-lora").mkdir()
+    safetensors.torch.save_file(kohya, module_tmp / "sdxl-kohya-lora" / "pytorch_lora_weights.safetensors")
+
+    def applied(pipe, component):
+        return sorted(float(layer.scaling["K"]) * float(layer.lora_B["K"].weight.detach().abs().sum())
+                      for layer in getattr(pipe, component).modules() if isinstance(layer, LoraLayer) and "K" in layer.scaling)
+
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(folder)
+    ref.load_lora_weights(module_tmp / "sdxl-kohya-lora", adapter_name="K")
+    for role, component in (("denoiser", "unet"), ("encoder", "text_encoder")):
+        pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(folder)
+        bank = DiffusersLoras(pipe, role)
+        state, _ = bank.read("K", str(module_tmp / "sdxl-kohya-lora"))
+        bank.install("K", state)
+        got, want = applied(pipe, component), applied(ref, component)
+        assert len(got) == len(want) > 0 and np.allclose(got, want, rtol=1e-5), (component, got[:3], want[:3])
+
+
 def test_a_hotswapped_adapter_takes_its_own_scaling_on_a_compiled_denoiser(flux_files):
     """Issue 44 L1: the compiled bank writes weight x each layer's scaling at weight 1 into peft's scaling tensors;
     after a hotswap, that is the new adapter's (its alpha / rank, which peft wrote in place), not the old one's.
