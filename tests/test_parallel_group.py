@@ -42,9 +42,12 @@ def test_diffusers_default_backend_refuses_what_ring_attention_asks():
 def test_a_ring_layout_sets_the_backend_on_every_attention_before_enabling_parallelism(monkeypatch):
     """Group.apply on a ring 2 rank of a GPU instance (no GPU touched: the backend is a name on each processor)."""
     from diffusers import FluxTransformer2DModel
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     from roles.pipelines.tiny import TRANSFORMER_CONFIG
 
+    # set_attention_backend also makes it the process's active backend: put the default back after the test
+    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
     model = FluxTransformer2DModel(**TRANSFORMER_CONFIG).to(torch.bfloat16)
     seen = []
 
