@@ -2,7 +2,8 @@
 `compile_repeated_blocks`, or the model's `compile`, in place), warmed up at boot over the configured sizes and,
 for a batching denoiser, at batch 1 and its max_batch (a batch of another size is a new shape: dynamo would
 recompile inside the request, with no step's progress for minutes), before the instance reports ready, so no
-request pays the compile. While it warms up, the log says so every TICK_S ("compiling: ... (N s so far)").
+request pays the compile. While it warms up, the log says so every TICK_S ("compiling: ... (N s so far)"); a compile
+inside a request afterwards (CompileWatch) is logged and counts as the instance's progress every TICK_S.
 
 A request with a step cache (roles/step_cache.py) runs the transformer uncompiled (`eager`): diffusers' cache hooks
 keep Python state (step counters, a skip decision per step) that torch.compile would guard on, recompiling for
@@ -131,6 +132,43 @@ def warmup_inputs(adapter) -> dict[str, torch.Tensor] | None:
         embeds = torch.zeros(1, MAX_SEQUENCE_LENGTH, cfg.text_dim, dtype=dtype, device=device)
         return {"prompt_embeds": embeds, "negative_prompt_embeds": embeds.clone()}
     return None
+
+
+class CompileWatch:
+    """Once the warm-up is done, a compile is one inside a request (a size not in compile_sizes, a batch of images,
+    an adapter's new layers): it may take minutes, with no denoising step meanwhile. While one runs, every TICK_S:
+    a log line, and `tick()` (the instance's progress counter, which its heartbeats carry), so the orchestrator's
+    stall detector sees a compile that progresses, not a hung instance. Told by dynamo's compile callbacks."""
+
+    def __init__(self, tick, every_s: float | None = None):
+        self.tick, self.every_s = tick, TICK_S if every_s is None else every_s
+        self._ticker: _Ticker | None = None
+        self.compiles = 0
+
+    def install(self) -> CompileWatch:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        return self
+
+    def remove(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
+
+    def _start(self, *_args) -> None:
+        self.compiles += 1
+        log.warning("compiling inside a request: a shape or adapter not warmed up at boot (compile_sizes, max_batch)")
+        self._ticker = _Ticker(time.perf_counter(), lambda what, s: self.tick(), self.every_s).__enter__()
+        self._ticker.what = "inside a request"
+
+    def _end(self, *_args) -> None:
+        if self._ticker is not None:
+            self._ticker.__exit__(None, None, None)
+            log.info("compiled inside a request in %.1f s", time.perf_counter() - self._ticker.t0)
+            self._ticker = None
 
 
 def warmup_batches(stage) -> list[int]:

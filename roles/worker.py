@@ -135,7 +135,7 @@ class Worker(Link, SelfReport):
             test_hold(self.spec.instance_id)
             if self.spec.compile and stage.role in ("denoiser", "monolith"):
                 from roles.boot import tick as boot_tick
-                from roles.compile import compile_stage
+                from roles.compile import CompileWatch, compile_stage
 
                 boot_phase("compiling", f"torch.compile {self.spec.compile_mode}, warm-up at "
                            f"{', '.join(self.spec.compile_sizes) or 'the default size'}")
@@ -144,6 +144,7 @@ class Worker(Link, SelfReport):
                                                self.spec.compile_cache_dir, self.spec.compile_scope,
                                                hook=lambda what, s: boot_tick(f"{what} ({s:.0f} s so far)"))
                 self.log.info("compiled in %.1f s", self.compile_s)
+                CompileWatch(self.runner.tick).install()  # a compile inside a request is progress, and logged
             self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process
             self.log.exception("cannot load the model")

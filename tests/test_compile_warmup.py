@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from roles.compile import _Ticker, compile_stage, refuse_cudagraphs, warmup_batches, warmup_inputs
+from roles.compile import CompileWatch, _Ticker, compile_stage, refuse_cudagraphs, warmup_batches, warmup_inputs
 from tests.conftest import COMPILE_CACHE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,6 +54,31 @@ def test_the_ticker_tells_what_compiles_and_for_how_long_until_it_ends(caplog):
     assert [s for _, s in told] == sorted(s for _, s in told)
     assert "compiling: warming up at 64x64, batch 2 (0 s so far)" in caplog.messages
     assert t._thread is not None and not t._thread.is_alive() and len(told) == n  # it stopped with the block
+
+
+def test_a_compile_after_boot_is_logged_and_counts_as_progress_while_it_runs(caplog):
+    """A compile inside a request (here any dynamo compile: the watch is the process's) ticks the instance's
+    progress while it runs, so the stall detector does not take a long compile for a hang; it stops with it."""
+    ticks, ticked = [], threading.Event()
+
+    def tick():
+        ticks.append(1)
+        ticked.set()
+
+    def slow(x):
+        assert ticked.wait(60)  # dynamo runs this while tracing: the compile lasts until a tick came
+        return x + 1
+
+    watch = CompileWatch(tick, every_s=0.01).install()
+    try:
+        with caplog.at_level(logging.INFO, logger="disagg.role"):
+            assert torch.compile(slow, backend="eager")(torch.zeros(1)).item() == 1.0
+    finally:
+        watch.remove()
+    # (the wait breaks the graph: dynamo compiles the frames around it, each one told)
+    assert ticks and watch.compiles >= 1 and watch._ticker is None  # its ticker stopped (joined) with the compile
+    assert any(m.startswith("compiling inside a request") for m in caplog.messages), caplog.messages
+    assert any(m.startswith("compiled inside a request in ") for m in caplog.messages), caplog.messages
 
 
 # --- every batch size compiled at boot (M4) ---------------------------------------------------------------------
