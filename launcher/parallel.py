@@ -53,10 +53,11 @@ def resolve_layouts(config, gpus_per: dict[str, int]) -> dict[str, ParallelLayou
         if layout.ring > 1 and not gpus:
             raise ConfigError(f"parallel.{role} ring {layout.ring}: ring attention needs an attention backend that returns "
                               "its log-sum-exp (cuDNN's, on GPUs); on the CPU use ulysses")
-        if layout.ring > 1 and config.dtype == "float32":
-            raise ConfigError(f"parallel.{role} ring {layout.ring} with dtype float32: ring attention runs cuDNN's attention "
-                              "(roles/parallel.py RING_BACKEND), which takes bfloat16 or float16; use dtype auto or "
-                              "bfloat16, or ulysses")
+        if layout.ring > 1 and (config.dtype == "float32" or not spec.family):
+            weights = "dtype float32" if spec.family else f"model {config.model!r} (float32 weights, whatever dtype says)"
+            raise ConfigError(f"parallel.{role} ring {layout.ring} with {weights}: ring attention runs cuDNN's attention "
+                              "(roles/parallel.py RING_BACKEND), which takes bfloat16 or float16; use a checkpoint at "
+                              "dtype auto or bfloat16, or ulysses")
         need = (rc.count + rc.standby) * layout.world
         if gpus and need > len(gpus):
             raise ConfigError(f"{rc.count + rc.standby} {role}(s) of {layout.world} GPUs each need {need} GPUs; "

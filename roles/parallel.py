@@ -192,7 +192,7 @@ def ring_backend(device_type: str, dtype: torch.dtype) -> str:
                          f"cuDNN's, on GPUs); none does on {device_type}: use ulysses")
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"ring attention on GPUs runs {RING_BACKEND} (cuDNN), which takes bfloat16 or float16, and "
-                         f"this model's weights are {dtype_name(dtype)}: set dtype bfloat16, or use ulysses")
+                         f"this model's weights are {dtype_name(dtype)}: set dtype bfloat16 (a checkpoint), or use ulysses")
     return RING_BACKEND
 
 

@@ -55,8 +55,8 @@ def test_gpus_are_carved_into_contiguous_groups_per_instance():
      "is 4 ranks, but --gpus-per-denoiser is 2"),
     (dict(parallel={"denoiser": {"cfg": 2}}), "model 'tiny' cannot run cfg parallelism (it takes ulysses, ring)"),
     (dict(parallel={"denoiser": {"ring": 2}}), "ring attention needs an attention backend"),
-    (dict(parallel={"denoiser": {"ring": 2}}, gpus=[0, 1], dtype="float32"),
-     "ring 2 with dtype float32: ring attention runs cuDNN's attention"),
+    (dict(parallel={"denoiser": {"ring": 2}}, gpus=[0, 1]),
+     "ring 2 with model 'tiny' (float32 weights, whatever dtype says): ring attention runs cuDNN's attention"),
     (dict(parallel={"encoder": {"ulysses": 2}}), "only denoisers run over several devices"),
     (dict(parallel={"denoiser": {"ulysses": 2}}, denoisers=RolePool(count=1, max_batch=4)),
      "with a parallel denoiser: its ranks run one request at a time"),
@@ -85,6 +85,19 @@ def test_families_refuse_what_their_transformer_cannot_do(tmp_path):
     with pytest.raises(ConfigError, match="cannot run ulysses parallelism \\(it takes cfg\\)"):
         validate(config(model=str(tmp_path / "sd3"), parallel={"denoiser": ParallelLayout(ulysses=2)}))
     validate(config(model=str(tmp_path / "sd3"), gpus_per={"denoiser": 2}))  # cfg 2 by default
+
+
+def test_ring_on_gpus_takes_a_half_precision_checkpoint(tmp_path):
+    """Ring attention runs cuDNN's attention (roles/parallel.py RING_BACKEND): bfloat16 or float16 weights only."""
+    from launcher.parallel import ParallelLayout
+
+    save_tiny("flux", tmp_path / "flux")
+    ring = dict(model=str(tmp_path / "flux"), parallel={"denoiser": ParallelLayout(ring=2)}, gpus=[0, 1],
+                denoisers=RolePool(count=1))
+    with pytest.raises(ConfigError, match="ring 2 with dtype float32: ring attention runs cuDNN's attention"):
+        validate(config(dtype="float32", **ring))
+    validate(config(**ring))  # auto: bfloat16 on GPUs
+    validate(config(dtype="float16", **ring))
 
 
 # --- real 2-rank instances over gloo ----------------------------------------------------------------------
