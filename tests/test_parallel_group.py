@@ -66,7 +66,7 @@ def test_a_ring_layout_sets_the_backend_on_every_attention_before_enabling_paral
 # --- an idle group (H4) ----------------------------------------------------------------------------------------
 
 #: the collectives' timeout in this test: short, so the idleness below is many of them
-TIMEOUT_S = 2.0
+TIMEOUT_S = 3.0
 #: how long rank 0 stays idle before its request: five of the collectives' timeouts
 IDLE_S = 5 * TIMEOUT_S
 
