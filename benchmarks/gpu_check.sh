@@ -35,7 +35,7 @@ STEPS="$OUT/steps.jsonl"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISAGG_LOG_LEVEL=${DISAGG_LOG_LEVEL:-INFO}
 
 # The plan: each step's limit in seconds, in the order they run (by value). Its sum and MARGIN_S (the steps' kill
-# grace, the summary) must fit TOTAL_S. GPU limits from the estimates of notes/gpu-review-2026-12-04.md (M3) for one
+# grace of up to 15 s, the summary) must fit TOTAL_S. GPU limits from the estimates of notes/gpu-review-2026-12-04.md (M3) for one
 # H200: install+env ~15 s, pytest ~35 s, transfer ~40 s at 20 repeats (10 here), parity ~50 s, flux ~2 x (boot
 # 30-40 s + 3 requests of 28 steps at ~0.23 s a step), compiled: a boot with a cold inductor compile, then 2
 # requests; wan (480p, 33 frames, 4 steps, 1:1:1): a boot of UMT5-XXL's and the DiT's shapes, then 2 requests.
@@ -120,7 +120,7 @@ step() {  # step NAME CMD...: run CMD under its planned limit, log to OUT/NAME.l
   fi
   echo "== $name (limit ${limit}s)"
   local t0; t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 )), \"limit_s\": $limit, \"timed_out\": $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)}" >> "$STEPS"
   echo "   rc=$rc"; tail -n 3 "$OUT/$name.log"
@@ -139,7 +139,7 @@ have_compiler() {
 
 E2E=(python3 benchmarks/gpu_e2e.py --out "$OUT")
 if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes, fewest runs and steps
-  step install bash -c "python3 benchmarks/gpu_image.py wheels --dry-run --install '$SITE' && python3 benchmarks/gpu_image.py imports" \
+  step install bash -c "python3 benchmarks/gpu_image.py wheels --dry-run --install '$SITE'; w=\$?; python3 benchmarks/gpu_image.py imports && exit \$w" \
     || stop_run install "an install check failed: the GPU run would stop here"
   step env python3 benchmarks/gpu_image.py env --dry-run --json "$OUT/env.json" \
     || stop_run env "a version the code needs is missing"
@@ -155,7 +155,7 @@ if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   fi
   step wan "${E2E[@]}" wan --device cpu --size 32 --frames 9 --steps 2 --runs 1 --layouts 1:1:1
 else
-  step install bash -c "python3 benchmarks/gpu_image.py wheels --install '$SITE' && python3 benchmarks/gpu_image.py imports" \
+  step install bash -c "python3 benchmarks/gpu_image.py wheels --install '$SITE'; w=\$?; python3 benchmarks/gpu_image.py imports && exit \$w" \
     || stop_run install "an install check failed (see the log): every later step would fail on its imports"
   step env bash -c "nvidia-smi; python3 benchmarks/gpu_image.py env --json '$OUT/env.json'" \
     || stop_run env "a version the code needs is missing (see the log)"

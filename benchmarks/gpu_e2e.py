@@ -98,7 +98,7 @@ class Deployment:
             pass
         self.kill()
 
-    def kill(self, grace_s: float = 6.0) -> None:
+    def kill(self, grace_s: float = 7.0) -> None:
         """SIGTERM to the launcher (it stops what it started), then SIGKILL to what is left of it and of every
         process under it after `grace_s`: its roles run in sessions of their own, which no signal to the
         launcher's process group reaches, and a launcher killed outright would leave them running."""
@@ -121,7 +121,7 @@ class Deployment:
                 p.kill()
             except (ProcessLookupError, psutil.NoSuchProcess):
                 pass
-        psutil.wait_procs(alive, timeout=5)
+        psutil.wait_procs(alive, timeout=2)
         self.proc.poll()
 
     def __enter__(self):

@@ -32,7 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 IMAGE_LIST = HERE / "gpu_image.txt"
-WHEEL_LIST = HERE / "gpu_wheels.txt"
+#: GPU_CHECK_WHEEL_LIST: another list (a test's, one lacking a wheel)
+WHEEL_LIST = Path(os.environ.get("GPU_CHECK_WHEEL_LIST") or HERE / "gpu_wheels.txt")
 WHEELS = ROOT / ".whl"
 #: what travels to the device (the working tree with the wheels) at most, and the margin the wheels must leave
 CARRY_LIMIT = 64 << 20
@@ -142,8 +143,9 @@ def make_venv(dest: Path, wheel_list: Path = WHEEL_LIST) -> Path:
     return dest / "bin"
 
 
-def _requirements_met(dist: str) -> list[str]:
-    """What `dist`'s requirements (for the image's Python, no extras) lack: missing or of another version."""
+def _requirements_met(dist: str) -> list[tuple[str, str]]:
+    """What `dist`'s requirements (for the image's Python, no extras) lack, missing or of another version: (the
+    requirement's distribution, why)."""
     from packaging.requirements import Requirement
 
     env = {"python_version": IMAGE_PYTHON, "python_full_version": IMAGE_PYTHON + ".0", "extra": ""}
@@ -155,10 +157,10 @@ def _requirements_met(dist: str) -> list[str]:
         try:
             have = md.version(req.name)
         except md.PackageNotFoundError:
-            bad.append(f"{dist} needs {req}: not installed (not in the image, not carried)")
+            bad.append((req.name, f"{dist} needs {req}: not installed (not in the image, not carried)"))
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append(f"{dist} needs {req}: {have} is installed")
+            bad.append((req.name, f"{dist} needs {req}: {have} is installed"))
     return bad
 
 
@@ -197,12 +199,15 @@ def wheels(install: str | None, dry: bool) -> int:
     errors += [f"{n}: in .whl/ but not in {WHEEL_LIST.name}" for n in found if n not in pins]
     errors += _wheel_requirements(set(read_list(IMAGE_LIST)) | set(pins))
     size = sum(w.stat().st_size for w in WHEELS.glob("*.whl"))
-    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True).stdout.split(b"\0")
+    try:  # what travels beside the wheels (on the GPU machine, a copy without git: not counted)
+        tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                 capture_output=True).stdout.split(b"\0")
+    except OSError:
+        tracked = []
     tree = sum((ROOT / f.decode()).stat().st_size for f in tracked if f and (ROOT / f.decode()).is_file())
     print(f"wheels: {size / 2**20:.1f} MiB, the working tree {tree / 2**20:.1f} MiB: "
           f"{(size + tree) / 2**20:.1f} of {CARRY_LIMIT >> 20} MiB")
-    if size + tree > CARRY_LIMIT - CARRY_MARGIN:
+    if tree and size + tree > CARRY_LIMIT - CARRY_MARGIN:
         errors.append(f"the wheels and the working tree come to {(size + tree) / 2**20:.1f} MiB: over "
                       f"{(CARRY_LIMIT - CARRY_MARGIN) / 2**20:.0f} MiB (the 64 MiB that travels, less a margin)")
     if errors:
@@ -221,7 +226,7 @@ def wheels(install: str | None, dry: bool) -> int:
     return 0
 
 
-def imports() -> int:
+def imports(wheel_list: Path = WHEEL_LIST) -> int:
     """Import every module the steps import, check the carried packages' requirements, encode an MP4."""
     failed = []
     for name in STEP_IMPORTS:
@@ -229,13 +234,13 @@ def imports() -> int:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - each failure is reported by name
             failed.append(f"import {name}: {type(exc).__name__}: {exc}")
-    for dist in read_list(WHEEL_LIST):
+    for dist in read_list(wheel_list):
         try:
             md.version(dist)
         except md.PackageNotFoundError:
             failed.append(f"{dist}: not installed (a carried wheel: benchmarks/gpu_wheels.txt)")
             continue
-        failed += _requirements_met(dist)
+        failed += [why for _, why in _requirements_met(dist)]
     if not failed:
         try:
             import imageio_ffmpeg
@@ -256,15 +261,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
 
 
-def env(dry: bool, out: str | None) -> int:
-    """Print the versions the code needs and check them: pyproject's floors, diffusers at its pin, the requirements
-    of diffusers and transformers; on the GPU also CUDA and the carried wheels' versions. A C compiler is reported
-    (the compiled step is skipped without one)."""
+#: the distributions whose version the code depends on: one missing or too old stops the run (others only warn)
+STOPPERS = {"torch", "transformers", "huggingface-hub", "tokenizers", "safetensors", "diffusers"}
+
+
+def env(dry: bool, out: str | None, wheel_list: Path = WHEEL_LIST) -> int:
+    """Print the versions the code needs and check them: pyproject's floors, diffusers at its pin, what diffusers
+    and transformers require; on the GPU also CUDA and the carried wheels' versions. A problem with torch,
+    transformers, huggingface-hub, tokenizers, safetensors, diffusers or a carried wheel fails (the run stops);
+    with another distribution it is a warning (the step that uses it may fail). A C compiler is reported (the
+    compiled step is skipped without one)."""
     import tomllib
 
     from packaging.requirements import Requirement
 
-    pins = read_list(WHEEL_LIST)
+    pins = read_list(wheel_list)
     there = set(read_list(IMAGE_LIST)) | set(pins)
     doc, bad = {"python": platform.python_version()}, []
     for dist in ("torch", "transformers", "huggingface-hub", "tokenizers", "safetensors", "diffusers", "imageio",
@@ -281,24 +292,29 @@ def env(dry: bool, out: str | None) -> int:
         try:
             have = md.version(req.name)
         except md.PackageNotFoundError:
-            bad.append(f"{req.name} is missing (pyproject: {req})")
+            bad.append((req.name, f"{req.name} is missing (pyproject: {req})"))
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append(f"{req.name} {have} is installed; the code needs {req} (pyproject.toml)")
+            bad.append((req.name, f"{req.name} {have} is installed; the code needs {req} (pyproject.toml)"))
     if doc["diffusers"] != pins["diffusers"]:
-        bad.append(f"diffusers {doc['diffusers']} is installed; the GPU run pins {pins['diffusers']} (the version the "
-                   f"code was measured on; benchmarks/gpu_wheels.txt)")
+        bad.append(("diffusers", f"diffusers {doc['diffusers']} is installed; the GPU run pins {pins['diffusers']} "
+                                 f"(the version the code was measured on; benchmarks/gpu_wheels.txt)"))
     for dist in ("diffusers", "transformers"):
         if doc[dist]:
-            bad += _requirements_met(dist)
+            # a carried diffusers' needs stop the run; transformers' (the image's own) only where we use them
+            bad += [(dist if dist == "diffusers" else name, why) for name, why in _requirements_met(dist)]
     if not dry:  # the carried wheels, as installed (the dry run uses this machine's copies)
-        bad += [f"{n} {md.version(n)} is installed; .whl/ carries {v}" for n, v in pins.items() if md.version(n) != v]
-    if not dry:  # (the dry run spares torch's import: its version is in doc already)
+        for n, v in pins.items():
+            try:
+                if md.version(n) != v:
+                    bad.append((n, f"{n} {md.version(n)} is installed; .whl/ carries {v}"))
+            except md.PackageNotFoundError:
+                bad.append((n, f"{n} is not installed; .whl/ carries {v}"))
         import torch
 
         doc["cuda"] = torch.version.cuda
         if not torch.cuda.is_available():
-            bad.append("torch sees no CUDA device")
+            bad.append(("torch", "torch sees no CUDA device"))
         else:
             doc["device"] = torch.cuda.get_device_name(0)
     cc = _compiler()
@@ -311,10 +327,12 @@ def env(dry: bool, out: str | None) -> int:
     if not cc:
         print("no C compiler ($CC, gcc, clang or cc): triton cannot build its kernels' launchers, so the compiled "
               "step is skipped")
+    fatal = [why for name, why in bad if normalize(name) in STOPPERS | set(pins)]
+    print("".join(f"WARNING: {why}\n" for name, why in bad if why not in fatal), end="")
     if out:
-        Path(out).write_text(json.dumps(doc, indent=1))
-    print("\n".join(bad) or "every version the code needs is there")
-    return 1 if bad else 0
+        Path(out).write_text(json.dumps({**doc, "problems": [why for _, why in bad]}, indent=1))
+    print("\n".join(fatal) or "every version the code needs is there")
+    return 1 if fatal else 0
 
 
 def main() -> int:
@@ -326,8 +344,10 @@ def main() -> int:
     w = sub.add_parser("wheels", help="check .whl/ against the list and the carry limit; --install SITE installs")
     w.add_argument("--install", default=None)
     w.add_argument("--dry-run", action="store_true")
-    sub.add_parser("imports", help="import what the steps import, check the carried packages' requirements")
+    i = sub.add_parser("imports", help="import what the steps import, check the carried packages' requirements")
     e = sub.add_parser("env", help="print and check the versions the code needs")
+    for p in (i, e):
+        p.add_argument("--wheels", type=Path, default=WHEEL_LIST, help="the carried wheels' list (default: %(default)s)")
     e.add_argument("--dry-run", action="store_true")
     e.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -337,8 +357,8 @@ def main() -> int:
     if args.cmd == "wheels":
         return wheels(args.install, args.dry_run)
     if args.cmd == "imports":
-        return imports()
-    return env(args.dry_run, args.json)
+        return imports(args.wheels)
+    return env(args.dry_run, args.json, args.wheels)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,29 @@ def test_the_image_venv_hides_what_the_image_lacks_and_carries_the_wheels(tmp_pa
     assert seen["carried"] == {"imageio_ffmpeg": True, "imageio": True, "fastapi": False, "msgspec": True}
 
 
+def test_a_missing_wheel_stops_the_dry_run_at_install_and_a_wrong_version_at_env(tmp_path):
+    """The wan step's imageio-ffmpeg left out of the wheels: the dry run stops at its install step, naming it, as the
+    GPU run would, before any later step. And diffusers not at the pinned version stops the env step."""
+    lacking = tmp_path / "wheels.txt"
+    lacking.write_text("".join(line + "\n" for line in (ROOT / "benchmarks" / "gpu_wheels.txt").read_text().splitlines()
+                               if not line.startswith("imageio-ffmpeg")))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_IMAGE_VENV"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out), "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "GPU_CHECK_WHEEL_LIST": str(lacking)}, timeout=240)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "STOPPED at install" in proc.stdout
+    assert "import imageio_ffmpeg: ModuleNotFoundError" in (out / "install.log").read_text()
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == ["install", "install"] and steps[1]["stopped"]
+    assert json.loads((out / "gpu-h200.json").read_text())["steps"] == steps  # the summary is written all the same
+    older = tmp_path / "older.txt"
+    older.write_text((ROOT / "benchmarks" / "gpu_wheels.txt").read_text().replace("diffusers==0.42.1", "diffusers==0.41.0"))
+    run = subprocess.run([sys.executable, "benchmarks/gpu_image.py", "env", "--dry-run", "--wheels", str(older)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "the GPU run pins 0.41.0" in run.stdout, run.stdout + run.stderr
+
+
 def _ready(endpoint: str, deadline: float) -> bool:
     while time.monotonic() < deadline:
         try:
