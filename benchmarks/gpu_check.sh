@@ -98,12 +98,11 @@ PY
 trap summarize EXIT
 
 if [ "$DRY" = --dry-run ] && [ -z "${GPU_CHECK_IMAGE_VENV:-}" ]; then
-  # the image's conditions: a venv that sees only the image's packages and the carried ones
-  VENV=$(mktemp -d /tmp/disagg-image-venv.XXXX)
-  CLEAN+=("$VENV")
-  python3 benchmarks/gpu_image.py venv "$VENV/venv" > /dev/null || { echo "could not make the image-like venv"; exit 1; }
-  export GPU_CHECK_IMAGE_VENV=$VENV/venv PATH="$VENV/venv/bin:$PATH"
-  echo "image-like venv: $VENV/venv (hides $(wc -l < "$VENV/venv/hidden.txt") distributions of this machine)"
+  # the image's conditions: a venv that sees only the image's packages and the carried ones (made once for these
+  # lists and this machine's packages, then kept)
+  VENV_BIN=$(python3 benchmarks/gpu_image.py venv) || { echo "could not make the image-like venv"; exit 1; }
+  export GPU_CHECK_IMAGE_VENV=${VENV_BIN%/bin} PATH="$VENV_BIN:$PATH"
+  echo "image-like venv: $GPU_CHECK_IMAGE_VENV (hides $(wc -l < "$GPU_CHECK_IMAGE_VENV/hidden.txt") distributions of this machine)"
 fi
 [ "$DRY" = --dry-run ] && { SITE=$(mktemp -d /tmp/disagg-site-dry.XXXX); CLEAN+=("$SITE"); }
 # the dry run uses this machine's copies of the carried packages (its Python cannot import the cp312 wheels)

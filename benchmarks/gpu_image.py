@@ -1,6 +1,6 @@
 """The GPU machine's image as benchmarks/gpu_check.sh sees it: what it holds, what is carried to it, and checks.
 
-    python benchmarks/gpu_image.py venv DEST          # an image-like venv for the CPU dry run (prints its bin/)
+    python benchmarks/gpu_image.py venv [DEST]        # an image-like venv for the CPU dry run (prints its bin/)
     python benchmarks/gpu_image.py wheels [--install SITE] [--dry-run]   # .whl/ against gpu_wheels.txt
     python benchmarks/gpu_image.py imports            # import what the steps import, encode an MP4
     python benchmarks/gpu_image.py env [--dry-run] [--json FILE]         # the versions the code needs
@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -119,11 +120,16 @@ def _host_needs(seeds: set[str], env: dict | None = None) -> dict[str, str]:
     return needs
 
 
+def _host_sites() -> list[Path]:
+    return [Path(p) for p in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")) if Path(p).is_dir()]
+
+
 def make_venv(dest: Path, wheel_list: Path = WHEEL_LIST) -> Path:
     """A venv (no pip of its own) that sees this interpreter's site-packages as the GPU image would: only the
     image's distributions and the carried ones, and what this machine's versions of the image's distributions
     need beside them (a newer huggingface-hub here needs httpx2: the image's own versions fit together there).
-    Returns its bin folder; DEST/hidden.txt lists what it hides, DEST/host-only.txt what it lets through for that."""
+    Returns its bin folder; DEST/hidden.txt lists what it hides, DEST/host-only.txt what it lets through for that.
+    Its .pth names the views relatively: the folder can be moved (renamed) whole."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
     image, carried = set(read_list(IMAGE_LIST)), set(read_list(wheel_list))
     host_only = {n: who for n, who in _host_needs(image).items() if n not in carried}
@@ -131,15 +137,34 @@ def make_venv(dest: Path, wheel_list: Path = WHEEL_LIST) -> Path:
     ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
     venv_site = dest / "lib" / ver / "site-packages"
     hidden, lines = [], []
-    for i, site in enumerate(p for p in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))):
-        if Path(site).is_dir():
-            view = dest / f"image-view-{i}"
-            hidden += image_view(Path(site), view, allowed)
-            lines.append(str(view))
+    for i, site in enumerate(_host_sites()):
+        hidden += image_view(site, dest / f"image-view-{i}", allowed)
+        lines.append(f"../../../image-view-{i}")  # relative to the venv's site-packages
     (venv_site / "disagg-image-view.pth").write_text("\n".join(lines) + "\n")
     (dest / "hidden.txt").write_text("\n".join(sorted(set(hidden))) + "\n")
     (dest / "host-only.txt").write_text("".join(f"{n} (this machine's {who} needs it)\n" for n, who in
                                                 sorted(host_only.items())))
+    return dest / "bin"
+
+
+def shared_venv(wheel_list: Path = WHEEL_LIST) -> Path:
+    """The image-like venv for this interpreter and these lists, made once at a path of their own and kept: the
+    dry run's compiled step then finds its kernels in the inductor cache again (their key holds torch's path)."""
+    import hashlib
+
+    key = hashlib.sha256()
+    for part in (sys.executable, IMAGE_LIST.read_text(), wheel_list.read_text(),
+                 *(sorted(os.listdir(site)) for site in _host_sites())):
+        key.update(repr(part).encode())
+    dest = Path(tempfile.gettempdir()) / f"disagg-image-venv-{os.getuid()}-{key.hexdigest()[:12]}"
+    if not (dest / "hidden.txt").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        make_venv(tmp / "venv", wheel_list)
+        try:
+            os.rename(tmp / "venv", dest)  # atomic: a dry run beside this one made the same, or uses ours
+        except OSError:
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest / "bin"
 
 
@@ -338,8 +363,9 @@ def env(dry: bool, out: str | None, wheel_list: Path = WHEEL_LIST) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("venv", help="make an image-like venv at DEST; prints its bin folder")
-    v.add_argument("dest", type=Path)
+    v = sub.add_parser("venv", help="make an image-like venv at DEST (default: a kept one for these lists, made "
+                       "once); prints its bin folder")
+    v.add_argument("dest", type=Path, nargs="?")
     v.add_argument("--wheels", type=Path, default=WHEEL_LIST, help="the carried wheels' list (default: %(default)s)")
     w = sub.add_parser("wheels", help="check .whl/ against the list and the carry limit; --install SITE installs")
     w.add_argument("--install", default=None)
@@ -352,7 +378,7 @@ def main() -> int:
     e.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.cmd == "venv":
-        print(make_venv(args.dest, args.wheels))
+        print(make_venv(args.dest, args.wheels) if args.dest else shared_venv(args.wheels))
         return 0
     if args.cmd == "wheels":
         return wheels(args.install, args.dry_run)
