@@ -16,7 +16,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl -r benchmarks/gpu_wheels.txt
-# (Mooncake's CUDA wheel is ~98 MB, over the 64 MiB that travels: the GPU run does not cover mooncake.)
+# .whl/ is ignored by git: the device tool's `run` must name it in `carry` (with the working tree, under 64 MiB; the
+# install step checks that). Mooncake's CUDA wheel is ~98 MB, over that limit: the GPU run does not cover mooncake.
 #
 # The install step checks .whl/ against that list, installs it, imports everything the steps import and encodes
 # an MP4; the env step prints and checks the versions the code needs (pyproject's floors, diffusers at its pin, a C
@@ -158,7 +159,8 @@ else
     || stop_run install "an install check failed (see the log): every later step would fail on its imports"
   step env bash -c "nvidia-smi; python3 benchmarks/gpu_image.py env --json '$OUT/env.json'" \
     || stop_run env "a version the code needs is missing (see the log)"
-  step pytest_gpu python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
+  # 30 s a test, inside the step's limit: a hung test is reported by name, and the others' results kept
+  step pytest_gpu python3 -m pytest -q -o addopts="" -m gpu --timeout 30 -p no:cacheprovider tests/test_gpu.py
   step transfer python3 -m launcher bench transfer --gpus 0 --engines cuda-ipc,shm \
     --sizes 16384,65536,262144,1048576,4194304,10485760,31457280 --repeats 10 --warmup 2 --json
   step parity "${E2E[@]}" parity --device cuda:0
