@@ -104,8 +104,6 @@ class Deployment:
         launcher's process group reaches, and a launcher killed outright would leave them running."""
         import psutil
 
-        if self in LIVE:
-            LIVE.remove(self)
         try:
             launcher = psutil.Process(self.proc.pid)
             tree = [launcher, *launcher.children(recursive=True)]
@@ -123,6 +121,8 @@ class Deployment:
                 pass
         psutil.wait_procs(alive, timeout=2)
         self.proc.poll()
+        if self in LIVE:  # only now: a SIGTERM during this kill kills again
+            LIVE.remove(self)
 
     def __enter__(self):
         return self
