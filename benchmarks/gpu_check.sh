@@ -36,7 +36,7 @@ STEPS="$OUT/steps.jsonl"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISAGG_LOG_LEVEL=${DISAGG_LOG_LEVEL:-INFO}
 
 # The plan: each step's limit in seconds, in the order they run (by value). Its sum and MARGIN_S (the steps' kill
-# grace of up to 15 s, the summary) must fit TOTAL_S. GPU limits from the estimates of notes/gpu-review-2026-12-04.md (M3) for one
+# grace of up to 20 s, the summary) must fit TOTAL_S. GPU limits from the estimates of notes/gpu-review-2026-12-04.md (M3) for one
 # H200: install+env ~15 s, pytest ~35 s, transfer ~40 s at 20 repeats (10 here), parity ~50 s, flux ~2 x (boot
 # 30-40 s + 3 requests of 28 steps at ~0.23 s a step), compiled: a boot with a cold inductor compile, then 2
 # requests; wan (480p, 33 frames, 4 steps, 1:1:1): a boot of UMT5-XXL's and the DiT's shapes, then 2 requests.
@@ -120,7 +120,7 @@ step() {  # step NAME CMD...: run CMD under its planned limit, log to OUT/NAME.l
   fi
   echo "== $name (limit ${limit}s)"
   local t0; t0=$(date +%s)
-  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 )), \"limit_s\": $limit, \"timed_out\": $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)}" >> "$STEPS"
   echo "   rc=$rc"; tail -n 3 "$OUT/$name.log"

@@ -98,7 +98,7 @@ class Deployment:
             pass
         self.kill()
 
-    def kill(self, grace_s: float = 7.0) -> None:
+    def kill(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the launcher (it stops what it started), then SIGKILL to what is left of it and of every
         process under it after `grace_s`: its roles run in sessions of their own, which no signal to the
         launcher's process group reaches, and a launcher killed outright would leave them running."""
