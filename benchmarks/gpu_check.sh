@@ -16,6 +16,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl -r benchmarks/gpu_wheels.txt
+# With the device tool (its $OUT brings back 8 files at most): run carry [".whl"], timeout_s 600,
+#   bash benchmarks/gpu_check.sh /tmp/gpu; cp /tmp/gpu/gpu-h200.json $OUT/; tar czf $OUT/gpu-logs.tgz -C /tmp gpu
 # .whl/ is ignored by git: the device tool's `run` must name it in `carry` (with the working tree, under 64 MiB; the
 # install step checks that). Mooncake's CUDA wheel is ~98 MB, over that limit: the GPU run does not cover mooncake.
 #
