@@ -1,7 +1,8 @@
 """The GPU run's end-to-end steps: parity of the tiny pipeline, and real-size Flux, disaggregated vs colocated.
 
     python benchmarks/gpu_e2e.py parity --out DIR      # tiny (fp32) and a tiny Flux checkpoint (bf16), --gpus 0
-    python benchmarks/gpu_e2e.py flux --out DIR        # FLUX.1-dev shapes, random weights, 1024x1024, 4 and 28 steps
+    python benchmarks/gpu_e2e.py flux --out DIR        # FLUX.1-dev shapes, random weights, 1024x1024, 28 steps
+    python benchmarks/gpu_e2e.py compiled --modes compiled --runs 1 --out DIR   # its compiled step time
     python benchmarks/gpu_e2e.py wan --size 832 --height 480 --frames 33 --steps 4 --out DIR   # Wan 2.1 1.3B
     python benchmarks/gpu_e2e.py parity --device cpu   # the CPU dry run of the same code (no GPU flags)
 
