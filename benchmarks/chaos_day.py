@@ -308,6 +308,8 @@ def main(argv=None) -> int:
         why = [f"{r[k]} {k}" for k in ("lost", "duplicated", "wrong_images") if r[k]]
         why += [f"{r['wrong_vs_model']} wrong vs the model"] if r.get("wrong_vs_model") else []
         why += [f"{sum(not x['converged'] for x in r['restarts'])} restarts not converged"] if not r["converged_all"] else []
+        end = (r.get("final") or {}).get("chaos") or {}
+        why += [f"not converged at the end: {end.get('why')}"] if end and not end.get("converged") else []
         why += ["kill plan not carried out"] if not r["plan_done"] else []
         print(f"- {r['part']} run {r['run']}: " + ", ".join(why))
         for x in r["restarts"]:
