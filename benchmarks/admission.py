@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 SHAPE = {"width": 256, "height": 256, "num_inference_steps": 2}
 
 
 def run_once(n: int) -> dict:
-    from client import Client
-    from transport.messages import ErrorCode, GenerationParams
+    from disagg.client import Client
+    from disagg.transport.messages import ErrorCode, GenerationParams
 
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"

@@ -4,7 +4,7 @@ and the rounds alternate between them (concurrency 1, then 64, per round).
     git worktree add /tmp/before BASE_COMMIT
     python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--out FILE]
 
-Each side runs its own `python -m launcher launch` and `python -m launcher bench` from its folder.
+Each side runs its own `python -m disagg launch` and `python -m disagg bench` from its folder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ BENCHES = {"c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20
 
 
 def cli(tree: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", *args]
+    return [sys.executable, "-m", "disagg", *args]
 
 
 def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180) -> None:

@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 
 REQUEST = {"width": 64, "height": 64, "num_inference_steps": 4}
 #: --deadlines: requests mix long and short, priorities 0-2 and a deadline each, so that a `schedule: slo`
@@ -71,7 +71,7 @@ class Run:
         self.phase = "baseline"
         self.stop_at = 0.0
         self.answers: dict[str, int] = {}
-        self.cmd = [sys.executable, "-m", "launcher", "launch", "-e", "1", "-d", "2", "-k", "1", "--model", args.model,
+        self.cmd = [sys.executable, "-m", "disagg", "launch", "-e", "1", "-d", "2", "-k", "1", "--model", args.model,
                     "--port", str(self.port), "--http-port", str(self.http_port), "--no-dashboard",
                     "--run-dir", str(run_dir), *args.launch_arg]
 

@@ -10,7 +10,7 @@ Each run has two parts, each a deployment with every feature on that its model h
   whose split follows the traffic, adapters loaded, offloaded to host memory and restored, batching, priorities
   and deadlines, the conditioning cache (repeated prompts), live previews. The trace alternates phases that want
   different splits (denoiser-heavy images, then 1-step 1024² images that want decoders), so devices move.
-  The sim model's payloads are request-specific (roles/pipelines/sim.py): each image is checked against the
+  The sim model's payloads are request-specific (disagg/roles/pipelines/sim.py): each image is checked against the
   reference run's, and against the model's own function of the request (`expected_pixels`); previews too.
 - demo: the trained demo model 1:2:1 `--lora-dir DIR --lora-host-slots 2 --max-batch 4 --schedule slo --http-port`,
   with three peft adapters made here, step caches of several types, previews, repeated prompts.
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from chaos import pct  # noqa: E402
-from roles.compute import preview_steps  # noqa: E402
+from disagg.roles.compute import preview_steps  # noqa: E402
 
 
 from chaos_day_trace import demo_trace, make_demo_loras, pick_ports, previews_asked, sim_trace  # noqa: E402
@@ -101,7 +101,7 @@ def compare(part: str, specs: list[dict], ref: Pass | None, run: Pass, tolerance
             if d > tolerance:
                 wrong.append({"id": s["id"], "max_diff": d, "path": s["path"]})
         if part == "sim":
-            from roles.pipelines.sim import expected_pixels, image_checksum
+            from disagg.roles.pipelines.sim import expected_pixels, image_checksum
 
             if not image or image_checksum(image) != expected_pixels(s["params"]).hex():
                 wrong_model.append(s["id"])
@@ -119,7 +119,7 @@ def compare(part: str, specs: list[dict], ref: Pass | None, run: Pass, tolerance
     delivered = sum(len(run.partials.get(s["id"], {})) for s in specs)
     wrong_previews = []
     if part == "sim":
-        from roles.pipelines.sim import expected_pixels, image_checksum
+        from disagg.roles.pipelines.sim import expected_pixels, image_checksum
 
         for s in specs:
             at = {index: step for step, index in preview_steps(s["params"].get("num_inference_steps") or 4,
@@ -175,7 +175,7 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
         plan = [k.partition("@")[0] for k in plan]
     report: dict = {"part": part, "run": index + 1, "seed": seed, "plan": plan}
     passes = {}
-    # sim --short (the test suite's): the sim model's image is a function of the request (roles/pipelines/sim.py
+    # sim --short (the test suite's): the sim model's image is a function of the request (disagg/roles/pipelines/sim.py
     # expected_pixels, checked against its pipeline by tests/test_chaos_day.py), so that function stands for the
     # run without kills and the reference pass is left out
     tags = (("chaos", plan),) if args.short and part == "sim" else (("reference", None), ("chaos", plan))

@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import msgspec  # noqa: E402
 
-from client import Client, Unreachable  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 from chaos_day_trace import ROLES, SIM_DEVICES, SIM_LORA  # noqa: E402
 
 
@@ -53,7 +53,7 @@ class Deployment:
             self.devices = set()
             # 2 slots for 3 adapters: unloads, so the host tier restores
             args = ["-e", "1", "-d", "2", "-k", "1", "--lora-dir", str(loras), "--lora-slots", "2", "--lora-host-slots", "2"]
-        self.cmd = [sys.executable, "-m", "launcher", "launch", *args, *common]
+        self.cmd = [sys.executable, "-m", "disagg", "launch", *args, *common]
         self.proc: subprocess.Popen | None = None
 
     def status(self, timeout_s: float = 3.0) -> dict:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from roles.compute import preview_steps  # noqa: E402
+from disagg.roles.compute import preview_steps  # noqa: E402
 
 ROLES = ("encoder", "denoiser", "decoder")
 #: the sim part's simulated devices (one instance each) and its launch
@@ -115,7 +115,7 @@ def sim_trace(seed: int, short: bool) -> list[dict]:
 
 def demo_trace(seed: int, short: bool) -> list[dict]:
     """The demo model's own prompts (12 of them: repeats), adapters, step caches, previews, deadlines."""
-    from roles.pipelines.demo import COLOURS, POSITIONS, SHAPES, caption
+    from disagg.roles.pipelines.demo import COLOURS, POSITIONS, SHAPES, caption
 
     rng = random.Random(seed)
     prompts = [caption(rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(POSITIONS)) for _ in range(12)]
@@ -135,7 +135,7 @@ def demo_trace(seed: int, short: bool) -> list[dict]:
 
 
 def previews_asked(params: dict) -> int:
-    """Previews a request can get: evenly spaced steps, never the last (roles/compute.py)."""
+    """Previews a request can get: evenly spaced steps, never the last (disagg/roles/compute.py)."""
     steps = params.get("num_inference_steps") or 8
     return len(preview_steps(steps, params.get("previews") or 0))
 
@@ -149,7 +149,7 @@ def make_demo_loras(folder: Path) -> Path:
     from diffusers import FluxPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from roles.pipelines.demo import build_demo_component
+    from disagg.roles.pipelines.demo import build_demo_component
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, seed, mul in DEMO_ADAPTERS:

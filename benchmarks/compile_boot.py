@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 CONFIG = """model: tiny
 compile: {compile}

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 
 def children_cpu() -> float:
@@ -32,7 +32,7 @@ def children_cpu() -> float:
 def one_start(flag: str, layout: list[str], n: int, run_dir: Path) -> tuple[float, float]:
     port = free_port_pair()
     cpu0, t0 = children_cpu(), time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "launch", "--model", "tiny", "-e", layout[0], "-d",
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "launch", "--model", "tiny", "-e", layout[0], "-d",
                              layout[1], "-k", layout[2], "--no-dashboard", "--spares", "0", flag, "--port", str(port),
                              "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)

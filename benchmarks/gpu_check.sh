@@ -146,7 +146,7 @@ if [ "$DRY" = --dry-run ]; then  # the same steps' code on the CPU, at toy sizes
   step env python3 benchmarks/gpu_image.py env --dry-run --json "$OUT/env.json" \
     || stop_run env "a version the code needs is missing"
   step pytest_gpu python3 -m pytest -q -o addopts="" -m gpu --timeout 60 -p no:cacheprovider tests/test_gpu.py
-  step transfer python3 -m launcher bench transfer --engines shm,inline --sizes 16384 --repeats 2 --warmup 1 --json
+  step transfer python3 -m disagg bench transfer --engines shm,inline --sizes 16384 --repeats 2 --warmup 1 --json
   # one case (the bf16 checkpoint's: the fp32 tiny one is the same code on another model)
   step parity "${E2E[@]}" parity --device cpu --cases ckpt --prompts 1 --size 64 --steps 2
   step flux "${E2E[@]}" flux --device cpu --size 64 --steps 2 --runs 1
@@ -163,7 +163,7 @@ else
     || stop_run env "a version the code needs is missing (see the log)"
   # 30 s a test, inside the step's limit: a hung test is reported by name, and the others' results kept
   step pytest_gpu python3 -m pytest -q -o addopts="" -m gpu --timeout 30 -p no:cacheprovider tests/test_gpu.py
-  step transfer python3 -m launcher bench transfer --gpus 0 --engines cuda-ipc,shm \
+  step transfer python3 -m disagg bench transfer --gpus 0 --engines cuda-ipc,shm \
     --sizes 16384,65536,262144,1048576,4194304,10485760,31457280 --repeats 10 --warmup 2 --json
   step parity "${E2E[@]}" parity --device cuda:0
   # does splitting pay? FLUX.1-dev shapes, 1:1:1 against one colocated replica on the same GPU, with stage times,

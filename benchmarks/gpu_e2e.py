@@ -33,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 
 
 #: the deployments running now: SIGTERM kills them (on_sigterm)
@@ -48,7 +48,7 @@ class Deployment:
     def __init__(self, flags: list[str], log: Path, boot_s: float = 240, env: dict[str, str] | None = None):
         self.port = free_port_pair()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--no-dashboard", "--spares", "0",
+        cmd = [sys.executable, "-m", "disagg", "launch", "--port", str(self.port), "--no-dashboard", "--spares", "0",
                *flags]
         print("$", " ".join(cmd), flush=True)
         # no SIGTERM between the start and LIVE: its handler would miss this launcher
@@ -179,7 +179,7 @@ def parity(args) -> dict:
         with Deployment(flags, Path(args.out) / f"parity-{model == 'tiny' and 'tiny' or 'ckpt'}.log") as dep:
             outcomes = dep.run(params)
         if model == "tiny":
-            from roles.pipelines.tiny import build_tiny_flux_pipeline
+            from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
             pipe = build_tiny_flux_pipeline(args.device)
         else:

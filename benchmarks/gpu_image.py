@@ -42,15 +42,15 @@ CARRY_MARGIN = 4 << 20
 #: the image's Python (KINDS.md): the wheels are chosen for it, and requirement markers read as it would
 IMAGE_PYTHON = "3.12"
 #: our own top-level packages (the repository root is on PYTHONPATH)
-OURS = {"client", "gateway", "launcher", "orchestrator", "roles", "settings", "transport", "benchmarks", "tests"}
+OURS = {"disagg", "benchmarks", "tests"}
 #: what the steps import (the install step imports each: a wheel missing on the GPU fails there, in seconds)
 STEP_IMPORTS = (
     "torch", "numpy", "PIL", "zmq", "msgspec", "yaml", "click", "rich", "psutil", "setproctitle", "packaging",
     "safetensors", "huggingface_hub", "transformers", "diffusers", "importlib_metadata", "imageio", "imageio.v3",
     "imageio_ffmpeg", "pytest", "pytest_timeout",
-    "launcher.cli", "orchestrator.__main__", "roles.__main__", "roles.forks", "roles.worker", "roles.compile",
-    "roles.media", "roles.pipelines.tiny", "roles.pipelines.flux", "roles.pipelines.wan", "roles.pipelines.payload",
-    "roles.pipelines.random_weights", "roles.pipelines.checkpoint", "transport.cuda_ipc", "client",
+    "disagg.launcher.cli", "disagg.orchestrator.__main__", "disagg.roles.__main__", "disagg.roles.forks", "disagg.roles.worker", "disagg.roles.compile",
+    "disagg.roles.media", "disagg.roles.pipelines.tiny", "disagg.roles.pipelines.flux", "disagg.roles.pipelines.wan", "disagg.roles.pipelines.payload",
+    "disagg.roles.pipelines.random_weights", "disagg.roles.pipelines.checkpoint", "disagg.transport.cuda_ipc", "client",
     "benchmarks.gpu_e2e", "benchmarks.gpu_models", "tests.checkpoints", "tests.ckpt_wan",
 )
 
@@ -271,7 +271,7 @@ def imports(wheel_list: Path = WHEEL_LIST) -> int:
             import imageio_ffmpeg
             import numpy as np
 
-            from roles.media import encode_mp4
+            from disagg.roles.media import encode_mp4
 
             mp4 = encode_mp4([np.zeros((16, 16, 3), np.uint8)] * 2)
             print(f"an MP4 of 2 frames: {len(mp4)} bytes (ffmpeg: {imageio_ffmpeg.get_ffmpeg_exe()})")

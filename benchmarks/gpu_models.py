@@ -6,7 +6,7 @@
 
 The folder holds model_index.json, each component's config.json, the scheduler's and the tokenizers'
 files, and `random_weights.json`: disagg's roles then build their own components from the configs
-(roles/pipelines/random_weights.py), on their device, instead of loading weights. Nothing is
+(disagg/roles/pipelines/random_weights.py), on their device, instead of loading weights. Nothing is
 downloaded: the tokenizers are the tiny in-memory ones (their ids fit any vocabulary).
 """
 
@@ -57,8 +57,8 @@ def write_flux(folder: Path, scale: str = "real") -> Path:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
-    from roles.pipelines.random_weights import MARKER
-    from roles.pipelines.tiny import SCHEDULER_CONFIG, _clip_tokenizer, _t5_tokenizer
+    from disagg.roles.pipelines.random_weights import MARKER
+    from disagg.roles.pipelines.tiny import SCHEDULER_CONFIG, _clip_tokenizer, _t5_tokenizer
 
     sizes = FLUX if scale == "real" else TOY
     folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def write_wan(folder: Path, scale: str = "real") -> Path:
     Wan 2.1 1.3B's (real) or kept (toy), and no weights."""
     from transformers import UMT5Config
 
-    from roles.pipelines.random_weights import MARKER
+    from disagg.roles.pipelines.random_weights import MARKER
     from tests.ckpt_wan import save_tiny_wan
 
     save_tiny_wan(folder)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 #: a restore from host memory (loras.host_slots): a Flux adapter of ~100 MiB over PCIe at ~10 GB/s, plus moving
 #: its ~1,000 LoRA tensors one by one (diffusers' set_lora_device); an estimate, not measured on a GPU here

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 from tests import netns  # noqa: E402
 
 MODEL = ["--model", "sim:flux-h200", "--capacity", "1,1,1", "--spares", "0"]
@@ -62,7 +62,7 @@ def one(layout: str, tmp: Path) -> dict:
         else:
             hosts.launch(0, [*common, "-e", "1", "-d", "6", "-k", "1", "--run-dir", str(tmp / "h0")], tmp / "h0.log")
         wait_ready(head, 8)
-        res = subprocess.run([sys.executable, "-m", "launcher", "bench", "--endpoint", head, *BENCH], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "disagg", "bench", "--endpoint", head, *BENCH], capture_output=True,
                              text=True, cwd=ROOT, timeout=600)
         if res.returncode:
             raise SystemExit(f"bench failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
@@ -79,8 +79,8 @@ def transfer_by_size(cross: bool, tmp: Path, repeats: int) -> dict[int, float]:
     """Median µs of the denoiser's pull (Run received -> inputs in its own pool, as `disagg bench transfer`
     measures it), by size, with the compute-free `payload` model: the encoder on host 0 stages N bytes,
     the denoiser on host 0 (shm) or, `cross`, on host 1 (Mooncake TCP over the veth link)."""
-    from launcher.bench_transfer import SIZES, shape_for
-    from transport.messages import GenerationParams
+    from disagg.launcher.bench_transfer import SIZES, shape_for
+    from disagg.transport.messages import GenerationParams
 
     hosts = netns.Hosts(2 if cross else 1)
     try:

@@ -5,16 +5,16 @@
 # Usage: bash benchmarks/newcomer_checks.sh [PORT] [HTTP_PORT]   (run from the repository root)
 set -u
 P=${1:-27555}; H=${2:-27600}; D=$(mktemp -d)
-python -m launcher keys generate "$D/keys" >/dev/null
-python -m launcher launch --model payload --port "$P" --keys "$D/keys" -e 1 -d 0 -k 1 --join-wait 2 --http-port "$H" \
+python -m disagg keys generate "$D/keys" >/dev/null
+python -m disagg launch --model payload --port "$P" --keys "$D/keys" -e 1 -d 0 -k 1 --join-wait 2 --http-port "$H" \
   --spares 0 --no-dashboard --run-dir "$D/run" > "$D/launch.log" 2>&1 &
 LP=$!
 trap 'kill -INT $LP 2>/dev/null; wait $LP; rm -rf "$D"' EXIT
-for _ in $(seq 60); do python -m launcher status --endpoint "tcp://127.0.0.1:$P" --keys "$D/keys" >/dev/null 2>&1 && break; sleep 1; done
+for _ in $(seq 60); do python -m disagg status --endpoint "tcp://127.0.0.1:$P" --keys "$D/keys" >/dev/null 2>&1 && break; sleep 1; done
 sleep 3  # past --join-wait
 echo "M2: status without --keys (exit status, seconds)"
 for _ in $(seq 10); do
-  s=$(date +%s.%N); timeout 40 python -m launcher status --endpoint "tcp://127.0.0.1:$P" >/dev/null 2>&1; rc=$?
+  s=$(date +%s.%N); timeout 40 python -m disagg status --endpoint "tcp://127.0.0.1:$P" >/dev/null 2>&1; rc=$?
   printf "%s %.2f\n" "$rc" "$(echo "$(date +%s.%N) - $s" | bc)"
 done
 echo "M1: a generation with no denoiser (HTTP status, seconds)"

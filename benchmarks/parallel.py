@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 
 LAYOUTS = {"1 rank": "", "ulysses 2": "parallel:\n  denoiser: {ulysses: 2}\n"}
 
@@ -35,7 +35,7 @@ def measure(name: str, extra: str, params: list[GenerationParams]) -> dict:
     cfg = run_dir / "config.yaml"
     cfg.write_text("denoisers: {count: 1}\n" + extra)
     port = free_port_pair()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "launch", "--config", str(cfg), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "launch", "--config", str(cfg), "--port", str(port),
                              "--no-dashboard", "--spares", "0", "--run-dir", str(run_dir)], cwd=ROOT,
                             stdout=open(run_dir / "launch.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"tcp://127.0.0.1:{port}"

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
-from client import Client  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 
 CONFIG = """model: sim:flux-h200
 encoders: {count: 1, capacity: 4, gpus: [0]}

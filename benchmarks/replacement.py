@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
-from transport.messages import GenerationParams  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.transport.messages import GenerationParams  # noqa: E402
 
 CONFIGS = {
     "no spare": ["--spares", "0"],
@@ -51,7 +51,7 @@ def measure(name: str, flags: list[str], kills: int, gap: float) -> dict:
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     run_dir = Path(tempfile.mkdtemp(prefix="disagg-replace-"))
-    cmd = [sys.executable, "-m", "launcher", "launch", "-e", "1", "-d", "1", "-k", "1", "--port", str(port),
+    cmd = [sys.executable, "-m", "disagg", "launch", "-e", "1", "-d", "1", "-k", "1", "--port", str(port),
            "--no-dashboard", "--run-dir", str(run_dir), *flags]
     print(f"{name}: $ {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, stdout=open(run_dir / "launch.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,

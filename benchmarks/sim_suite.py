@@ -69,7 +69,7 @@ SUITES: dict[str, tuple[list[str], dict[str, list[str]]]] = {
 
 
 def disagg(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", *args]
+    return [sys.executable, "-m", "disagg", *args]
 
 
 def wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 300) -> int:

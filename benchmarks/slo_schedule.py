@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from benchmarks.traces.mixed import generate  # noqa: E402
-from launcher.bench_trace import TraceLine, run_trace, standalone  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.launcher.bench_trace import TraceLine, run_trace, standalone  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 CONFIG = """model: sim:mixed-h200
 encoders: {count: 1, capacity: 4, gpus: [4]}
@@ -42,7 +42,7 @@ def lines_for(rate: float, num: int, seed: int) -> list[TraceLine]:
 
 def measure(policy: str, config: Path, plan: list[tuple[str, float, int]], num: int, slo_factor: float) -> dict:
     """One deployment of `policy`; every (tag, rate, seed) of the plan replayed on it in order."""
-    from client import Client
+    from disagg.client import Client
 
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"

@@ -20,15 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from client import Client, Unreachable  # noqa: E402
-from launcher.ports import free_port_pair  # noqa: E402
+from disagg.client import Client, Unreachable  # noqa: E402
+from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 
 def one_stop(checkout: Path, http: bool) -> float:
     """Seconds from SIGTERM to the launcher's exit, once its deployment (run from `checkout`) was ready."""
     port = free_port_pair()
     extra = ["--http-port", str(free_port_pair())] if http else []
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "launch", "--model", "tiny", "-e", "1", "-d", "1", "-k",
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "launch", "--model", "tiny", "-e", "1", "-d", "1", "-k",
                              "1", "--no-dashboard", "--spares", "0", "--port", str(port), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=checkout)
     t0 = time.monotonic()

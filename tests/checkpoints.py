@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
-from roles.pipelines.tiny import SCHEDULER_CONFIG, TRANSFORMER_CONFIG, build_tiny_flux_pipeline
+from disagg.roles.pipelines.tiny import SCHEDULER_CONFIG, TRANSFORMER_CONFIG, build_tiny_flux_pipeline
 
 
 def save_tiny_flux(folder: Path, schnell: bool = False) -> None:

@@ -22,7 +22,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from roles.pipelines.tiny import _clip_tokenizer, _t5_tokenizer
+from disagg.roles.pipelines.tiny import _clip_tokenizer, _t5_tokenizer
 
 CLIP_MAX_LENGTH = 77  # position embeddings; the tokenizers pad to it
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.ports import free_port_pair  # noqa: F401 - tests import it from here
-from transport.shm import pid_alive  # noqa: F401 - likewise
+from disagg.launcher.ports import free_port_pair  # noqa: F401 - tests import it from here
+from disagg.transport.shm import pid_alive  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the compiled deployments' inductor cache (compile_cache_dir), shared by the tests that compile tiny at 64x64
@@ -87,7 +87,7 @@ def order_ends_deployment(items):
 def disagg(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run the disagg CLI as a user would."""
     return subprocess.run(
-        [sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", ROOT), **kw
+        [sys.executable, "-m", "disagg", *args], capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", ROOT), **kw
     )
 
 
@@ -101,7 +101,7 @@ def popen_cli(*args: str, **kw) -> subprocess.Popen:
     SIGINT, and a child inherits that, so the test's Ctrl-C would be lost. Only then is the child's SIGINT
     reset (in the child, before exec: a preexec_fn, which the foreground case does without)."""
     reset = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=kw.pop("cwd", ROOT),
+    return subprocess.Popen([sys.executable, "-m", "disagg", *args], cwd=kw.pop("cwd", ROOT),
                             preexec_fn=_sigint_default if reset else None, **kw)
 
 
@@ -128,12 +128,12 @@ class Launched:
         if "--spares" not in args:  # a spare interpreter costs seconds of CPU: only where a test wants one
             args = [*args, "--spares", "0"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
+            [sys.executable, "-m", "disagg", "launch", "--port", str(self.port), "--run-dir", str(self.run_dir), *args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env,
         )
 
     def wait_ready(self, n_instances: int, timeout: float = 240):
-        from client import Client, Unreachable
+        from disagg.client import Client, Unreachable
 
         deadline = time.monotonic() + timeout
         with Client(self.endpoint) as client:
@@ -153,7 +153,7 @@ class Launched:
 
     def status(self, timeout_s: float = 5):
         """The orchestrator's StatusReport."""
-        from client import Client
+        from disagg.client import Client
 
         with Client(self.endpoint) as client:
             return client.status(timeout_s=timeout_s)
@@ -197,7 +197,7 @@ def wait_until(pred, timeout=60, step=0.1, why=None):
 def heard_from_all(endpoint: str) -> None:
     """Until every instance has sent the orchestrator a message since now: a role a second launch disturbed (its
     port or lane taken, its registration replaced) would be silent and, a heartbeat timeout later, dead."""
-    from client import Client
+    from disagg.client import Client
 
     t0 = time.monotonic()
 
@@ -228,7 +228,7 @@ class Load:
         self.thread.start()
 
     def _run(self, endpoint, params, concurrency, timeout_s, curve):
-        from client import Client
+        from disagg.client import Client
 
         with Client(endpoint, curve=curve) as client:
             self.outcomes = client.run_all(params, concurrency=concurrency, timeout_s=timeout_s)
@@ -317,7 +317,7 @@ def deployment_id(run_dir: Path) -> str:
 def segments_of(dep_id: str) -> list[str]:
     """The shared-memory segments of one deployment (its pools are named disagg-ID-INSTANCE-PID): tests look only
     at their own deployment's, since other tests' deployments may run beside them (pytest-xdist)."""
-    from transport.shm import SHM_PREFIX, list_segments
+    from disagg.transport.shm import SHM_PREFIX, list_segments
 
     assert dep_id
     return list_segments(f"{SHM_PREFIX}{dep_id}-")

@@ -84,7 +84,7 @@ class Hosts:
     def launch(self, i: int, args: list[str], log: Path) -> subprocess.Popen:
         from tests.conftest import tiny_unless_named
 
-        return self.popen(i, [sys.executable, "-m", "launcher", "launch", "--no-dashboard", "--spares", "0",
+        return self.popen(i, [sys.executable, "-m", "disagg", "launch", "--no-dashboard", "--spares", "0",
                               *tiny_unless_named(args)], log)
 
     def link(self, i: int, up: bool) -> None:

@@ -8,13 +8,13 @@ import time
 import pytest
 import zmq
 
-from client import Client
-from launcher.ports import free_port_pair
-from orchestrator.router import Router
-from orchestrator.server import OrchestratorServer
+from disagg.client import Client
+from disagg.launcher.ports import free_port_pair
+from disagg.orchestrator.router import Router
+from disagg.orchestrator.server import OrchestratorServer
 from tests.conftest import Launched, Load, disagg, wait_until
-from transport.auth import client_curve, generate_keys
-from transport.messages import GenerationParams, PoolInfo, Register, encode
+from disagg.transport.auth import client_curve, generate_keys
+from disagg.transport.messages import GenerationParams, PoolInfo, Register, encode
 
 pytestmark = pytest.mark.e2e
 

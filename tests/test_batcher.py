@@ -1,4 +1,4 @@
-"""Continuous batching in the denoiser (roles/batcher.py), driven with the simulated model."""
+"""Continuous batching in the denoiser (disagg/roles/batcher.py), driven with the simulated model."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from roles.batcher import StepBatcher
-from roles.pipelines.sim import SimAdapter
-from roles.pipelines.sim_profile import load_profile
-from roles.stage import Stage
+from disagg.roles.batcher import StepBatcher
+from disagg.roles.pipelines.sim import SimAdapter
+from disagg.roles.pipelines.sim_profile import load_profile
+from disagg.roles.stage import Stage
 from tests.conftest import wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 
 class Recorder(SimAdapter):
@@ -109,14 +109,14 @@ def test_batched_throughput_follows_the_profile_curve():
 
 
 def test_a_model_without_step_batching_refuses_max_batch():
-    from roles.pipelines.payload import PayloadAdapter
+    from disagg.roles.pipelines.payload import PayloadAdapter
 
     with pytest.raises(ValueError, match="cannot batch denoising steps"):
         Stage("denoiser", PayloadAdapter("denoiser"), max_batch=4)
 
 
 def test_busy_meter_splits_overlapping_work_so_shares_sum_to_busy_time():
-    from roles.compute import BusyMeter
+    from disagg.roles.compute import BusyMeter
 
     meter = BusyMeter()
     a = meter.enter()
@@ -135,7 +135,7 @@ def test_flux_requests_sharing_forwards_match_the_pipeline_one_by_one():
     joining and leaving at different steps, against each run alone through FluxPipeline."""
     import numpy as np
 
-    from roles.pipelines.tiny import TinyFluxAdapter
+    from disagg.roles.pipelines.tiny import TinyFluxAdapter
 
     enc, den, dec = (TinyFluxAdapter(r) for r in ("encoder", "denoiser", "decoder"))
     reqs = [

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from roles.pipelines import ModelError, model_spec
-from roles.pipelines.sim import SimAdapter
-from roles.pipelines.sim_profile import load_profile
+from disagg.roles.pipelines import ModelError, model_spec
+from disagg.roles.pipelines.sim import SimAdapter
+from disagg.roles.pipelines.sim_profile import load_profile
 from tests.conftest import Launched, disagg
-from transport.shm import remove_segments
+from disagg.transport.shm import remove_segments
 
 pytestmark = pytest.mark.e2e
 
@@ -121,7 +121,7 @@ def test_batching_denoiser_end_to_end(tmp_path):
         # 2 steps of 65 ms one by one would allow at most 7.7 req/s; batches of 4 take 107 ms a step
         assert doc["throughput_rps"] > 1 / 0.130
         # the denoiser reports its batch sizes (heartbeats, once a second): 27 requests (3 of warm-up) x 2 steps
-        from client import Client
+        from disagg.client import Client
 
         deadline = time.monotonic() + 5
         while True:

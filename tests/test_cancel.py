@@ -13,9 +13,9 @@ import httpx
 import pytest
 import zmq
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import launch_with_http, popen_cli, wait_until
-from transport.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
+from disagg.transport.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
 
 pytestmark = pytest.mark.e2e
 

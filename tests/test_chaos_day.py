@@ -18,15 +18,15 @@ import msgspec
 import pytest
 
 from tests.conftest import ROOT
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
 
 def run_stages(params: dict, batched: bool = False):
     """One request through a sim encoder, denoiser and decoder in this process: (image, previews' latents)."""
-    from roles.pipelines.sim import SimAdapter, first_value
-    from roles.stage import Stage
+    from disagg.roles.pipelines.sim import SimAdapter, first_value
+    from disagg.roles.stage import Stage
 
     gp = msgspec.convert(params, GenerationParams)
     stages = {r: Stage(r, SimAdapter("zero", r), model="sim:zero", max_batch=4 if batched and r == "denoiser" else 1)
@@ -38,7 +38,7 @@ def run_stages(params: dict, batched: bool = False):
 
 
 def test_sim_payloads_tell_requests_apart_and_match_the_model_function():
-    from roles.pipelines.sim import expected_pixels, image_checksum
+    from disagg.roles.pipelines.sim import expected_pixels, image_checksum
 
     base = {"prompt": "a fox", "width": 512, "height": 512, "num_inference_steps": 4, "seed": 7, "previews": 2}
     image, steps, encoded = run_stages(base)

@@ -14,13 +14,13 @@ import time
 import pytest
 from rich.console import Console
 
-from launcher.batch import OutDirError, check_out_dir
-from launcher.dashboard import bench_view, status_view
-from launcher.prompts import PromptError, parse_prompts
-from launcher.run import EventLog
+from disagg.launcher.batch import OutDirError, check_out_dir
+from disagg.launcher.dashboard import bench_view, status_view
+from disagg.launcher.prompts import PromptError, parse_prompts
+from disagg.launcher.run import EventLog
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, segments_of, wait_until
-from transport.messages import InstanceStatus, RequestCounts, StatusReport
-from transport.shm import list_segments
+from disagg.transport.messages import InstanceStatus, RequestCounts, StatusReport
+from disagg.transport.shm import list_segments
 
 
 def test_jsonl_errors_give_the_files_line_and_lists_count_from_1():
@@ -134,7 +134,7 @@ def test_launch_submit_json_and_the_warning_for_a_public_address(tmp_path):
 def test_a_stop_during_startup_is_one_line_not_a_traceback(tmp_path):
     dep = Launched(["--model", "sim:zero", "-d", "1", "--no-dashboard"], tmp_path)
     try:
-        from client import Client, Unreachable
+        from disagg.client import Client, Unreachable
 
         deadline = time.monotonic() + 30
         with Client(dep.endpoint) as client:
@@ -187,14 +187,14 @@ def test_a_role_whose_launcher_died_before_it_looked_exits_and_removes_its_pool(
     the parent it found at start (init) as its launcher and lingered for the 600 s orphan grace."""
     import msgspec
 
-    from roles.spec import WorkerSpec
+    from disagg.roles.spec import WorkerSpec
 
     name = f"disagg-test{os.getpid()}-encoder-0"
     spec = WorkerSpec(role="encoder", instance_id="encoder-0", endpoint=f"tcp://127.0.0.1:{free_port_pair() + 1}",
                       model="payload", pool_name=name, pool_bytes=1 << 20, transfer="shm")
     pidfile = tmp_path / "role.pid"
     # as the supervisor does: the launcher's pid in the environment, then the role; then sh exits
-    script = f'DISAGG_LAUNCHER_PID=$$ {sys.executable} -m roles "$0" > {tmp_path}/role.log 2>&1 & echo $! > {pidfile}'
+    script = f'DISAGG_LAUNCHER_PID=$$ {sys.executable} -m disagg.roles "$0" > {tmp_path}/role.log 2>&1 & echo $! > {pidfile}'
     launcher = subprocess.Popen(["sh", "-c", script, msgspec.json.encode(spec).decode()], cwd=ROOT,
                                 start_new_session=True)
     launcher.wait()  # sh is gone before the role has even imported torch

@@ -1,12 +1,12 @@
-"""The clients' shared request state (client/core.py), without sockets: both clients run on it."""
+"""The clients' shared request state (disagg/client/core.py), without sockets: both clients run on it."""
 
 from __future__ import annotations
 
 import pytest
 
-from client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, RequestBook
-from client.errors import BadRequest, GenerationFailed, RetryLater
-from transport.messages import (ErrorCode, GenerationParams, RequestCounts, Rejected, Result, StatusQuery,
+from disagg.client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, RequestBook
+from disagg.client.errors import BadRequest, GenerationFailed, RetryLater
+from disagg.transport.messages import (ErrorCode, GenerationParams, RequestCounts, Rejected, Result, StatusQuery,
                                 StatusReport, Submit)
 
 P = GenerationParams(prompt="a red circle on the left")

@@ -10,10 +10,10 @@ import time
 import pytest
 import zmq
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, heard_from_all, pid_alive
-from transport.lane import lane_path
-from transport.messages import (
+from disagg.transport.lane import lane_path
+from disagg.transport.messages import (
     ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
 )
 
@@ -74,8 +74,8 @@ def test_an_orchestrator_that_cannot_bind_fails_the_launch_with_its_reason(runni
     """Past the port check (a race): the launcher must not mistake the other orchestrator for its own."""
     before = pids(running.endpoint)
     script = (
-        "import sys; from rich.console import Console; from launcher.run import run_deployment;"
-        "from settings import RolePool, Settings;"
+        "import sys; from rich.console import Console; from disagg.launcher.run import run_deployment;"
+        "from disagg.settings import RolePool, Settings;"
         f"c = Settings(model='sim:zero', port={running.port}, denoisers=RolePool(count=1));"
         f"sys.exit(run_deployment(c, Console(width=200), {str(tmp_path / 'run')!r}, False, None, None, 1))"
     )

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client import Client, Unreachable
-from launcher.cli import cli
-from launcher.ports import free_port_pair
+from disagg.client import Client, Unreachable
+from disagg.launcher.cli import cli
+from disagg.launcher.ports import free_port_pair
 from tests import netns
 from tests.conftest import wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,8 +50,8 @@ def stub_slurm(tmp_path: Path) -> Path:
     stubs.mkdir()
     (stubs / "srun").write_text(SRUN.replace("PYTHON", sys.executable))
     (stubs / "scontrol").write_text(SCONTROL)
-    (stubs / "disagg").write_text(f'#!/bin/sh\n[ "$1" = launch ] && shift && exec {sys.executable} -m launcher launch '
-                                  f'--spares 0 "$@"\nexec {sys.executable} -m launcher "$@"\n')
+    (stubs / "disagg").write_text(f'#!/bin/sh\n[ "$1" = launch ] && shift && exec {sys.executable} -m disagg launch '
+                                  f'--spares 0 "$@"\nexec {sys.executable} -m disagg "$@"\n')
     for f in stubs.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IXUSR)
     return stubs
@@ -88,7 +88,7 @@ def run_sbatch(tmp_path: Path, n_nodes: int, roles: list[str]) -> None:
             outcomes = client.run_all([GenerationParams(prompt=f"slurm {i}", width=64, height=64, num_inference_steps=2,
                                                         seed=i) for i in range(4)], concurrency=2)
         assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-        res = subprocess.run([sys.executable, "-m", "launcher", "stop", "--endpoint", head], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "disagg", "stop", "--endpoint", head], capture_output=True,
                              text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         assert proc.wait(90) == 0, (tmp_path / "sbatch.log").read_text()[-3000:]

@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from settings import Settings
+from disagg.settings import Settings
 
 import zmq
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import Launched, disagg, pid_alive, segments_of
-from transport.messages import GenerationParams, Heartbeat, Register, encode
+from disagg.transport.messages import GenerationParams, Heartbeat, Register, encode
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def test_parity_with_diffusers_pipeline(deployment):
     """The disaggregated image equals the diffusers pipeline called directly with the same seed."""
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     with Client(deployment.endpoint) as client:
         outcomes = client.run_all([GenerationParams(**c) for c in CASES], concurrency=3)
@@ -163,7 +163,7 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
     sock.setsockopt(zmq.IDENTITY, b"impostor")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{deployment.port + 1}")
-    from transport.messages import PoolInfo
+    from disagg.transport.messages import PoolInfo
 
     pool = PoolInfo(host_id="x", engines=["shm"], pool_name="nope", pool_bytes=1)
     sock.send_multipart([encode(Register(role="encoder", instance_id="encoder-0", pid=1, host_id="x", device="cpu", capacity=1, pool=pool))])
@@ -180,10 +180,10 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
 
 def test_garbage_on_the_lane_is_dropped(deployment):
     """The fast lane refuses strangers, drops bad packets and messages, and keeps serving."""
-    from transport.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
-    from transport.lane import connect as connect_lane
-    from transport.bundle import decode_frames
-    from transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
+    from disagg.transport.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
+    from disagg.transport.lane import connect as connect_lane
+    from disagg.transport.bundle import decode_frames
+    from disagg.transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
     import msgspec
 
     with Client(deployment.endpoint) as client:

@@ -11,14 +11,14 @@ import types
 from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
 
-from gateway.metrics import StatusCollector
-from launcher.dashboard import status_view
-from orchestrator.router import Router, RouterConfig
+from disagg.gateway.metrics import StatusCollector
+from disagg.launcher.dashboard import status_view
+from disagg.orchestrator.router import Router, RouterConfig
 from tests.test_gpu_paths import HostCudaPool
-from transport import mooncake_engine
-from transport.engines import make_engines
-from transport.messages import PoolInfo, Register
-from transport.pool import ShmPool
+from disagg.transport import mooncake_engine
+from disagg.transport.engines import make_engines
+from disagg.transport.messages import PoolInfo, Register
+from disagg.transport.pool import ShmPool
 
 
 def fake_mooncake(monkeypatch, register_rc: int) -> None:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import Launched
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def deployment(request, tmp_path_factory):
 def test_parity_and_engine_and_no_leaks(deployment):
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     cases = [dict(prompt="a cat in a city at night", width=96, height=64, num_inference_steps=3, seed=11),
              dict(prompt="a mountain river", width=128, height=128, seed=12, num_images_per_prompt=2, num_inference_steps=2)]

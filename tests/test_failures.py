@@ -23,9 +23,9 @@ import psutil
 import pytest
 import zmq
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
-from transport.messages import (
+from disagg.transport.messages import (
     Bundle,
     GenerationParams,
     Heartbeat,
@@ -126,7 +126,7 @@ def fork_server(dep) -> psutil.Process:
 
 
 def test_roles_are_forked_and_a_killed_fork_server_loses_nothing(deployment):
-    """The CPU roles are forks of one server (launcher/forks.py), each titled with its own command line; with
+    """The CPU roles are forks of one server (disagg/launcher/forks.py), each titled with its own command line; with
     the server killed -9 under load they go on serving, and a role that dies later starts afresh."""
     server = fork_server(deployment)
     instances = status(deployment).instances
@@ -135,7 +135,7 @@ def test_roles_are_forked_and_a_killed_fork_server_loses_nothing(deployment):
     first = {i.id: i.pid for i in instances if i.restarts == 0}  # a restart took a spare interpreter
     assert len(first) >= 2 and set(first.values()) <= set(forked), (first, forked)
     for iid, pid in first.items():
-        assert f'"instance_id":"{iid}"' in forked[pid] and " -m roles " in forked[pid]
+        assert f'"instance_id":"{iid}"' in forked[pid] and " -m disagg.roles " in forked[pid]
     load = Load(deployment.endpoint, small(30, "fork server"))
     wait_busy(deployment, "encoder-1")
     server.kill()
@@ -330,7 +330,7 @@ def test_kill_9_orchestrator_under_disagg_submit_loses_nothing_and_redoes_nothin
                                            "num_inference_steps": 4, "seed": i}) + "\n" for i in range(N)))
     before = settled(deployment)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "submit", str(prompts), "--endpoint", deployment.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "submit", str(prompts), "--endpoint", deployment.endpoint,
                              "--concurrency", str(N), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

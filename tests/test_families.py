@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import disagg, free_port_pair, reference_pipeline
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ VIDEO = {"wan21", "wan22"}
 #: what each role may hold, by component name prefix
 ROLE_PREFIXES = {"encoder": ("text_encoder", "tokenizer"), "denoiser": ("transformer", "unet", "scheduler"),
                  "decoder": ("vae",)}
-#: what an encoder also loads when its checkpoint takes images (roles/pipelines/checkpoint.py)
+#: what an encoder also loads when its checkpoint takes images (disagg/roles/pipelines/checkpoint.py)
 IMAGE_PREFIXES = ("vae", "image_encoder", "image_processor", "feature_extractor", "processor", "scheduler")
 
 
@@ -135,7 +135,7 @@ def test_an_unsupported_family_fails_at_launch_naming_its_pipeline(tmp_path):
 
 
 def test_a_request_in_a_format_the_model_cannot_make_fails_clearly(tmp_path):
-    from roles.media import FormatError, check_format
+    from disagg.roles.media import FormatError, check_format
 
     assert check_format(None, video=True) == "mp4" and check_format(None, video=False) == "png"
     with pytest.raises(FormatError, match="mp4.*video models"):
@@ -172,8 +172,8 @@ def test_a_hugging_face_id_is_served_from_the_hub_cache(tmp_path):
 
 def test_colocated_instance_runs_a_whole_checkpoint_in_one_stage(tmp_path):
     """`--colocated`: the monolith role loads every component and runs all three stages itself."""
-    from roles.pipelines.sd3 import SD3Adapter
-    from roles.stage import Stage
+    from disagg.roles.pipelines.sd3 import SD3Adapter
+    from disagg.roles.stage import Stage
 
     folder = tmp_path / "sd3"
     save_tiny("sd3", folder)
@@ -189,7 +189,7 @@ def test_colocated_instance_runs_a_whole_checkpoint_in_one_stage(tmp_path):
 @pytest.mark.parametrize("variant", ["flux", "flux-schnell"])
 def test_flux_dev_and_schnell_split_roles_match_the_pipeline(variant, tmp_path):
     """Guidance-distilled (dev: guidance is a transformer input) and not (schnell), role by role in process."""
-    from roles.pipelines.flux import FluxAdapter
+    from disagg.roles.pipelines.flux import FluxAdapter
 
     folder = tmp_path / variant
     save_tiny(variant, folder)
@@ -212,7 +212,7 @@ def test_the_largest_size_comes_from_the_checkpoints_own_config(family, largest,
     a larger request is refused at Submit; diffusers' own pipeline runs at that size and fails 16 px above it."""
     from diffusers import DiffusionPipeline
 
-    from roles.pipelines import model_spec
+    from disagg.roles.pipelines import model_spec
 
     save_tiny(family, tmp_path / family)
     spec = model_spec(str(tmp_path / family))

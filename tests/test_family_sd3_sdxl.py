@@ -10,8 +10,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from roles.pipelines.sd3 import SD3Adapter
-from roles.pipelines.sdxl import SDXLAdapter
+from disagg.roles.pipelines.sd3 import SD3Adapter
+from disagg.roles.pipelines.sdxl import SDXLAdapter
 from tests.ckpt_sd3_sdxl import save_tiny_sd3, save_tiny_sdxl
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,8 +13,8 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from roles.media import encode_mp4
-from roles.pipelines.wan import WanAdapter
+from disagg.roles.media import encode_mp4
+from disagg.roles.pipelines.wan import WanAdapter
 from tests.ckpt_wan import BOUNDARY_RATIO, save_tiny_wan
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
@@ -178,8 +178,8 @@ def test_decodes_take_turns_between_latent_frames_and_equal_their_solo_runs(role
     videos equal their solo decodes exactly."""
     import threading
 
-    from roles.stage import Stage
-    from roles.turns import Ticket
+    from disagg.roles.stage import Stage
+    from disagg.roles.turns import Ticket
 
     stage = Stage("decoder", roles["decoder"], schedule="slo")
     assert stage.turns is not None  # the Wan VAE is not thread-safe: its decodes take turns, by urgency

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from gateway.errors import from_outcome
+from disagg.gateway.errors import from_outcome
 from tests.conftest import (ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, wait_http,
                             wait_until)
 
@@ -117,7 +117,7 @@ def test_a_size_over_the_models_maximum_names_size_and_counts_as_invalid_not_fai
 
 
 def test_the_pages_chart_counts_invalid_requests_apart_from_failed_ones():
-    from gateway.activity import Activity
+    from disagg.gateway.activity import Activity
 
     activity = Activity()
     for outcome, latency in (("completed", 1.0), ("completed", 3.0), ("invalid", 0.01), ("failed", 9.0)):
@@ -222,9 +222,9 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_metrics_exposes(tin
 
 
 def test_error_statuses_come_from_the_codes_not_the_text():
-    from client import Outcome
-    from transport.codes import ErrorCode as C
-    from transport.messages import GenerationParams
+    from disagg.client import Outcome
+    from disagg.transport.codes import ErrorCode as C
+    from disagg.transport.messages import GenerationParams
 
     def status(code, param=None, text="same words for all"):
         return from_outcome(Outcome("r", GenerationParams(prompt="p"), False, text, code=code, param=param))
@@ -333,7 +333,7 @@ def test_serve_http_fronts_a_running_deployment_with_an_api_key(tmp_path):
         assert not any("gold-key" in " ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["cmdline"]))
         # a second gateway, on its own, for the same orchestrator
         port2 = free_port_pair()
-        second = subprocess.Popen([sys.executable, "-m", "launcher", "serve-http", "--endpoint", dep.endpoint,
+        second = subprocess.Popen([sys.executable, "-m", "disagg", "serve-http", "--endpoint", dep.endpoint,
                                    "--port", str(port2)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         wait_http(f"http://127.0.0.1:{port2}/health")
         r = httpx.post(f"http://127.0.0.1:{port2}/v1/images/generations", json={"prompt": "b", "size": "32x32"},
@@ -470,7 +470,7 @@ def test_a_video_asked_of_an_image_model_is_refused_at_create(api):
 
 
 def test_what_the_gateway_keeps_is_bounded_by_count_bytes_and_age():
-    from gateway.store import BoundedCache
+    from disagg.gateway.store import BoundedCache
 
     cache = BoundedCache(max_items=3, max_bytes=100, ttl_s=None)
     for k in range(3):
@@ -494,8 +494,8 @@ def test_a_step_cache_through_http_and_submit_equals_the_pipeline_and_reports_sk
 
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
-    from roles.step_cache import config_of
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.step_cache import config_of
 
     cache = {"type": "first_block", "threshold": 0.3}
     raw = api.images.with_raw_response.generate(prompt="a red cat", size="64x64",
@@ -607,8 +607,8 @@ def test_two_requests_with_other_caches_in_flight_on_one_denoiser_each_equal_the
 
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
-    from roles.step_cache import config_of
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.step_cache import config_of
 
     caches = [{"type": "first_block", "threshold": 0.3}, {"type": "mag"}]
     got: list = [None, None]

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from client import Client, Unreachable
+from disagg.client import Client, Unreachable
 from tests.conftest import COMPILE_CACHE, ROOT
 
 pytestmark = pytest.mark.e2e

@@ -13,12 +13,12 @@ import weakref
 import pytest
 import torch
 
-from launcher.topology import ConfigError, cuda_env
-from settings import Settings
-from transport import cuda_ipc
-from transport.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
-from transport.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
-from transport.pool import CudaPool, Pool
+from disagg.launcher.topology import ConfigError, cuda_env
+from disagg.settings import Settings
+from disagg.transport import cuda_ipc
+from disagg.transport.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
+from disagg.transport.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
+from disagg.transport.pool import CudaPool, Pool
 
 HANDLE = CudaIpcHandle(0, b"h" * 64, 1 << 20, 0, b"r" * 16, 0, b"e" * 64, True)
 
@@ -56,7 +56,7 @@ def source(instance: str, pool_name: str, nbytes: int = 64, gpu: int | None = 0)
 # --- Mooncake and a GPU pool ---------------------------------------------------------------------------
 
 def test_mooncake_host_build_refuses_a_gpu_pool_and_auto_picks_another_engine():
-    from transport.mooncake_engine import HOST_BUILD, installed_build
+    from disagg.transport.mooncake_engine import HOST_BUILD, installed_build
 
     if not installed_build().startswith(HOST_BUILD):
         pytest.skip(f"needs {HOST_BUILD} (installed: {installed_build() or 'none'})")
@@ -166,9 +166,9 @@ class AsyncDevicePool(HostCudaPool):
 
 
 def test_compute_s_counts_until_the_device_has_finished():
-    from roles.compute import StageRunner
-    from roles.stage import StageOutput
-    from transport.messages import GenerationParams, Staged
+    from disagg.roles.compute import StageRunner
+    from disagg.roles.stage import StageOutput
+    from disagg.transport.messages import GenerationParams, Staged
 
     pool = AsyncDevicePool()
     reports = []
@@ -198,7 +198,7 @@ def test_compute_s_counts_until_the_device_has_finished():
 
 
 def test_batched_steps_are_timed_until_the_device_has_finished():
-    from roles.batcher import StepBatcher
+    from disagg.roles.batcher import StepBatcher
 
     class State:
         def __init__(self):
@@ -238,7 +238,7 @@ def test_gpus_map_through_the_parents_visible_devices():
 
 
 def test_each_role_gets_its_own_gpu_first_through_the_parents_list(monkeypatch, tmp_path):
-    from launcher.deployment import Deployment
+    from disagg.launcher.deployment import Deployment
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
@@ -254,7 +254,7 @@ def test_each_role_gets_its_own_gpu_first_through_the_parents_list(monkeypatch, 
 
 
 def test_heartbeats_report_a_gpus_free_memory_and_nothing_where_it_is_unknown(monkeypatch):
-    from roles.limits import device_free_memory
+    from disagg.roles.limits import device_free_memory
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
     assert device_free_memory("cuda:0") == 3 << 30  # free, not total: other processes on the GPU counted
@@ -271,7 +271,7 @@ def test_an_adapter_offloaded_from_a_gpu_model_is_pinned_in_host_memory(monkeypa
     """Review L2: the LoRA host tier was pageable, so a restore was a synchronous pageable copy."""
     from torch import nn
 
-    from roles.lora_backends import DiffusersLoras
+    from disagg.roles.lora_backends import DiffusersLoras
 
     class Layer(nn.Module):  # a peft LoRA layer's tables: adapter name -> its A and B
         def __init__(self):

@@ -15,9 +15,9 @@ import openai
 import pytest
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import disagg
-from transport.messages import MAX_INPUT_BYTES, GenerationParams
+from disagg.transport.messages import MAX_INPUT_BYTES, GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -150,7 +150,7 @@ def test_the_orchestrator_forwards_the_image_to_the_encoder_only(flux):
         [out] = client.run_all([GenerationParams(prompt="a cat", image=png(IMAGE), width=64, height=48, seed=2,
                                                  num_inference_steps=2)])
     assert out.ok, out.error
-    from orchestrator.requests import Request
+    from disagg.orchestrator.requests import Request
 
     req = Request(id="r", params=GenerationParams(prompt="a", image=b"x", mask=b"y"), clients=[], submitted_at=0,
                   deadline=1)

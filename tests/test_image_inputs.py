@@ -10,10 +10,10 @@ import time
 import pytest
 from PIL import Image
 
-from client.inputs import InputError, read_input, resolve_inputs
-from roles.pipelines import conditioned
-from roles.pipelines.conditioned import input_images, request_task
-from transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
+from disagg.client.inputs import InputError, read_input, resolve_inputs
+from disagg.roles.pipelines import conditioned
+from disagg.roles.pipelines.conditioned import input_images, request_task
+from disagg.transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 
 def png(im: Image.Image, fmt: str = "PNG") -> bytes:
@@ -90,7 +90,7 @@ def test_call_kwargs_name_the_pipelines_own_arguments():
 
 
 def test_the_sim_profile_charges_the_encoder_for_an_input_image():
-    from roles.pipelines.sim import SimAdapter
+    from disagg.roles.pipelines.sim import SimAdapter
 
     enc = SimAdapter("flux-h200", "encoder")
     p = dict(width=1024, height=1024, num_images_per_prompt=1, prompt="p")
@@ -111,9 +111,9 @@ def test_the_sim_profile_charges_the_encoder_for_an_input_image():
 ])
 def test_input_errors_reach_http_clients_as_400_naming_the_field(error, code, param, status):
     """By the code and field the role reported (issue 23: the gateway parses no text)."""
-    from client import Outcome
-    from gateway.errors import from_outcome
-    from transport.codes import ErrorCode
+    from disagg.client import Outcome
+    from disagg.gateway.errors import from_outcome
+    from disagg.transport.codes import ErrorCode
 
     err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, error, code=ErrorCode(code), param=param))
     assert err.status == status and err.param == param
@@ -123,8 +123,8 @@ def test_input_errors_reach_http_clients_as_400_naming_the_field(error, code, pa
 
 def test_a_sim_request_with_an_image_runs_through_its_stage():
     """sim: models take an image (its cost is the profile's); their stage keeps the request's size."""
-    from roles.pipelines.sim import SimAdapter
-    from roles.stage import Stage
+    from disagg.roles.pipelines.sim import SimAdapter
+    from disagg.roles.stage import Stage
 
     stage = Stage("encoder", SimAdapter("zero", "encoder"), model="sim:zero")
     out = stage.run(GenerationParams(prompt="p", image=png(Image.new("RGB", (8, 8)))), {})

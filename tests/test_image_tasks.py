@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, reference_pipeline
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 

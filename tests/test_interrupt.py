@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port_pair, wait_until
 
-#: run as the child: `python -c HOLD MARKER MODULE ARGS...` is `python -m launcher ARGS...`, held at MODULE's import
+#: run as the child: `python -c HOLD MARKER MODULE ARGS...` is `python -m disagg ARGS...`, held at MODULE's import
 HOLD = """
 import importlib.abc, runpy, signal, sys
 marker, module = sys.argv[1], sys.argv[2]
@@ -27,7 +27,7 @@ class Hold(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Hold())
 sys.argv = ["disagg", *sys.argv[3:]]
-runpy.run_module("launcher", run_name="__main__", alter_sys=True)
+runpy.run_module("disagg", run_name="__main__", alter_sys=True)
 """
 
 
@@ -37,8 +37,8 @@ def default_sigint() -> None:
 
 
 @pytest.mark.parametrize("module", [
-    "launcher.cli_bench",  # the CLI's own imports, before click runs
-    "launcher.run",  # inside `launch`, before any process is started
+    "disagg.launcher.cli_bench",  # the CLI's own imports, before click runs
+    "disagg.launcher.run",  # inside `launch`, before any process is started
 ])
 def test_ctrl_c_in_the_first_second_exits_quietly_with_130(tmp_path, module):
     marker = tmp_path / "held"

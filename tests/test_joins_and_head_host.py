@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import Launched, disagg, launch_with_http, wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -139,7 +139,7 @@ def test_stop_host_of_the_heads_own_host_asks_for_yes_then_the_head_ends(head):
 
 def test_seed_minus_one_means_a_random_seed():
     """L13: `seed: -1`, the usual "random", was a 400."""
-    from transport.messages import params_from_obj
+    from disagg.transport.messages import params_from_obj
 
     assert params_from_obj({"prompt": "x", "seed": -1}).seed is None
     with pytest.raises(Exception, match="seed"):
@@ -148,7 +148,7 @@ def test_seed_minus_one_means_a_random_seed():
 
 def test_an_unreadable_image_is_named_without_a_python_repr():
     """L4: "cannot identify image file <_io.BytesIO object at 0x7f...>"."""
-    from roles.pipelines.conditioned import InputError, open_image
+    from disagg.roles.pipelines.conditioned import InputError, open_image
 
     with pytest.raises(InputError) as info:
         open_image(b"not an image", "image", "RGB")
@@ -165,7 +165,7 @@ def test_version_and_verbose_after_the_command():
 
 def test_image_urls_open_without_the_key_and_the_scheme_is_case_insensitive():
     """L2: an url answer could not go into an <img> without the API key; `bearer KEY` was refused."""
-    from gateway.app import is_open
+    from disagg.gateway.app import is_open
 
     assert is_open("/v1/images/" + "0123456789abcdef" * 2 + "/content") and is_open("/health") and is_open("/")
     assert not is_open("/v1/images/generations") and not is_open("/v1/images/../stats/content")
@@ -173,7 +173,7 @@ def test_image_urls_open_without_the_key_and_the_scheme_is_case_insensitive():
 
 def test_old_run_folders_are_pruned_but_never_a_live_one(tmp_path):
     """L9: every launch left $TMPDIR/disagg/RUN_ID behind, for ever."""
-    from launcher.runs import RUN_IDLE_S, prune_runs
+    from disagg.launcher.runs import RUN_IDLE_S, prune_runs
 
     old = time.time() - RUN_IDLE_S - 60
     for k in range(25):

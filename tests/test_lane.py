@@ -1,4 +1,4 @@
-"""The same-host fast lane (transport/lane.py) and message bundles (transport/messages.py), piece by piece.
+"""The same-host fast lane (disagg/transport/lane.py) and message bundles (disagg/transport/messages.py), piece by piece.
 
 The lane between real orchestrator, role and client processes is exercised by every end-to-end
 test (tests/test_e2e.py checks that each instance uses it, and that a deployment without it works).
@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from transport.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
-from transport.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
-from transport.messages import (
+from disagg.transport.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
+from disagg.transport.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
+from disagg.transport.messages import (
     Bundle,
     Done,
     MessageError,
@@ -89,7 +89,7 @@ def test_a_closed_peer_is_reported_and_sends_fail():
 
 
 def test_a_peer_that_stops_reading_loses_its_lane(monkeypatch):
-    monkeypatch.setattr("transport.lane.LANE_SEND_WAIT_S", 0.01)
+    monkeypatch.setattr("disagg.transport.lane.LANE_SEND_WAIT_S", 0.01)
     a, _b = pair()
     sent = 0
     while a.send([b"x" * 4096]):
@@ -178,8 +178,8 @@ def test_a_folder_others_can_write_into_is_refused(tmp_path):
 
 def test_an_orchestrator_without_a_lane_still_serves(tmp_path, monkeypatch, caplog):
     """A socket path too long for AF_UNIX (a long TMPDIR) costs the lane, not the orchestrator."""
-    from orchestrator.router import Router
-    from orchestrator.server import OrchestratorServer
+    from disagg.orchestrator.router import Router
+    from disagg.orchestrator.server import OrchestratorServer
     from tests.conftest import free_port_pair
 
     long_tmp = tmp_path / ("x" * 120)

@@ -10,9 +10,9 @@ import signal
 import psutil
 import pytest
 
-from launcher.leftovers import RunRecord, remove_leftovers
+from disagg.launcher.leftovers import RunRecord, remove_leftovers
 from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
-from transport.lane import lane_in_use, lane_path
+from disagg.transport.lane import lane_in_use, lane_path
 
 pytestmark = pytest.mark.e2e
 

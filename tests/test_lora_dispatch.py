@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from client import Outcome
-from launcher.bench_load import run_load, zipf_names
-from orchestrator.loras import LoraCatalog, scan
-from roles.lora_backends import SimLoras
-from roles.loras import USE_WINDOW, LoraBank
-from roles.pipelines.sim_profile import load_profile
-from settings.schema import LoraSettings
+from disagg.client import Outcome
+from disagg.launcher.bench_load import run_load, zipf_names
+from disagg.orchestrator.loras import LoraCatalog, scan
+from disagg.roles.lora_backends import SimLoras
+from disagg.roles.loras import USE_WINDOW, LoraBank
+from disagg.roles.pipelines.sim_profile import load_profile
+from disagg.settings.schema import LoraSettings
 from tests.test_router import Harness, runs, staged
-from transport.messages import (
+from disagg.transport.messages import (
     ErrorCode,
     GenerationParams,
     Heartbeat,
@@ -232,7 +232,7 @@ def test_bench_sends_requests_with_adapters_at_the_times_it_sends_them_without()
 
 
 def test_bench_over_http_sends_the_adapters():
-    from launcher.bench_http import image_body
+    from disagg.launcher.bench_http import image_body
 
     body = image_body(GenerationParams(prompt="x", loras=[LoraRef(name="sim-lora-3", scale=0.5)]))
     assert body["loras"] == [{"name": "sim-lora-3", "scale": 0.5}]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client import Client, Unreachable
-from launcher.ports import free_port_pair
+from disagg.client import Client, Unreachable
+from disagg.launcher.ports import free_port_pair
 from tests import netns
 from tests.conftest import wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")]
@@ -105,7 +105,7 @@ def test_every_host_has_its_own_id_and_instances_carry_it(cluster):
 def test_pixel_parity_across_hosts_and_engines_per_pair(cluster):
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     cases = [dict(prompt="a red fox", width=128, height=128, num_inference_steps=4, seed=3),
              dict(prompt="a blue car", width=64, height=64, num_inference_steps=3, seed=5)]
@@ -217,7 +217,7 @@ def test_stop_host_drains_only_that_host(cluster, tmp_path):
     late_host = next(i.host for i in report.instances if i.host.startswith(cluster.hosts.names[3]))
     late = [i.id for i in report.instances if i.host == late_host]
     proc = cluster.launchers[3]
-    res = subprocess.run([sys.executable, "-m", "launcher", "stop", "--endpoint", cluster.head, "--host", late_host,
+    res = subprocess.run([sys.executable, "-m", "disagg", "stop", "--endpoint", cluster.head, "--host", late_host,
                           "--drain"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
     assert proc.wait(60) == 0, cluster.log(3)  # its launcher ends once its roles exited

@@ -15,12 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from client import Client
-from launcher.topology import ConfigError, place, validate
-from settings import RolePool, Settings
+from disagg.client import Client
+from disagg.launcher.topology import ConfigError, place, validate
+from disagg.settings import RolePool, Settings
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, Load, disagg, wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +63,7 @@ def test_gpus_are_carved_into_contiguous_groups_per_instance():
     (dict(model="sim:zero", gpus_per={"denoiser": 2}), "model 'sim:zero': it runs no instance over several devices"),
 ])
 def test_a_layout_that_cannot_run_is_refused_saying_why(kw, says):
-    kw = {k: ({r: __import__("launcher.parallel", fromlist=["x"]).ParallelLayout(**v) for r, v in kw["parallel"].items()}
+    kw = {k: ({r: __import__("disagg.launcher.parallel", fromlist=["x"]).ParallelLayout(**v) for r, v in kw["parallel"].items()}
               if k == "parallel" else v) for k, v in kw.items()}
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         validate(config(**kw))
@@ -80,7 +80,7 @@ def test_families_refuse_what_their_transformer_cannot_do(tmp_path):
     save_tiny("sd3", tmp_path / "sd3")
     with pytest.raises(ConfigError, match="no context parallelism: it runs over 2 devices only, as cfg 2"):
         validate(config(model=str(tmp_path / "sd3"), gpus_per={"denoiser": 4}))
-    from launcher.parallel import ParallelLayout
+    from disagg.launcher.parallel import ParallelLayout
 
     with pytest.raises(ConfigError, match="cannot run ulysses parallelism \\(it takes cfg\\)"):
         validate(config(model=str(tmp_path / "sd3"), parallel={"denoiser": ParallelLayout(ulysses=2)}))
@@ -88,8 +88,8 @@ def test_families_refuse_what_their_transformer_cannot_do(tmp_path):
 
 
 def test_ring_on_gpus_takes_a_half_precision_checkpoint(tmp_path):
-    """Ring attention runs cuDNN's attention (roles/parallel.py RING_BACKEND): bfloat16 or float16 weights only."""
-    from launcher.parallel import ParallelLayout
+    """Ring attention runs cuDNN's attention (disagg/roles/parallel.py RING_BACKEND): bfloat16 or float16 weights only."""
+    from disagg.launcher.parallel import ParallelLayout
 
     save_tiny("flux", tmp_path / "flux")
     ring = dict(model=str(tmp_path / "flux"), parallel={"denoiser": ParallelLayout(ring=2)}, gpus=[0, 1],
@@ -131,7 +131,7 @@ def worst(outcomes, refs) -> int:
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_ulysses_2_on_the_tiny_flux_equals_one_rank(ulysses):
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     outcomes = run(ulysses, REQUESTS)
     pipe = build_tiny_flux_pipeline()
@@ -148,7 +148,7 @@ def test_ulysses_2_on_the_tiny_flux_equals_one_rank(ulysses):
 def test_status_and_the_live_table_show_the_ranks_devices_and_layout(ulysses):
     from rich.console import Console
 
-    from launcher.dashboard import status_view
+    from disagg.launcher.dashboard import status_view
 
     report = ulysses.status()
     [den] = [i for i in report.instances if i.role == "denoiser"]
@@ -166,7 +166,7 @@ def rank_pids(dep) -> dict[str, int]:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if '"instance_id":"denoiser-0"' in cmd and "-m roles" in cmd:
+        if '"instance_id":"denoiser-0"' in cmd and "-m disagg.roles" in cmd:
             out["r1" if '"rank":1' in cmd else "r0"] = p.pid
     return out
 

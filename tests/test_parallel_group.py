@@ -1,4 +1,4 @@
-"""One instance's ranks (roles/parallel.py Group), piece by piece: ring attention's backend, chosen before
+"""One instance's ranks (disagg/roles/parallel.py Group), piece by piece: ring attention's backend, chosen before
 diffusers' context parallelism is enabled (issue 44 H3), and followers that wait out any idleness for the next
 request, over two real processes and a real gloo group (issue 44 H4)."""
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from launcher.ports import free_port_pair
-from roles import parallel
-from roles.parallel import RING_BACKEND, Group, ring_backend
-from transport.messages import GenerationParams
+from disagg.launcher.ports import free_port_pair
+from disagg.roles import parallel
+from disagg.roles.parallel import RING_BACKEND, Group, ring_backend
+from disagg.transport.messages import GenerationParams
 
 # --- ring attention's backend (H3) ----------------------------------------------------------------------------
 
@@ -44,7 +44,7 @@ def test_a_ring_layout_sets_the_backend_on_every_attention_before_enabling_paral
     from diffusers import FluxTransformer2DModel
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    from roles.pipelines.tiny import TRANSFORMER_CONFIG
+    from disagg.roles.pipelines.tiny import TRANSFORMER_CONFIG
 
     # set_attention_backend also makes it the process's active backend: put the default back after the test
     monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)

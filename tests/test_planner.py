@@ -1,12 +1,12 @@
-"""The throughput model (orchestrator/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
+"""The throughput model (disagg/orchestrator/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
 
 import msgspec
 
-from orchestrator.planner import Work, fmt, plan, splits, throughput
-from orchestrator.rebalance import LAUNCHER_SILENCE_S
-from orchestrator.router import Router, RouterConfig
-from settings.schema import RebalanceSettings
-from transport.messages import (
+from disagg.orchestrator.planner import Work, fmt, plan, splits, throughput
+from disagg.orchestrator.rebalance import LAUNCHER_SILENCE_S
+from disagg.orchestrator.router import Router, RouterConfig
+from disagg.settings.schema import RebalanceSettings
+from disagg.transport.messages import (
     Done,
     GenerationParams,
     Heartbeat,
@@ -306,8 +306,8 @@ def test_the_live_table_and_metrics_show_the_recommendation():
     from prometheus_client import CollectorRegistry, generate_latest
     from rich.console import Console
 
-    from gateway.metrics import StatusCollector
-    from launcher.dashboard import events_between, status_view
+    from disagg.gateway.metrics import StatusCollector
+    from disagg.launcher.dashboard import events_between, status_view
 
     d = Deployment(mode="advise")
     for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import Launched
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

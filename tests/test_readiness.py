@@ -1,6 +1,6 @@
 """Readiness that tells a slow boot from a stuck one (issue 44): `ready_timeout` counts only time without progress.
 
-The role side is held on purpose with the test hook DISAGG_TEST_BOOT_HOLD (roles/boot.py): `progress` holds a
+The role side is held on purpose with the test hook DISAGG_TEST_BOOT_HOLD (disagg/roles/boot.py): `progress` holds a
 role's boot while it keeps reporting progress (a slow download or load), `hang` holds it silently (a stuck one)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from launcher.dashboard import _cells, events_between
-from launcher.readiness import StallWatch, stall_error
-from roles.boot import BootMeter, BootProgress
+from disagg.launcher.dashboard import _cells, events_between
+from disagg.launcher.readiness import StallWatch, stall_error
+from disagg.roles.boot import BootMeter, BootProgress
 from tests.conftest import Launched, wait_until
-from transport.messages import GenerationParams
-from transport.messages import InstanceStatus, RequestCounts, StatusReport
+from disagg.transport.messages import GenerationParams
+from disagg.transport.messages import InstanceStatus, RequestCounts, StatusReport
 
 #: small, so the tests are quick: every hold below lasts several times longer
 READY_TIMEOUT_S = 3.0
@@ -73,11 +73,11 @@ def test_a_download_into_the_hub_cache_is_progress(tmp_path, monkeypatch):
 
 
 def test_a_compile_that_writes_kernels_or_calls_the_phase_hook_is_progress(tmp_path):
-    """What roles/compile.py has for the launcher: `phase("compiling", ...)` / `tick(...)` from its thread, and the
+    """What disagg/roles/compile.py has for the launcher: `phase("compiling", ...)` / `tick(...)` from its thread, and the
     inductor cache growing meanwhile."""
     import threading
 
-    from roles import boot
+    from disagg.roles import boot
 
     progress = BootProgress()
     work = [0.0]  # CPU seconds of the boot thread and its compile workers
@@ -134,7 +134,7 @@ def hold(tmp_path, mode: str) -> tuple[Launched, str]:
 
 def held(dep: Launched) -> InstanceStatus | None:
     """denoiser-0 when it is held by the test hook, reporting so."""
-    from client import Unreachable
+    from disagg.client import Unreachable
 
     try:
         report = dep.status(timeout_s=2)
@@ -157,7 +157,7 @@ def test_a_slow_boot_that_progresses_outlives_the_ready_timeout_and_serves(tmp_p
         assert last is not None and last.boot_progress > first.boot_progress, (first, last)
         open(marker, "w").close()
         dep.wait_ready(3, timeout=60)
-        from client import Client
+        from disagg.client import Client
 
         with Client(dep.endpoint) as client:
             [outcome] = client.run_all([GenerationParams(prompt="slow boot", width=32, height=32)])

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client import Client, Unreachable
-from launcher.ports import free_port_pair
+from disagg.client import Client, Unreachable
+from disagg.launcher.ports import free_port_pair
 from tests import netns
 from tests.conftest import Load, wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")]
@@ -71,7 +71,7 @@ def status(endpoint):
 def test_a_join_hosts_decoder_becomes_a_denoiser_under_load_and_serves_like_diffusers(cluster):
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     endpoint, tmp = cluster
     before = status(endpoint)

@@ -155,10 +155,10 @@ def test_a_joining_caller_that_hangs_up_cancels_nothing_of_the_owner(dep, http):
 
 def test_a_cancelled_request_is_not_reported_as_a_failed_generation():
     """F3: a request cancelled by someone else was a 500 generation_failed."""
-    from client import Outcome
-    from gateway.errors import from_outcome
-    from transport.codes import ErrorCode
-    from transport.messages import GenerationParams
+    from disagg.client import Outcome
+    from disagg.gateway.errors import from_outcome
+    from disagg.transport.codes import ErrorCode
+    from disagg.transport.messages import GenerationParams
 
     err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, "cancelled", code=ErrorCode.CANCELLED))
     assert err.status == 409 and err.code == "cancelled" and err.headers["x-should-retry"] == "false"
@@ -172,9 +172,9 @@ def video_app(dep, monkeypatch):
     """The gateway's app in this process, for the same deployment, with the same keys; jobs made as images."""
     from fastapi.testclient import TestClient
 
-    import gateway.routes.videos as routes
-    from gateway.app import make_app
-    from settings.process import GatewaySettings
+    import disagg.gateway.routes.videos as routes
+    from disagg.gateway.app import make_app
+    from disagg.settings.process import GatewaySettings
 
     real_to_params = routes.to_params
     monkeypatch.setattr(routes, "refuse_what_cannot_be_made", lambda *a: None)
@@ -210,7 +210,7 @@ def test_two_keys_cannot_list_read_download_or_delete_each_others_video_jobs(vid
 
 def test_one_keys_jobs_never_evict_anothers(video_app, monkeypatch):
     """F8: past its quota (its share of the job table; 3 here) a key loses its own oldest jobs, never another's."""
-    import gateway.routes.videos as routes
+    import disagg.gateway.routes.videos as routes
 
     monkeypatch.setattr(routes, "jobs_quota", lambda tenants: 3)
     c = video_app
@@ -269,7 +269,7 @@ def test_oversized_bodies_are_refused_with_413_and_the_gateway_stays_small(dep, 
     (the file part) and a 100 MB chunked urlencoded edit: each is refused (413; the urlencoded one at its 16 MiB
     field limit, 400) while the gateway's memory grows by under 100 MB and it spools at most one edit's limit to
     disk per request."""
-    from gateway.limits import MAX_EDIT_BODY_BYTES
+    from disagg.gateway.limits import MAX_EDIT_BODY_BYTES
 
     proc = gateway_process(dep)
     peak = Peak(proc)
@@ -368,7 +368,7 @@ def test_the_bodies_held_at_once_stay_within_the_budget():
     """F6/F7 under concurrency: bodies being received count against http.body_budget_mib together (503 past it)."""
     import asyncio
 
-    from gateway.limits import BodyLimits
+    from disagg.gateway.limits import BodyLimits
 
     async def app(scope, receive, send):  # reads its whole body, then answers
         while (await receive()).get("more_body"):
@@ -439,11 +439,11 @@ def test_too_deep_json_is_a_400_naming_the_field(dep, http):
 def test_no_server_paths_in_errors_or_model_info(video_app, monkeypatch):
     """F11: a folder checkpoint is named by its folder, in /v1/model_info, in a 404 for another model and in a video
     job; the deployment's error texts (a LoRA file that cannot be read, made in the roles) lose their paths."""
-    from client import Outcome
-    from gateway.errors import from_outcome
-    from gateway.state import Gateway
-    from transport.codes import ErrorCode
-    from transport.messages import GenerationParams
+    from disagg.client import Outcome
+    from disagg.gateway.errors import from_outcome
+    from disagg.gateway.state import Gateway
+    from disagg.transport.codes import ErrorCode
+    from disagg.transport.messages import GenerationParams
 
     async def served(self):
         return "/srv/models/FLUX.1-dev/"
@@ -540,7 +540,7 @@ def test_headers_without_end_are_refused_at_64_kib(dep, http):
 
 def test_a_result_names_a_folder_checkpoint_by_its_folder():
     """Issue 43 F11: the model a result reports (and a PNG's text chunks carry) is a folder's name, not its path."""
-    from roles.stage import resolved
+    from disagg.roles.stage import resolved
 
     assert resolved({"seed": 1}, "/srv/models/FLUX.1-dev/")["model"] == "FLUX.1-dev"
     assert resolved({"seed": 1}, "black-forest-labs/FLUX.1-dev")["model"] == "black-forest-labs/FLUX.1-dev"

@@ -1,4 +1,4 @@
-"""One settings schema (issue 23): every form of a setting comes from settings/schema.py; precedence is flag over
+"""One settings schema (issue 23): every form of a setting comes from disagg/settings/schema.py; precedence is flag over
 DISAGG_ variable over config file over default, seen in `--print-config` and in the process that reads it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import msgspec
 import pytest
 
-from settings.fields import leaves
-from settings.render import readme_table, tiny_yaml
+from disagg.settings.fields import leaves
+from disagg.settings.render import readme_table, tiny_yaml
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, wait_until
 
 
@@ -38,7 +38,7 @@ def print_config(*args, env=None) -> dict[str, tuple[str, str]]:
 
 
 def test_tiny_yaml_is_generated_from_the_schema_and_current():
-    assert (ROOT / "configs" / "tiny.yaml").read_text() == tiny_yaml(), "run: python -m settings yaml > configs/tiny.yaml"
+    assert (ROOT / "configs" / "tiny.yaml").read_text() == tiny_yaml(), "run: python -m disagg.settings yaml > configs/tiny.yaml"
     text = tiny_yaml()
     for leaf in leaves():
         name = leaf.path.rpartition(".")[2]
@@ -52,13 +52,13 @@ def test_every_setting_is_in_launch_help_and_the_readme():
     for leaf in leaves():
         assert leaf.path in helptext, f"{leaf.path} not in launch --help"
     readme = (ROOT / "README.md").read_text()
-    assert readme_table() in readme, "the README's settings table is not current: python -m settings table"
+    assert readme_table() in readme, "the README's settings table is not current: python -m disagg.settings table"
 
 
 def test_the_schema_names_what_the_code_implements():
-    from orchestrator.dispatch import POLICIES
-    from settings.schema import DISPATCH_POLICIES, TRANSFERS
-    from transport.selection import CHOICES
+    from disagg.orchestrator.dispatch import POLICIES
+    from disagg.settings.schema import DISPATCH_POLICIES, TRANSFERS
+    from disagg.transport.selection import CHOICES
 
     assert sorted(DISPATCH_POLICIES) == sorted(POLICIES)
     assert sorted(TRANSFERS) == sorted(CHOICES)
@@ -156,14 +156,14 @@ def test_an_older_key_still_works_with_a_warning_naming_the_new_one(tmp_path):
 
 
 def test_a_process_refuses_settings_with_an_unknown_key():
-    from settings.process import RoleSettings, encode
+    from disagg.settings.process import RoleSettings, encode
 
     spec = json.loads(encode(RoleSettings(role="encoder", instance_id="encoder-0", endpoint="tcp://127.0.0.1:1")))
-    res = subprocess.run([sys.executable, "-m", "roles", json.dumps({**spec, "colour": "red"})], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "disagg.roles", json.dumps({**spec, "colour": "red"})], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
-    from transport.messages import BOOT_ERROR_EXIT
+    from disagg.transport.messages import BOOT_ERROR_EXIT
 
     assert res.returncode == BOOT_ERROR_EXIT and "unknown field `colour`" in res.stderr, res.stderr
     with pytest.raises(msgspec.ValidationError, match="bogus"):
         msgspec.json.decode(b'{"endpoint": "tcp://x:1", "bogus": 1}', type=__import__(
-            "settings.process", fromlist=["GatewaySettings"]).GatewaySettings)
+            "disagg.settings.process", fromlist=["GatewaySettings"]).GatewaySettings)

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import disagg, launch_with_http, wait_http
-from transport.messages import ErrorCode, GenerationParams
+from disagg.transport.messages import ErrorCode, GenerationParams
 
 pytestmark = pytest.mark.e2e
 

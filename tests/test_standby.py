@@ -12,10 +12,10 @@ import time
 import pytest
 from rich.console import Console
 
-from client import Client
-from launcher.dashboard import status_view
+from disagg.client import Client
+from disagg.launcher.dashboard import status_view
 from tests.conftest import Launched, wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Step caches (roles/step_cache.py): each type a family takes, run through a denoiser Stage, equals diffusers'
+"""Step caches (disagg/roles/step_cache.py): each type a family takes, run through a denoiser Stage, equals diffusers'
 own pipeline run in one process with the same cache config, within 1/255, and skips steps at the thresholds
 README documents; requests with other cache settings held by one denoiser keep their own."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from roles.errors import RequestError
-from roles.stage import Stage
-from roles.step_cache import TYPES, UNSUPPORTED, config_of, make_caches
-from transport.messages import GenerationParams
+from disagg.roles.errors import RequestError
+from disagg.roles.stage import Stage
+from disagg.roles.step_cache import TYPES, UNSUPPORTED, config_of, make_caches
+from disagg.transport.messages import GenerationParams
 
 #: the tiny models' documented thresholds (README "Step caches"): each skips steps there
 FLUX_CACHES = {
@@ -42,7 +42,7 @@ def test_every_type_is_covered_or_refused_with_its_reason_per_family():
 
 @pytest.fixture(scope="module")
 def flux():
-    from roles.pipelines.tiny import TinyFluxAdapter, build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import TinyFluxAdapter, build_tiny_flux_pipeline
 
     enc, dec = TinyFluxAdapter("encoder"), TinyFluxAdapter("decoder")
     ref = build_tiny_flux_pipeline()
@@ -66,7 +66,7 @@ def flux_reference(ref, spec, p) -> np.ndarray:
 
 
 def flux_stage(max_batch: int) -> Stage:
-    from roles.pipelines.tiny import TinyFluxAdapter
+    from disagg.roles.pipelines.tiny import TinyFluxAdapter
 
     den = TinyFluxAdapter("denoiser")
     return Stage("denoiser", den, max_batch=max_batch, schedule="slo", caches=make_caches(den, "denoiser", None))
@@ -156,7 +156,7 @@ def test_a_bad_cache_is_refused_naming_the_field(flux):
 def wan(tmp_path_factory):
     from diffusers import DiffusionPipeline
 
-    from roles.pipelines.wan import WanAdapter
+    from disagg.roles.pipelines.wan import WanAdapter
     from tests.ckpt_wan import save_tiny_wan
 
     folder = tmp_path_factory.mktemp("wan-cache")

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client import Client
+from disagg.client import Client
 from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, popen_cli, wait_until
-from transport.messages import GenerationParams
+from disagg.transport.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def test_capacity_4_with_8_in_flight_gives_each_request_its_own_image(tiny4):
     in flight on 4 slots: each slot's thread takes a second one while the others step)."""
     import torch
 
-    from roles.pipelines.tiny import build_tiny_flux_pipeline
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     params = [GenerationParams(prompt=f"a photo of a {w} {k}", width=64, height=64, num_inference_steps=8, seed=k)
               for k, w in enumerate(["cat", "dog", "tree", "house", "car", "bird", "flower", "city"])]

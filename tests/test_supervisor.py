@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from launcher.supervisor import RestartPolicy, Supervisor
+from disagg.launcher.supervisor import RestartPolicy, Supervisor
 from tests.conftest import wait_until
 
 #: a rank that runs until it is killed, or exits 1 a moment after SIGTERM as a torch.distributed rank does

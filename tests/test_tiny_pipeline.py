@@ -2,10 +2,10 @@
 
 import torch
 
-from roles.pipelines import ModelError, load_adapter
-from roles.pipelines.tiny import TinyFluxAdapter, build_component
-from roles.stage import Stage
-from transport.messages import GenerationParams
+from disagg.roles.pipelines import ModelError, load_adapter
+from disagg.roles.pipelines.tiny import TinyFluxAdapter, build_component
+from disagg.roles.stage import Stage
+from disagg.transport.messages import GenerationParams
 
 import pytest
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.deployment import Deployment
-from launcher.topology import ConfigError, load_config, place
-from settings import Settings
+from disagg.launcher.deployment import Deployment
+from disagg.launcher.topology import ConfigError, load_config, place
+from disagg.settings import Settings
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -85,8 +85,8 @@ def test_model_configs_parse_and_name_their_family(tmp_path):
     import msgspec
     import yaml
 
-    from roles.pipelines.checkpoint import FAMILIES
-    from launcher.topology import validate, place
+    from disagg.roles.pipelines.checkpoint import FAMILIES
+    from disagg.launcher.topology import validate, place
 
     for path in (CONFIGS / "models").glob("*.yaml"):
         family = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",
@@ -105,7 +105,7 @@ def test_model_configs_parse_and_name_their_family(tmp_path):
 
 
 def test_a_gpu_with_several_instances_of_one_role_is_warned_about():
-    from launcher.topology import shared_gpu_warnings
+    from disagg.launcher.topology import shared_gpu_warnings
 
     cfg = Settings(model="tiny", gpus=[0])  # everything on GPU 0: 1:2:1 puts both denoisers there
     cfg.denoisers.count = 2

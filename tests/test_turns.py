@@ -1,11 +1,11 @@
-"""roles/turns.py: a denoiser's held requests take the device by urgency, handed over at step boundaries."""
+"""disagg/roles/turns.py: a denoiser's held requests take the device by urgency, handed over at step boundaries."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from roles.turns import Ticket, Turns
+from disagg.roles.turns import Ticket, Turns
 
 
 def run(turns: Turns, ticket: Ticket, steps: int, log: list, started: threading.Event | None = None,

@@ -8,12 +8,12 @@ import uuid
 
 import torch
 
-from roles.spec import WorkerSpec
-from roles.worker import Worker
-from transport.bundle import decode_frames
-from transport.messages import Done, Held, Register, Registered, RoleMessage
-from transport.pool import make_pool
-from transport.shm import list_segments, remove_segments
+from disagg.roles.spec import WorkerSpec
+from disagg.roles.worker import Worker
+from disagg.transport.bundle import decode_frames
+from disagg.transport.messages import Done, Held, Register, Registered, RoleMessage
+from disagg.transport.pool import make_pool
+from disagg.transport.shm import list_segments, remove_segments
 
 
 def sent(worker) -> list:
@@ -59,10 +59,10 @@ def test_a_run_handed_over_before_a_register_and_not_started_by_then_is_not_run(
     to the successor does not list them (busy: started ones only), so the successor places those requests again.
     Run as well, such a Run would compute the request twice and its Fetched would free the input the successor's
     own Run still reads (a wrong image): it is not run, and one Register answers the refusals of before it."""
-    from roles.stage import Stage
-    from roles.pipelines.payload import PayloadAdapter
-    from roles.worker import REGISTER_AGAIN_S
-    from transport.messages import ErrorCode, GenerationParams, Rejected, Run
+    from disagg.roles.stage import Stage
+    from disagg.roles.pipelines.payload import PayloadAdapter
+    from disagg.roles.worker import REGISTER_AGAIN_S
+    from disagg.transport.messages import ErrorCode, GenerationParams, Rejected, Run
 
     name = f"disagg-test-{uuid.uuid4().hex[:8]}"
     pool = make_pool(name, 1 << 20, "cpu")

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
-from roles.pipelines.demo import (
+from disagg.roles.pipelines.demo import (
     BACKGROUND,
     COLOURS,
     DEFAULTS,
@@ -139,7 +139,7 @@ EXAMPLES = ROOT / "examples" / "prompts.json"  # the README's first command draw
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", type=Path, default=None, help="default: roles/pipelines/demo/")
+    ap.add_argument("--weights", type=Path, default=None, help="default: disagg/roles/pipelines/demo/")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--steps", type=int, default=DEFAULTS["num_inference_steps"])
     ap.add_argument("--size", type=int, default=DEFAULTS["height"])

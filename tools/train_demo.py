@@ -1,4 +1,4 @@
-"""Train the demo Flux model (roles/pipelines/demo.py): a tiny VAE, then a tiny FluxTransformer2DModel on its latents.
+"""Train the demo Flux model (disagg/roles/pipelines/demo.py): a tiny VAE, then a tiny FluxTransformer2DModel on its latents.
 
     python tools/train_demo.py [--out DIR] [--seed N] [--minutes M] [--threads T]
 
@@ -41,7 +41,7 @@ TEXT_KEEP = 32  # T5 tokens kept as they are; the longest caption is 24 (with </
 
 def draw(colour: str, shape: str, position: str, rng: np.random.Generator, size: int = 64) -> Image.Image:
     """One shape, antialiased (drawn 4x larger, then box-filtered down), jittered in place and size."""
-    from roles.pipelines.demo import BACKGROUND, COLOURS, POSITION_X
+    from disagg.roles.pipelines.demo import BACKGROUND, COLOURS, POSITION_X
 
     ss = 4
     s = size * ss
@@ -66,7 +66,7 @@ def draw(colour: str, shape: str, position: str, rng: np.random.Generator, size:
 
 
 def all_captions():
-    from roles.pipelines.demo import COLOURS, POSITIONS, SHAPES, caption
+    from disagg.roles.pipelines.demo import COLOURS, POSITIONS, SHAPES, caption
 
     keys = [(c, s, p) for c in COLOURS for s in SHAPES for p in POSITIONS]
     return keys, [caption(*k) for k in keys]
@@ -99,7 +99,7 @@ class Clock:
 
 def train_vae(args, keys, rng, clock):
     from diffusers import AutoencoderKL
-    from roles.pipelines.demo import VAE_CONFIG
+    from disagg.roles.pipelines.demo import VAE_CONFIG
 
     torch.manual_seed(args.seed)
     vae = AutoencoderKL(**VAE_CONFIG).train()
@@ -140,8 +140,8 @@ def encode_pool(vae, keys, rng, n):
 def text_embeddings(captions):
     """tiny.py's frozen encoders, as FluxPipeline.encode_prompt runs them (512 T5 tokens), then compressed."""
     from diffusers import FluxPipeline
-    from roles.pipelines.flux import T5_MAX_LENGTH
-    from roles.pipelines.tiny import build_component
+    from disagg.roles.pipelines.flux import T5_MAX_LENGTH
+    from disagg.roles.pipelines.tiny import build_component
 
     pipe = FluxPipeline(scheduler=None, vae=None, transformer=None,
                         **{n: build_component(n) for n in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")})
@@ -165,7 +165,7 @@ def sigma_shift(u, n_tokens, scheduler_config):
 
 def train_transformer(args, latents, caps, embeds, pooled, pad_bias, scheduler_config, clock):
     from diffusers import FluxPipeline, FluxTransformer2DModel
-    from roles.pipelines.demo import TRANSFORMER_CONFIG
+    from disagg.roles.pipelines.demo import TRANSFORMER_CONFIG
 
     n, c, h, w = latents.shape
     packed = FluxPipeline._pack_latents(latents, n, c, h, w)  # (n, h*w/4, 4c), as FluxPipeline.prepare_latents
@@ -226,8 +226,8 @@ def main():
     ap.add_argument("--ema", type=float, default=0.999)
     args = ap.parse_args()
 
-    from roles.pipelines.demo import TRANSFORMER_CONFIG, VAE_CONFIG
-    from roles.pipelines.tiny import SCHEDULER_CONFIG
+    from disagg.roles.pipelines.demo import TRANSFORMER_CONFIG, VAE_CONFIG
+    from disagg.roles.pipelines.tiny import SCHEDULER_CONFIG
     from safetensors.torch import save_file
 
     torch.set_num_threads(args.threads)
@@ -236,7 +236,7 @@ def main():
     keys, captions = all_captions()
 
     if args.vae_from:
-        from roles.pipelines.demo import build_demo_component
+        from disagg.roles.pipelines.demo import build_demo_component
 
         vae = build_demo_component("vae", args.vae_from)
         rng = np.random.default_rng(args.seed + 100)  # the pictures the VAE was not trained on

@@ -1,0 +1,91 @@
+"""A request's life in the orchestrator: stage, attempt, timestamps, and where its data lies."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import msgspec
+
+from disagg.transport.messages import GenerationParams, Source
+from disagg.transport.params import conditioning_key
+
+STAGES = ("encoder", "denoiser", "decoder")
+#: a colocated instance runs all three stages of a request in one process
+MONOLITH = "monolith"
+#: every role the orchestrator queues for, in display order
+ROLES = STAGES + (MONOLITH,)
+
+
+def next_stage(role: str) -> str | None:
+    if role == MONOLITH:
+        return None
+    i = STAGES.index(role)
+    return STAGES[i + 1] if i + 1 < len(STAGES) else None
+
+
+def previous_stage(role: str) -> str | None:
+    return STAGES[STAGES.index(role) - 1] if role in STAGES[1:] else None
+
+
+@dataclass
+class Request:
+    """One submitted request, kept until it ends so it can always be retried."""
+
+    id: str
+    params: GenerationParams
+    #: every client waiting for it: its Result goes to each (one that sent it again after a restart, or
+    #: through another gateway, joins instead of starting a second run)
+    clients: list[bytes]
+    submitted_at: float
+    deadline: float
+    attempt: int = 1
+    stage: str = "encoder"
+    #: queued | running | done | failed, or parked: sent during a restarted orchestrator's recovery window,
+    #: placed when it closes (disagg/orchestrator/recovery.py)
+    state: str = "queued"
+    assigned: str | None = None
+    #: the previous stage's output, staged in its producer's pool, until the consumer fetched it
+    source: Source | None = None
+    source_frames: list[bytes] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    marks: dict[str, float] = field(default_factory=dict)
+    #: where its LoRA adapters lie (name -> source), resolved at Submit; every Run carries it
+    lora_sources: dict[str, str] = field(default_factory=dict)
+    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (disagg/orchestrator/slo.py)
+    slo_deadline: float | None = None
+    #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
+    cache_steps: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def conditioning_key(self) -> str | None:
+        """What its encoding depends on (transport.params.conditioning_key); None with an input image."""
+        return conditioning_key(self.params)
+
+    def params_for(self, role: str) -> GenerationParams:
+        """What a stage's Run carries: the input image and mask go to the first stage only."""
+        p = self.params
+        if role in ("encoder", "monolith") or (p.image is None and p.mask is None):
+            return p
+        return msgspec.structs.replace(p, image=None, mask=None)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("done", "failed")
+
+    def mark(self, name: str, now: float) -> None:
+        self.marks[name] = now
+
+    def span(self, name: str, start: str, end: str) -> None:
+        if start in self.marks and end in self.marks:
+            self.timings[name] = round(self.marks[end] - self.marks[start], 6)
+
+
+def over_limits(limits: dict[str, int], p) -> tuple[str, str] | None:
+    """(the field, why) a deployment with these limits (max_width, max_height, max_frames; 0 = none) cannot
+    make a request of parameters `p`, or None when it can."""
+    for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
+        limit = limits.get(f"max_{field.removeprefix('num_')}", 0)
+        if value is not None and limit and value > limit:
+            return field, f"{field} {value} is over this deployment's maximum of {limit}"
+    return None

@@ -1,0 +1,354 @@
+"""The orchestrator's brain: a plain object fed messages and the time, returning messages to send.
+
+No sockets and no clock of its own, so every scenario runs in a test in microseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import uuid
+
+import msgspec
+
+from disagg.orchestrator.dispatch import make_policy
+from disagg.orchestrator.loras import LoraCatalog
+from disagg.orchestrator.outbox import Out, RouterConfig, to_client, to_instance
+from disagg.orchestrator.instances import InstanceLifecycle
+from disagg.orchestrator.placement import InlineCache, Placement
+from disagg.orchestrator.previews import Previews
+from disagg.orchestrator.rebalance import Rebalance
+from disagg.orchestrator.recovery import Recovery, cache_steps
+from disagg.orchestrator.slo import Slo, SloCounts, StagePredictor
+from disagg.orchestrator.steps import RequestSteps
+from disagg.orchestrator.registry import Registry
+from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
+from disagg.orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
+from disagg.transport.messages import (
+    ErrorCode, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Preview, Register, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
+    StatusReport, Stop, StopHost, Submit,
+)
+
+log = logging.getLogger("disagg.orchestrator")
+
+class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Previews):
+    """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
+
+    def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
+        self.config = config or RouterConfig()
+        self.registry = Registry()
+        self.policy = make_policy(self.config.dispatch)
+        self.policy.index = self.registry.free  # picks look at ready instances with a free slot only
+        self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in ROLES}
+        self.first_stage = MONOLITH if self.config.colocated else "encoder"
+        self.pipeline_roles = (MONOLITH,) if self.config.colocated else ("encoder", "denoiser", "decoder")
+        #: role -> since when it has had no instance that serves or will (see note_served)
+        self.unserved_since: dict[str, float] = {role: now for role in self.pipeline_roles}
+        #: the model every instance must serve (foreign_model)
+        self.model = self.config.model_identity
+        self.requests: dict[str, Request] = {}
+        self.stats = Stats()
+        self.started_at = now
+        self.id = uuid.uuid4().hex[:12]  # a restarted orchestrator is a different one
+        self.restarts = 0
+        self.stopping = False
+        self.draining = False
+        self._drain_client: bytes | None = None
+        self.endpoint = ""  # shown in status; set by the server that owns the sockets
+        self.lane = ""  # the same-host fast lane's path, likewise; told to roles in Registered
+        self._warned_pairs: set[tuple[str, str]] = set()
+        #: (instance id, engine, reason) of each unavailable engine warned about (instances.warn_unavailable_engines)
+        self._warned_engines: set[tuple[str, str, str]] = set()
+        #: what status shows an operator (StatusReport.warnings)
+        self.warnings: collections.deque[str] = collections.deque(maxlen=16)
+        #: (consumer role, producer pool kind) -> whether some consumer needs its output inline; and
+        #: role -> its ready consumers' kinds of pool. Both reset when instances change (_inline_cache.clear)
+        self._inline_cache = InlineCache()
+        self._consumer_kinds = self._inline_cache.kinds
+        #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
+        #: of the first stage report it: larger requests are refused at Submit
+        self.limits: dict[str, int] = {}
+        #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
+        self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
+        loras = self.config.loras
+        #: the adapters requests may name (disagg/orchestrator/loras.py)
+        self.lora_catalog = LoraCatalog(loras.dir, loras.adapters, any_name=self.config.sim,
+                                        max_per_request=loras.max_per_request)
+        self.lora_rng = random.Random(0)  # the two-choices rule's draws
+        #: prompts' conditioning key -> the encoder that encoded them last (disagg/orchestrator/placement.py)
+        self.conditioning_holders: dict[str, str] = {}
+        #: role -> moving average of the seconds its adapter loads took (affinity's patience, worth_waiting)
+        self.lora_load_s: dict[str, float] = {}
+        #: stage times per role and shape, and deadlines met and missed (disagg/orchestrator/slo.py)
+        self.predictor = StagePredictor()
+        self.slo_counts = SloCounts()
+        #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
+        self.recovery = Recovery(self)
+        self.rebalance_init()  # the window, plan and moves of `rebalance` (disagg/orchestrator/rebalance.py)
+        self.previews_init()  # live previews' decodes (disagg/orchestrator/previews.py)
+        self._handlers = {
+            Submit: self.handle_submit,
+            StatusQuery: self.handle_status_query,
+            Stop: self.handle_stop,
+            StopHost: self.handle_stop_host,
+            Cancel: self.handle_cancel,
+            RequestQuery: self.handle_request_query,
+            GatewayBeat: self.handle_gateway_beat,
+            LauncherPoll: self.handle_launcher_poll,
+            Register: self.handle_register,
+            Heartbeat: self.handle_heartbeat,
+            Staged: self.handle_staged,
+            Preview: self.handle_preview,
+            Fetched: self.handle_fetched,
+            Done: self.handle_done,
+            Failed: self.handle_failed,
+            Dead: self.handle_dead,
+        }
+
+    # --- entry points -----------------------------------------------------------------------
+
+    def restarted(self, restarts: int, now: float) -> None:
+        """This orchestrator replaces one that died: its requests come back from clients and roles."""
+        self.restarts = restarts
+        if restarts:
+            self.recovery.begin(now)
+
+    def handle_client(self, identity: bytes, msg, frames: list[bytes], now: float) -> list[Out]:
+        out: list[Out] = []
+        self._handlers[type(msg)](identity, msg, frames, now, out)
+        self.dispatch_queued(now, out)
+        return out
+
+    def handle_instance(self, sender: str, msg, frames: list[bytes], now: float) -> list[Out]:
+        out: list[Out] = []
+        if not isinstance(msg, Register):
+            inst = self.registry.get(sender)
+            if inst is None and self.recovery.keep_early(sender, msg, frames, now):
+                return []  # a report that overtook its role's Register (after a restart): replayed after it
+            if inst is None:
+                log.warning("message %s from unregistered instance %r dropped", type(msg).__name__, sender)
+                return [to_instance(sender, Rejected(reason="not registered: send Register first", code=ErrorCode.NOT_REGISTERED))]
+            inst.last_seen = now
+            if inst.state == "dead":
+                # it was given up on; its work went elsewhere. It must register again. A report it sent
+                # meanwhile is handled once it has (an output it staged is released then, not lost)
+                self.recovery.keep_early(sender, msg, frames, now, pid=inst.pid)
+                return [to_instance(sender, Rejected(reason="declared dead: register again", code=ErrorCode.NOT_REGISTERED))]
+        self._handlers[type(msg)](sender, msg, frames, now, out)
+        self.dispatch_queued(now, out)
+        return out
+
+    def tick(self, now: float) -> list[Out]:
+        out: list[Out] = []
+        self.expire_instances(now, out)
+        self.expire_requests(now, out)
+        self.drop_silent_gateways(now, out)
+        self.note_served(now)
+        self.fail_unserved(now, out)
+        self.shutdown_drained(out, now)
+        if self.recovery.parked and not self.recovery.recovering(now):
+            self.recovery.close_window(now, out)
+        self.recovery.expire(now, out)
+        self.rebalance_tick(now, out)
+        self.expire_previews(now, out)
+        self.dispatch_queued(now, out)
+        if self.draining and not self.requests and not self.stopping:
+            log.info("drained; stopping")
+            self.stop_all(out, now)
+        return out
+
+    # --- client messages --------------------------------------------------------------------
+
+    def handle_submit(self, identity, msg: Submit, frames, now, out) -> None:
+        if self.stopping or self.draining:
+            why = "draining: finishing in-flight work, then stopping" if self.draining else "shutting down"
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.UNAVAILABLE)))
+            return
+        known = self.requests.get(msg.request_id)
+        if known is not None:
+            # the same request again (resubmitted after a restart, or by another gateway): it joins the run
+            same = msg.params if msg.params.seed is not None else msgspec.structs.replace(msg.params, seed=known.params.seed)
+            if same != known.params:
+                out.append(to_client(identity, Rejected(request_id=msg.request_id, param="request_id",
+                                                        reason="duplicate request_id with other parameters",
+                                                        code=ErrorCode.DUPLICATE_REQUEST_ID)))
+            elif identity not in known.clients:
+                known.clients.append(identity)
+            return
+        why = self.not_ready(now)
+        if why:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.NOT_READY)))
+            return
+        if not self.admit(identity, msg, now, out):  # a full queue, or a deadline it cannot meet
+            return
+        too_big = over_limits(self.limits, msg.params)
+        if too_big:
+            field, why = too_big
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param=field,
+                                                    code=ErrorCode.OVER_LIMIT)))
+            return
+        sources, why = self.lora_catalog.resolve(msg.params.loras)
+        if why:
+            out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param="loras",
+                                                    code=ErrorCode.INVALID_REQUEST)))
+            return
+        params = msg.params
+        if params.seed is None:
+            # fixed here, so a retry of any stage reproduces the same image
+            params = msgspec.structs.replace(params, seed=random.randrange(2**31))
+        timeout = msg.timeout_s or self.config.request_timeout
+        req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
+                      lora_sources=sources, slo_deadline=now - msg.age_s + params.slo_ms / 1000 if params.slo_ms else None)
+        self.requests[req.id] = req
+        self.note_arrival(params, now)
+        if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
+            req.state = "parked"
+            self.recovery.parked.append(req.id)
+            return
+        self.recovery.place(req, now, out)
+
+    def handle_status_query(self, identity, msg, frames, now, out) -> None:
+        out.append(to_client(identity, self.snapshot(now)))
+
+    def handle_gateway_beat(self, identity, msg: GatewayBeat, frames, now, out) -> None:
+        self.gateways[identity] = (msg, now)
+
+    def handle_request_query(self, identity, msg: RequestQuery, frames, now, out) -> None:
+        out.append(to_client(identity, request_states(self, msg.request_ids, now)))
+
+    def handle_cancel(self, identity, msg: Cancel, frames, now, out) -> None:
+        """The client that sent a request gives it up: it ends now, without a Result. Its role, if it
+        runs it, is told to stop; the slot comes back when the role reports (finish_run)."""
+        req = self.requests.get(msg.request_id)
+        if req is None or identity not in req.clients:
+            return  # finished already, or not this client's: nothing to do
+        if len(req.clients) > 1:  # others still wait for it
+            req.clients.remove(identity)
+            return
+        if req.state == "running" and req.assigned:
+            out.append(to_instance(req.assigned, Cancel(request_id=req.id, attempt=req.attempt)))
+        self.release_source(req, out)
+        log.info("request %s cancelled by its client (%s %s)", req.id, req.state, req.stage)
+        self.end(req, "cancelled", now)
+
+    # --- role messages ----------------------------------------------------------------------
+
+    def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
+        self.folded_fetch(sender, msg, now, out)
+        inst = self.registry.get(sender)
+        inst.staged[msg.slot.offset] = msg.slot.nbytes
+        inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            if self.is_source(msg.request_id, inst.id, msg.slot.offset):
+                return  # a late copy of the report a resumed request already reads from (disagg/orchestrator/recovery.py)
+            if not self.recovery.keep_output(inst, msg, frames, now):
+                out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
+                inst.staged.pop(msg.slot.offset, None)
+            return
+        self.release_source(req, out)  # its input, in case the Fetched was lost (an orchestrator restart)
+        role = inst.role
+        inst.completed += 1
+        req.mark(f"staged_{role}", now)
+        req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
+        req.timings[f"compute_{role}"] = msg.compute_s
+        if msg.lora_s:
+            req.timings[f"lora_{role}"] = msg.lora_s
+            self.note_lora_load(role, msg.lora_s)
+        if role == "encoder":
+            self.note_conditioning(req, inst)
+        if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
+            req.cache_steps = cache_steps(msg)
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
+        self.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
+        req.source_frames = list(frames)
+        self.enqueue(req, next_stage(role), now)
+
+    def handle_fetched(self, sender, msg: Fetched, frames, now, out) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.attempt != msg.attempt or req.assigned != sender:
+            return
+        inst = self.registry.get(sender)
+        req.timings[f"fetch_{inst.role}"] = msg.fetch_s
+        # learnt from inputs that did fit: one that cannot must not block the instance for good
+        inst.largest_input = max(inst.largest_input, req.source.slot.nbytes if req.source else 0)
+        # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
+        previous = previous_stage(inst.role)
+        if previous and f"staged_{previous}" in req.marks:
+            req.timings[f"handoff_{inst.role}"] = round(now - req.marks[f"staged_{previous}"], 6)
+        self.release_source(req, out)
+
+    def folded_fetch(self, sender, msg: Staged | Done, now, out) -> None:
+        """A role with short computes reports its pull inside Staged / Done instead of a Fetched of its own."""
+        if msg.fetch_s is not None:
+            self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
+                                (), now, out)
+
+    def handle_done(self, sender, msg: Done, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        if self.preview_ended(inst, msg, frames, out):
+            return
+        self.folded_fetch(sender, msg, now, out)
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)
+            return
+        self.release_source(req, out)
+        inst.completed += 1
+        req.mark("done", now)
+        req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
+        req.timings[f"compute_{inst.role}"] = msg.compute_s
+        if msg.lora_s:
+            req.timings[f"lora_{inst.role}"] = msg.lora_s
+            self.note_lora_load(inst.role, msg.lora_s)
+        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
+        self.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        req.timings["total"] = round(now - req.submitted_at, 6)
+        result = Result(
+            request_id=req.id,
+            ok=True,
+            image_format=msg.image_format,
+            num_images=msg.num_images,
+            seed=req.params.seed,
+            attempts=req.attempt,
+            timings=req.timings,
+            resolved={**msg.resolved, **req.cache_steps},
+        )
+        self.end(req, "done", now)
+        self.send_result(req, result, frames, out)
+
+    def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
+        inst = self.registry.get(sender)
+        if self.preview_ended(inst, msg, frames, out):
+            return
+        req = self.finish_run(inst, msg.request_id, msg.attempt)
+        if req is None:
+            return
+        cause = f"{inst.role} {inst.id} failed: {msg.error}"
+        if msg.code == ErrorCode.INVALID_INPUT:  # the request's fault: a client error, not the instance's failure
+            self.release_source(req, out)
+            self.fail(req, cause, now, out, state="invalid", code=msg.code, param=msg.param)
+            return
+        inst.failed += 1
+        if msg.retryable:
+            self.retry(req, cause, now, out)
+        else:
+            self.release_source(req, out)
+            self.fail(req, cause, now, out)
+
+    # --- loop phases ------------------------------------------------------------------------
+
+    def expire_requests(self, now: float, out: list[Out]) -> None:
+        for req in [r for r in self.requests.values() if now > r.deadline]:
+            limit = req.deadline - req.submitted_at
+            self.release_source(req, out)
+            # a compute slot held for it stays taken until its instance reports back or dies
+            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out,
+                      code=ErrorCode.TIMEOUT)
+
+    # --- stats ------------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> StatusReport:
+        return snapshot(self, now)

@@ -1,0 +1,368 @@
+"""The orchestrator's IO shell: two ROUTER sockets and the fast lane's listener (disagg/transport/lane.py),
+one poll loop; the Router does the thinking. Replies gathered in a turn leave at its end, one
+message (or Bundle) per peer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from pathlib import Path
+
+import zmq
+
+from disagg.orchestrator.inbox import CLIENT_BUNDLE_MAX, ClientInbox
+from disagg.orchestrator.router import Out, Router
+from disagg.transport.auth import secure_server
+from disagg.transport.parent import LauncherWatch
+from disagg.transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
+from disagg.transport.bundle import Outbox, decode_frames
+from disagg.transport.shm import pid_alive
+from disagg.transport.messages import (
+    MAX_FRAMES_BYTES,
+    MAX_MESSAGE_BYTES,
+    ErrorCode,
+    ClientMessage,
+    MessageError,
+    Register,
+    Rejected,
+    Release,
+    RoleMessage,
+    Stop,
+    encode,
+)
+
+log = logging.getLogger("disagg.orchestrator")
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+TICK_S = 0.05
+# busy polling (settings busy_poll, busy_poll_max_in_flight): while few requests are in flight, a turn that
+# handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
+# it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
+# plane). Under load the loop is busy anyway and the CPU is better left to the roles.
+#: how long a Stop waits for the Shutdown messages to leave before the sockets close
+STOP_LINGER_MS = 500
+#: after a role's lane closed, how long its pid is watched for its exit (a dying process closes its
+#: sockets a moment before it has exited)
+EXIT_WATCH_S = 1.0
+
+
+class OrchestratorServer:
+    """Owns the sockets and the loop; every decision is the Router's."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 5555, keys_dir: str = "",
+                 lane: bool = True):
+        self.router = router
+        self.ctx = zmq.Context()
+        self.frontend = self.ctx.socket(zmq.ROUTER)
+        self.backend = self.ctx.socket(zmq.ROUTER)
+        # clients send only control messages; roles also send images and inline tensors
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.backend.setsockopt(zmq.MAXMSGSIZE, MAX_FRAMES_BYTES)
+        # a restarted role reconnects under its old identity and must take it over
+        self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        for sock in (self.frontend, self.backend):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Curve before bind: only peers holding the deployment's client key get through the handshake
+        self.auth = secure_server(self.ctx, [self.frontend, self.backend], Path(keys_dir)) if keys_dir else None
+        if not keys_dir and not _loopback(host):
+            log.warning("binding %s without --keys: anyone who can reach it can submit, register a role, and stop the "
+                        "deployment", host)
+        self.frontend.bind(f"tcp://{host}:{port}")
+        self.backend.bind(f"tcp://{host}:{port + 1}")
+        self.endpoint = f"tcp://{host}:{port}"
+        router.endpoint = self.endpoint
+        # the same-host fast lane (disagg/transport/lane.py): roles and clients here connect after their handshake
+        self.lane_listener = None
+        if lane:
+            try:
+                self.lane_listener = LaneListener(lane_path(port))
+            except OSError as exc:  # a path too long for a Unix socket, a folder that is not ours
+                log.warning("no fast lane (%s); control messages take ZeroMQ", exc)
+        router.lane = self.lane_listener.path if self.lane_listener else ""
+        #: fd -> lane not yet introduced (its first packet says who it is)
+        self._new_lanes: dict[int, Lane] = {}
+        #: fd -> (lane, True for a client / False for a role, identity)
+        self._lanes: dict[int, tuple[Lane, bool, bytes]] = {}
+        #: (is client, identity) -> lane, for sending
+        self._lane_to: dict[tuple[bool, bytes], Lane] = {}
+        #: instance id (bytes) -> the ZeroMQ identity of its socket (DEPLOYMENT/INSTANCE), learnt from its Register
+        self._route: dict[bytes, bytes] = {}
+        self._known_senders: set[str] = set()
+        #: instance id -> (pid, watch until): roles whose lane closed, watched until their process exited
+        self._exits: dict[str, tuple[int, float]] = {}
+        self._stop_requested = False
+        #: the launcher went away (killed): the process stops, and cleans what it can on its way out
+        self.orphaned = False
+        self._dropped = 0
+        #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
+        self.outbox = Outbox()
+        #: clients' messages waiting to be handled, within a budget per turn (disagg/orchestrator/inbox.py)
+        self.inbox = ClientInbox()
+
+    def request_stop(self, *_args) -> None:
+        self._stop_requested = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.poller = poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        if self.lane_listener is not None:
+            poller.register(self.lane_listener.fileno(), zmq.POLLIN)  # raw fds come back from poll as ints
+        log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
+        next_tick = time.monotonic()
+        launcher = LauncherWatch()
+        busy_poll, busy_max = self.router.config.busy_poll, self.router.config.busy_poll_max_in_flight
+        busy_until = 0.0
+        while not self._stop_requested:
+            events = {}
+            while not events and time.perf_counter() < busy_until:
+                events = dict(poller.poll(0))
+            if not events:  # clients' messages still waiting: look, but do not sleep
+                events = dict(poller.poll(0 if self.inbox else TICK_S * 1000))
+            if events and busy_poll and len(self.router.requests) <= busy_max:
+                busy_until = time.perf_counter() + busy_poll
+            self.serve_clients()  # a new turn: what clients sent past the last turns' budgets first
+            for fd in events:
+                if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
+                    self.serve_lane(fd)
+            if self.backend in events:
+                self.drain_inbox(self.backend, self.handle_backend_frames)
+            if self.frontend in events and not self.inbox.full:
+                self.drain_inbox(self.frontend, self.handle_frontend_frames)
+            now = time.monotonic()
+            if now >= next_tick:
+                self.watch_exits(now)
+                self.send(self.router.tick(now))
+                next_tick = now + TICK_S
+                if launcher.gone():  # the launcher was killed: do not linger as an orphan
+                    log.warning("launcher is gone; stopping the roles and exiting")
+                    self.orphaned = True
+                    self.send(self.router.handle_client(b"", Stop(), [], now))
+            self.flush()
+            if self.router.stopping:
+                break
+        if self.router.stopping:
+            time.sleep(STOP_LINGER_MS / 1000)
+        self.close()
+
+    # --- the fast lane ------------------------------------------------------------------------
+
+    def serve_lane(self, fd: int) -> None:
+        if self.lane_listener is not None and fd == self.lane_listener.fileno():
+            for lane in self.lane_listener.accept():
+                self._new_lanes[lane.fd] = lane
+                self.poller.register(lane.fd, zmq.POLLIN)
+            return
+        lane = self._new_lanes.get(fd) or (self._lanes[fd][0] if fd in self._lanes else None)
+        if lane is None:
+            return
+        try:
+            packets = lane.recv()
+        except LaneClosed:
+            entry = self._lanes.get(fd)
+            self.drop_lane(fd)
+            if entry is not None and not entry[1]:  # a role's lane: did its process die?
+                inst = self.router.registry.get(entry[2].decode())
+                if inst is not None and inst.state != "dead":
+                    self._exits[inst.id] = (inst.pid, time.monotonic() + EXIT_WATCH_S)
+                    self.watch_exits(time.monotonic())
+            return
+        for frames in packets:
+            if isinstance(frames, LaneError):
+                self._drop("lane", str(frames))
+                continue
+            if fd in self._new_lanes:
+                self.introduce_lane(fd, frames)
+                continue
+            entry = self._lanes.get(fd)
+            if entry is None:  # refused at its introduction, or dropped meanwhile: the rest goes unread
+                return
+            _, is_client, identity = entry
+            if is_client:
+                self.handle_frontend_frames([identity, *frames])
+            else:  # as if on its ZeroMQ socket: DEPLOYMENT/INSTANCE
+                self.handle_backend_frames([self._route.get(identity, identity), *frames])
+
+    def introduce_lane(self, fd: int, hello: list[bytes]) -> None:
+        """A lane's first packet: [b"role", instance id, orchestrator id] or
+        [b"client", its ZeroMQ identity, orchestrator id]."""
+        lane = self._new_lanes.pop(fd)
+        kind, rest = hello[0], hello[1:]
+        if kind == b"role" and len(rest) == 2 and rest[1] == self.router.id.encode():
+            inst = self.router.registry.get(rest[0].decode("ascii", "replace"))
+            if inst is not None and inst.state != "dead":
+                identity, is_client = inst.id.encode(), False
+            else:
+                identity = None
+        elif kind == b"client" and len(rest) == 2 and rest[1] == self.router.id.encode() and 0 < len(rest[0]) <= 255:
+            # its ZeroMQ identity: what is too big for the lane still reaches it there
+            identity, is_client = rest[0], True
+        else:
+            identity = None
+        if identity is None:  # not ours, or an instance we do not know: it talks over ZeroMQ
+            self.poller.unregister(fd)
+            lane.close()
+            return
+        old = self._lane_to.get((is_client, identity))
+        if old is not None and not old.closed:  # a role that connected again (re-registered)
+            self.drop_lane(old.fd)
+        self._lanes[fd] = (lane, is_client, identity)
+        self._lane_to[(is_client, identity)] = lane
+        if not is_client:
+            inst.lane = True
+        lane.send([WELCOME])  # the peer switches to the lane only now, so nothing it sends is lost
+
+    def watch_exits(self, now: float) -> None:
+        """A role whose lane closed and whose process has exited is dead at once (kill -9, a crash)."""
+        for iid, (pid, until) in list(self._exits.items()):
+            if not pid_alive(pid):
+                del self._exits[iid]
+                self.send(self.router.instance_exited(iid, pid, now))
+            elif now > until:
+                del self._exits[iid]  # alive: it only closed its lane (it reconnects)
+
+    def drop_lane(self, fd: int) -> None:
+        lane = self._new_lanes.pop(fd, None)
+        entry = self._lanes.pop(fd, None)
+        if entry is not None:
+            lane = entry[0]
+            if self._lane_to.get((entry[1], entry[2])) is lane:
+                del self._lane_to[(entry[1], entry[2])]
+                inst = None if entry[1] else self.router.registry.get(entry[2].decode())
+                if inst is not None:
+                    inst.lane = False
+        try:
+            self.poller.unregister(fd)
+        except KeyError:
+            pass
+        if lane is not None:
+            lane.close()
+
+    def drain_inbox(self, sock: zmq.Socket, handler) -> None:
+        # bounded, so one busy socket cannot starve the other or the tick
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(frames)
+
+    def handle_frontend_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("frontend", "message without a payload frame")
+            return
+        identity = frames[0]
+        try:
+            items = decode_frames(frames[1:], ClientMessage, max_messages=CLIENT_BUNDLE_MAX)
+        except MessageError as exc:
+            items = [(exc, [])]
+        for msg, rest in items:
+            if isinstance(msg, MessageError):
+                self._drop("frontend", str(msg))
+                self.send([Out(identity, None, Rejected(reason=f"bad message: {msg}", code=ErrorCode.INVALID_REQUEST))])
+                continue
+            now = self.inbox.spend(identity, msg)
+            if now:  # within this turn's budget, nothing of the clients' waiting: at once
+                self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
+            elif now is False:  # handled in a later turn (serve_clients)
+                refused = self.inbox.add(identity, msg, rest)
+                if refused is not None:
+                    self.send([Out(identity, None, refused)])
+
+    def serve_clients(self) -> None:
+        """A new turn's budget (disagg/orchestrator/inbox.py), spent first on what clients sent past the earlier turns',
+        in the order each client sent it."""
+        self.inbox.new_turn()
+        for identity, msg, rest in self.inbox.take():
+            self.inbox.turn_total += 1
+            self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
+
+    def handle_backend_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self._drop("backend", "message without a payload frame")
+            return
+        try:
+            # a role's socket is DEPLOYMENT/INSTANCE, and its compute threads' are DEPLOYMENT/INSTANCE#THREAD:
+            # roles of two deployments never share a ZeroMQ identity, so one cannot take over another's route
+            route = frames[0].decode("ascii").split("#", 1)[0]
+            deployment, _, sender = route.rpartition("/")
+            items = decode_frames(frames[1:], RoleMessage)
+        except (MessageError, UnicodeDecodeError) as exc:
+            self._drop("backend", str(exc))
+            return
+        ours = self.router.config.deployment_id
+        if ours and deployment != ours:
+            self._drop("backend", f"a message from {sender!r} of deployment {deployment!r} (this orchestrator serves {ours!r})")
+            reply = Rejected(reason=f"another deployment: this orchestrator serves deployment {ours!r}, not {deployment!r}",
+                             code=ErrorCode.FOREIGN_DEPLOYMENT)
+            try:
+                self.backend.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            return
+        for msg, rest in items:
+            if isinstance(msg, MessageError):
+                self._drop("backend", str(msg))
+                continue
+            if isinstance(msg, Register) or sender not in self._known_senders:
+                # also before it registers: a successor's "not registered" must reach a role at once
+                self._known_senders.add(sender)
+                self._route[sender.encode()] = route.encode()
+            self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
+
+    def _drop(self, where: str, why: str) -> None:
+        self._dropped += 1
+        # bounded logging: a flood of garbage must not become a flood of log lines
+        if self._dropped <= 20 or self._dropped % 1000 == 0:
+            log.warning("dropped a bad message on the %s socket (%d so far): %s", where, self._dropped, why[:200])
+
+    def send(self, outs: list[Out]) -> None:
+        """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer.
+        A Release is never urgent: the peers waiting on the rest are served first."""
+        if len(outs) > 1:
+            outs = sorted(outs, key=lambda out: isinstance(out.msg, Release))
+        for out in outs:
+            if out.to_client is not None:
+                self.outbox.add((True, out.to_client), out.msg, out.frames)
+            else:
+                self.outbox.add((False, out.to_instance.encode()), out.msg, out.frames)
+
+    def flush(self) -> None:
+        self.outbox.flush(self._send_frames)
+
+    def _send_frames(self, destination: tuple[bool, bytes], frames: list) -> None:
+        lane = self._lane_to.get(destination)
+        if lane is not None:
+            if lane.send(frames):
+                return
+            if lane.closed:  # broken or stuck peer: from now on ZeroMQ (a client's lane: the client is gone)
+                self.drop_lane(lane.fd)
+        to_client, identity = destination
+        sock = self.frontend if to_client else self.backend
+        if not to_client:
+            identity = self._route.get(identity, identity)
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # the peer is gone (client quit, role died): nothing to deliver to
+            log.debug("could not send to %r: %s", identity, exc)
+
+    def close(self) -> None:
+        for fd in list(self._lanes) + list(self._new_lanes):
+            self.drop_lane(fd)
+        if self.lane_listener is not None:
+            self.lane_listener.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.frontend.close(linger=0)
+        self.backend.close(linger=STOP_LINGER_MS)
+        self.ctx.term()

@@ -1,0 +1,149 @@
+"""Counters, the status snapshot the orchestrator answers `disagg status` with, and where requests are (RequestQuery)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+from disagg.orchestrator.requests import ROLES, STAGES
+from disagg.transport.messages import (
+    GatewayStatus, PairEngine, RequestCounts, RequestState, RequestStates, StageTime, StatusReport, TransferCount,
+)
+
+THROUGHPUT_WINDOW_S = 10.0
+#: the timings a request's Result carries per stage, as phase_role
+STAGE_PHASES = ("queue", "compute", "fetch")
+#: a gateway not heard from for this long is no longer listed in status
+GATEWAY_SILENCE_S = 5.0
+
+
+class Stats:
+    """Requests ended since start, and recent completions for a throughput figure."""
+
+    def __init__(self):
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+        self.invalid = 0
+        #: (role, phase) -> [requests, seconds]: every client's requests, for /metrics
+        self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
+        #: (producer role, consumer role, engine) -> [handoffs, bytes]
+        self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+        #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]
+        self.pairs: dict[tuple[str, str], list] = {}
+        self._finish_times: collections.deque[float] = collections.deque()
+
+    def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
+        for key, seconds in (timings or {}).items():
+            phase, _, role = key.partition("_")
+            if phase in STAGE_PHASES and role:
+                total = self.stage_times[(role, phase)]
+                total[0] += 1
+                total[1] += seconds
+        if state == "done":
+            self.completed += 1
+            self._finish_times.append(now)
+        elif state == "cancelled":
+            self.cancelled += 1
+        elif state == "invalid":
+            self.invalid += 1
+        else:
+            self.failed += 1
+
+    def transferred(self, producer, consumer, engine: str, nbytes: int) -> None:
+        """One handoff from instance `producer` to instance `consumer`."""
+        edge = self.transfers[(producer.role, consumer.role, engine)]
+        edge[0] += 1
+        edge[1] += nbytes
+        pair = self.pairs.get((producer.id, consumer.id))
+        if pair is None:
+            pair = self.pairs[(producer.id, consumer.id)] = [engine, 0, producer.host, consumer.host]
+        pair[0] = engine
+        pair[1] += 1
+
+    def throughput(self, now: float, since: float) -> float:
+        while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:
+            self._finish_times.popleft()
+        window = min(THROUGHPUT_WINDOW_S, max(now - since, 1e-9))
+        return round(len(self._finish_times) / window, 3)
+
+
+def snapshot(router, now: float) -> StatusReport:
+    """What `disagg status` shows, from a Router's state."""
+    instances = sorted(router.registry.by_id.values(), key=lambda i: (ROLES.index(i.role), i.id))
+    return StatusReport(
+        orchestrator={
+            "pid": os.getpid(),
+            "id": router.id,
+            "deployment_id": router.config.deployment_id,
+            "endpoint": router.endpoint,
+            "lane": router.lane,
+            "restarts": router.restarts,
+            "uptime_s": round(now - router.started_at, 3),
+            "state": "draining" if (router.draining or router.stopping) else "ready",
+            "host_id": router.config.host_id,
+            "model": router.model.name if router.model is not None else "",
+            #: live previews decoded and sent to clients, and skipped (no free decoder, the request gone)
+            "previews_sent": router.previews_sent,
+            "previews_skipped": router.previews_skipped,
+            "previews_lost": router.previews_lost,
+            #: what the model can make, as its first stage reports it (0: no limit, max_frames 0: images only)
+            **{key: value for key, value in router.limits.items()},
+            #: roles with no instance that serves or will, and for how long (a join may still be coming)
+            **{f"unserved_{role}_s": round(now - since, 3) for role, since in router.unserved_since.items()},
+        },
+        instances=[i.status(now) for i in instances],
+        queues={
+            role: sum(1 for rid in q if rid in router.requests)
+            for role, q in router.queues.items()
+            if role in STAGES or router.config.colocated
+        },
+        requests=RequestCounts(
+            in_flight=len(router.requests), completed=router.stats.completed, failed=router.stats.failed,
+            cancelled=router.stats.cancelled, invalid=router.stats.invalid,
+        ),
+        throughput_rps=router.stats.throughput(now, router.started_at),
+        gateways=[GatewayStatus(url=beat.url, pid=beat.pid, restarts=beat.restarts, last_seen_s=round(now - seen, 3))
+                  for beat, seen in router.gateways.values() if now - seen <= GATEWAY_SILENCE_S],
+        stage_times=[StageTime(role=r, phase=ph, count=n, sum_s=round(t, 6))
+                     for (r, ph), (n, t) in sorted(router.stats.stage_times.items())],
+        transfers=[TransferCount(source=a, target=b, engine=e, count=n, bytes=nbytes)
+                   for (a, b, e), (n, nbytes) in sorted(router.stats.transfers.items())],
+        warnings=list(router.warnings),
+        loras=sorted(router.lora_catalog.names())[:4096], any_lora=router.lora_catalog.any_name,
+        pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
+               for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
+        schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.slo_counts.report(),
+        rebalance=router.rebalance_status(now),
+    )
+
+
+def queue_slack(router, now: float) -> dict[str, float]:
+    """Per role, the least slack of the requests waiting in its queue that have a deadline."""
+    out = {}
+    for role, queue in router.queues.items():
+        slacks = [router.slack(req, now) for rid in queue
+                  if (req := router.requests.get(rid)) is not None and req.slo_deadline is not None]
+        if slacks:
+            out[role] = round(min(slacks), 3)
+    return out
+
+
+def request_states(router, request_ids: list[str], now: float) -> RequestStates:
+    """Where each of these requests is (RequestQuery): queued or running, in which stage, at which step."""
+    states = {}
+    for rid in request_ids:
+        req = router.requests.get(rid)
+        if req is None:
+            states[rid] = RequestState(state="unknown")
+            continue
+        step, steps = 0, 0
+        inst = router.registry.get(req.assigned) if req.assigned else None
+        if inst is not None and rid in inst.steps:
+            step, steps = inst.steps[rid]
+        left = router.predicted_left(req, now) if router.predictor.per_unit else None
+        states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
+                                   step=step, steps=steps, finish_in_s=None if left is None else round(left, 3),
+                                   slack_s=None if req.slo_deadline is None else
+                                   round(router.slack(req, now), 3))
+    return RequestStates(states=states)

@@ -1,0 +1,259 @@
+"""`sim:PROFILE`: stages that take the profile's time and move the real model's payload sizes.
+
+Scheduling and transfer overheads can then be measured on a CPU without compute contention.
+Roles placed on the same simulated device (`--gpus` with a sim model) take turns on it, as
+they would on a real GPU: every busy period holds an exclusive lock on that device.
+
+The payloads are request-specific, so a wrong or mixed-up output shows (benchmarks/chaos_day.py): the
+encoder's tensor is filled with a value derived from what conditions it (the conditioning cache's key:
+prompts, guidance, images per prompt, adapters, size), the denoiser's latents with one derived from that
+value, the seed, the adapters and the steps done (a preview's copy after step k differs from the final
+latents), and the decoder's image is a tiny PNG whose pixels are a checksum of its input value and the
+request's parameters (`image_checksum` reads it back). Each costs a hash and a `torch.full`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+from PIL import Image
+
+from disagg.roles.media import encode_image
+from disagg.roles.pipelines.sim_profile import load_profile
+
+
+#: the payload values are integers below 2**23: a float32 holds them exactly
+_VALUES = 1 << 23
+#: the decoder's image: this many RGB pixels, one row, their bytes a checksum
+IMAGE_PIXELS = 4
+
+
+def _value(*parts) -> float:
+    """A payload value from `parts` (repr-able): an integer in [1, 2**23), exact in a float32."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return float(int.from_bytes(digest, "little") % (_VALUES - 1) + 1)
+
+
+def _loras(p: dict) -> tuple:
+    """A request's adapters as (name, scale) pairs, whether LoraRef structs or dicts."""
+    return tuple((r["name"], float(r.get("scale", 1.0))) if isinstance(r, dict) else (r.name, float(r.scale))
+                 for r in p.get("loras") or ())
+
+
+def encoder_value(p: dict) -> float:
+    """What the encoder's tensor holds: from what the conditioning cache keys on (disagg/transport/params.py
+    conditioning_key) plus the input image, so a cache hit holds what a compute would."""
+    image = p.get("image")
+    image = hashlib.blake2b(image, digest_size=8).hexdigest() if image is not None else None
+    return _value("encoder", p.get("prompt"), p.get("negative_prompt"), p.get("guidance_scale"),
+                  p.get("num_images_per_prompt", 1), _loras(p), p.get("width"), p.get("height"), p.get("num_frames"),
+                  image, p.get("mask") is not None and hashlib.blake2b(p["mask"], digest_size=8).hexdigest())
+
+
+def latents_value(encoded: float, p: dict, steps_done: int) -> float:
+    """What the denoiser's latents hold after `steps_done` of the request's steps."""
+    return _value("latents", encoded, p.get("seed"), _loras(p), p.get("num_inference_steps"), steps_done,
+                  p.get("width"), p.get("height"), p.get("num_frames"), p.get("num_images_per_prompt", 1))
+
+
+def image_pixels(latents: float, p: dict, index: int) -> bytes:
+    """The decoder's `index`th image's RGB pixels: a checksum of its input value and the request's parameters."""
+    return hashlib.blake2b(repr(("image", latents, p.get("seed"), p.get("width"), p.get("height"),
+                                 p.get("num_inference_steps"), p.get("num_frames"), index)).encode(),
+                           digest_size=3 * IMAGE_PIXELS).digest()
+
+
+def image_checksum(data: bytes) -> str:
+    """A sim image's checksum (its pixels, hex) from its file's bytes, whatever the format's container."""
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB").tobytes().hex()
+
+
+def expected_pixels(params: dict, steps_done: int | None = None, index: int = 0) -> bytes:
+    """The pixels a sim decoder makes for a request (`params`: its fields, as a client sends them, seed set), or
+    for its preview after `steps_done` steps: what a benchmark checks a sim image against, computing nothing."""
+    import msgspec
+
+    from disagg.transport.params import GenerationParams
+
+    given = {k: v for k, v in msgspec.structs.asdict(msgspec.convert(params, GenerationParams)).items() if v is not None}
+    p = {**SimAdapter.defaults(), **given}
+    steps = p["num_inference_steps"] if steps_done is None else steps_done
+    return image_pixels(latents_value(encoder_value(p), p, steps), p, index)
+
+
+def first_value(inputs) -> float:
+    """The value a stage's input payload holds (0.0 when it has none: a unit test's empty inputs)."""
+    x = inputs.get("x") if isinstance(inputs, dict) else None
+    return float(x.reshape(-1)[0]) if x is not None and x.numel() else 0.0
+
+
+class _SimState:
+    """One request in a simulated batch."""
+
+    def __init__(self, params: dict, steps: int, encoded: float = 0.0):
+        self.params = params
+        self.steps = steps
+        self.steps_left = steps
+        self.encoded = encoded
+
+    @property
+    def done(self) -> bool:
+        return self.steps_left <= 0
+
+
+class SimAdapter:
+    """Sleeps for each stage's simulated time; emits tensors of the real payload size, each filled with one
+    request-specific value (the module's docstring)."""
+
+    #: no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
+    thread_safe = True
+
+    def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0):
+        self.profile = load_profile(profile)
+        self.slowdown = slowdown
+        self.role = role
+        self._zeros = torch.zeros(0)
+        #: encoded images by (pixels, format): a request retried, or many alike, encodes once
+        self._encoded: dict[tuple[bytes, str], bytes] = {}
+        self._encoded_lock = threading.Lock()
+        self._lock_fd = None
+        self._thread_turn = threading.Lock()
+        if device.startswith("sim:"):
+            run = os.environ.get("DISAGG_RUN_ID", "local")
+            path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
+            self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        #: on a simulated device its computes take turns anyway (schedule slo orders them: disagg/roles/stage.py)
+        self.one_device = self._lock_fd is not None
+
+    @staticmethod
+    def defaults() -> dict:
+        return dict(width=1024, height=1024, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1, seed=0)
+
+    @contextmanager
+    def device_turn(self):
+        if self._lock_fd is None:
+            yield
+            return
+        # flock excludes other processes only (threads share the open file), so threads take turns first
+        with self._thread_turn:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _busy(self, ms: float) -> None:
+        if ms > 0:
+            with self.device_turn():
+                time.sleep(ms * self.slowdown / 1000)
+
+    #: a request may carry an input image: the profile's `image` cost is added to the encoder's
+    takes_images = True
+    #: its payload's size follows the request's (the conditioning cache's key: disagg/roles/conditioning.py)
+    conditioning_depends = ("width", "height", "num_frames")
+
+    def _size(self, role: str, p: dict) -> int:
+        with_image = role == "encoder" and p.get("image") is not None
+        prof, pixels = self.profile.for_request(p)
+        return max(prof.payload(role, pixels, p.get("num_images_per_prompt", 1), with_image), 64) // 4
+
+    def _tensor(self, role: str, p: dict, value: float) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((self._size(role, p),), value)}
+
+    def _step_latents(self, role: str, p: dict, value_of) -> dict[str, torch.Tensor]:
+        """The latents after a step, for the progress callback: only a preview reads them, so a request without
+        previews gets a view of one zero buffer (nothing to fill)."""
+        if p.get("previews"):
+            return self._tensor(role, p, value_of())
+        n = self._size(role, p)
+        if self._zeros.numel() < n:
+            self._zeros = torch.zeros(n)
+        return {"x": self._zeros[:n]}
+
+    def encode(self, p: dict) -> dict[str, torch.Tensor]:
+        prof, pixels = self.profile.for_request(p)
+        extra = prof.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
+        self._busy(prof.encoder.fixed_ms(pixels) + extra)
+        return self._tensor("encoder", p, encoder_value(p))
+
+    def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
+        prof, pixels = self.profile.for_request(p)
+        cost = prof.denoiser
+        encoded = first_value(inputs)
+        self._busy(cost.fixed_ms(pixels))
+        steps = p["num_inference_steps"]
+        for k in range(1, steps + 1):
+            self._busy(cost.step_ms(pixels))
+            if progress:  # the "latents" a preview is staged from
+                progress(self._step_latents("denoiser", p, lambda: latents_value(encoded, p, k)))
+        return self._tensor("denoiser", p, latents_value(encoded, p, steps))
+
+    # --- step-level batching (disagg/roles/batcher.py) ---
+
+    @staticmethod
+    def batch_key(p: dict):
+        return (p["width"], p["height"], p.get("num_frames"))
+
+    def denoise_start(self, inputs, p: dict) -> "_SimState":
+        prof, pixels = self.profile.for_request(p)
+        self._busy(prof.denoiser.fixed_ms(pixels))
+        return _SimState(p, p["num_inference_steps"], first_value(inputs))
+
+    def denoise_steps(self, states: list["_SimState"]) -> None:
+        prof, pixels = self.profile.for_request(states[0].params)
+        cost = prof.denoiser
+        rows = sum(s.params["num_images_per_prompt"] for s in states)
+        self._busy(cost.step_ms(pixels) * cost.batch_factor(pixels, rows))
+        for s in states:
+            s.steps_left -= 1
+
+    def denoise_result(self, state: "_SimState") -> dict[str, torch.Tensor]:
+        """The latents after the steps done so far: the result once done, a preview's copy before."""
+        p, done = state.params, state.steps - max(state.steps_left, 0)
+        value = lambda: latents_value(state.encoded, p, done)  # noqa: E731
+        return self._tensor("denoiser", p, value()) if state.done else self._step_latents("denoiser", p, value)
+
+    #: a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
+    decode_yields = True
+
+    def _decode_pixels(self, inputs, p: dict, progress=None) -> list[bytes]:
+        prof, pixels = self.profile.for_request(p)
+        chunks = prof.latent_frames(p.get("num_frames"))
+        for k in range(chunks):
+            if k and progress is not None:
+                progress()
+            self._busy(prof.decoder.fixed_ms(pixels) / chunks)
+        latents = first_value(inputs)
+        return [image_pixels(latents, p, i) for i in range(p.get("num_images_per_prompt", 1))]
+
+    def decode(self, inputs, p: dict, progress=None) -> list[Image.Image]:
+        return [Image.frombytes("RGB", (IMAGE_PIXELS, 1), px) for px in self._decode_pixels(inputs, p, progress)]
+
+    #: images kept encoded (decode_encoded), the oldest forgotten first
+    ENCODED_KEPT = 1024
+
+    def decode_encoded(self, inputs, p: dict, fmt: str, progress=None) -> list[bytes]:
+        """decode(), already encoded: each image is encoded once per format and kept (encoding on every request
+        would be simulated work no profile asked for)."""
+        out = []
+        for px in self._decode_pixels(inputs, p, progress):
+            data = self._encoded.get((px, fmt))
+            if data is None:
+                data = encode_image(Image.frombytes("RGB", (IMAGE_PIXELS, 1), px), fmt)
+                with self._encoded_lock:  # an instance's threads decode at once
+                    if len(self._encoded) >= self.ENCODED_KEPT:
+                        self._encoded.pop(next(iter(self._encoded)), None)
+                    self._encoded[(px, fmt)] = data
+            out.append(data)
+        return out
+
+    def components_loaded(self) -> dict[str, int]:
+        return {}

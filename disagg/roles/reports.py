@@ -1,0 +1,110 @@
+"""What a role tells the orchestrator about itself: its Register (pool, capacity, what it holds, its limits) and
+its Heartbeat (progress, steps, what it holds and counts now). A mixin of Worker (disagg/roles/worker.py): it reads the
+worker's spec, pool, engines and runner."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from disagg.roles.boot import PROGRESS as BOOT
+from disagg.roles.layout import describe_layout
+from disagg.roles.limits import device_free_memory, device_memory, param_bytes
+from disagg.transport.messages import Heartbeat, PoolInfo, Register
+
+
+class SelfReport:
+    """Methods of Worker; see disagg/roles/worker.py for the state they read."""
+
+    def pool_info(self) -> PoolInfo:
+        advertised = {}
+        for engine in self.engines.values():
+            advertised.update(engine.advertise())
+        return PoolInfo(
+            host_id=self.spec.host_id,
+            engines=list(self.engines),
+            pool_name=self.pool.name,
+            pool_bytes=self.pool.nbytes,
+            device=self.pool.device,
+            **advertised,
+        )
+
+    def register(self) -> None:
+        self.register_sent = time.monotonic()
+        busy, held = self.runner.registered()
+        self.send(
+            Register(
+                role=self.spec.role,
+                instance_id=self.spec.instance_id,
+                pid=os.getpid(),
+                host_id=self.spec.host_id,
+                device=self.spec.device,
+                capacity=self.spec.capacity,
+                max_batch=self.spec.max_batch,
+                pool=self.pool_info(),
+                ready=self.ready,
+                busy=busy,
+                # what it holds: a restarted orchestrator resumes requests from it, or releases it
+                held=held,
+                restarts=self.spec.restarts,
+                deployment_id=self.spec.deployment_id,
+                model=self.spec.model,
+                devices=self.spec.group_devices if self.spec.world > 1 else [],
+                parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
+                identity=self.identity,
+                launcher=self.spec.launcher_id,
+                memory_bytes=device_memory(self.spec.device),
+                unavailable_engines=self.engine_problems,
+                **self.lora_state(register=True),
+                **self.limits,
+            )
+        )
+
+    def heartbeat(self) -> None:
+        self.send(
+            Heartbeat(
+                instance_id=self.spec.instance_id,
+                ready=self.ready,
+                in_flight=self.in_flight,
+                pool_free_bytes=self.pool.free_bytes,
+                memory_free_bytes=device_free_memory(self.spec.device),
+                progress=self.runner.progress,
+                components=self.components,
+                weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
+                steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
+                batch_steps=self.batch_steps(),
+                running=list(self.runner.busy),
+                computed=self.runner.computed,
+                # at most as many as a Heartbeat takes (a role mapping more would be refused its every heartbeat)
+                peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()})[:4096],
+                **self.lora_state(),
+                **self.conditioning_state(),
+                **BOOT.snapshot(),
+                compile_s=round(self.compile_s, 3),
+            )
+        )
+
+    def conditioning_state(self) -> dict:
+        """An encoder's conditioning cache: its lookups, hits and entries so far."""
+        cache = getattr(self.runner.stage, "conditioning", None)
+        if cache is None:
+            return {}
+        return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
+
+    def lora_state(self, register: bool = False) -> dict:
+        """The adapters it holds (and, registering, its slots; else those in host memory, its loads, restores and
+        hits so far)."""
+        bank = getattr(self.runner.stage, "loras", None)
+        if bank is None:
+            return {}
+        if register:
+            return {"loras": bank.names(), "lora_slots": bank.slots}
+        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits,
+                "lora_load_s": round(bank.load_s, 6), "lora_host": bank.host_names(), "lora_host_slots": bank.host_slots,
+                "lora_restores": bank.restores, "lora_restore_s": round(bank.restore_s, 6),
+                "lora_names_only": len(bank.empty)}
+
+    def batch_steps(self) -> dict[int, int]:
+        stage = self.runner.stage
+        batcher = getattr(stage, "batcher", None)
+        return dict(batcher.batch_sizes) if batcher is not None else {}

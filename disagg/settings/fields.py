@@ -1,0 +1,126 @@
+"""The schema's fields as a flat list of leaves: what flags, files, variables and documents are made from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import msgspec
+import msgspec.inspect as mi
+
+from disagg.settings.schema import SECTION_FLAGS, Settings
+
+ENV_PREFIX = "DISAGG_"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One setting: `path` ("heartbeat_timeout", "http.port", "denoisers.count")."""
+
+    path: str
+    type: object  # msgspec.inspect type, without its Metadata wrapper
+    default: object
+    help: str
+    processes: tuple[str, ...]
+    flag: str | None  # "--name", "--a/--no-a", "-e/--encoders"; None: file and environment only
+    legacy: str  # an older key (same section) that still works, with a warning
+    metavar: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.path.replace(".", "_").upper()
+
+    @property
+    def section(self) -> str:
+        return self.path.rpartition(".")[0]
+
+    @property
+    def short_help(self) -> str:
+        return self.help.split("\n\n")[0]
+
+    @property
+    def is_flag(self) -> bool:
+        return isinstance(self.type, mi.BoolType)
+
+
+def _unwrap(t):
+    if isinstance(t, mi.Metadata):
+        return t.type, t.extra_json_schema or {}, t.extra or {}
+    return t, {}, {}
+
+
+@cache
+def sections() -> dict[str, str]:
+    """section name -> its help (the section struct's docstring)."""
+    out = {}
+    defaults = Settings()
+    for f in mi.type_info(Settings).fields:
+        value = getattr(defaults, f.name)
+        if isinstance(value, msgspec.Struct):
+            out[f.name] = " ".join((type(value).__doc__ or "").split())
+    return out
+
+
+@cache
+def leaves() -> tuple[Leaf, ...]:
+    """Every setting, in declaration order, sections' fields under their section."""
+    out = []
+    defaults = Settings()
+
+    def walk(struct_type, instance, prefix):
+        for f in mi.type_info(struct_type).fields:
+            value = getattr(instance, f.name)
+            if isinstance(value, msgspec.Struct):
+                walk(type(value), value, f"{prefix}{f.name}.")
+                continue
+            t, schema, extra = _unwrap(f.type)
+            path = prefix + f.name
+            flag = extra.get("flag", None) if extra else None
+            if extra and flag == "":
+                flag = "--" + path.replace(".", "-").replace("_", "-")
+            flag = SECTION_FLAGS.get(path, flag)
+            out.append(Leaf(path, t, value, schema.get("description", ""), tuple(extra.get("for", ())), flag,
+                            extra.get("legacy", ""), extra.get("metavar", "")))
+
+    walk(Settings, defaults, "")
+    return tuple(out)
+
+
+@cache
+def by_path() -> dict[str, Leaf]:
+    return {leaf.path: leaf for leaf in leaves()}
+
+
+def for_process(process: str) -> tuple[Leaf, ...]:
+    return tuple(leaf for leaf in leaves() if process in leaf.processes)
+
+
+def top_level_for(process: str) -> tuple[str, ...]:
+    """The names of the top-level settings `process` reads (its settings object carries them as they are)."""
+    return tuple(leaf.path for leaf in for_process(process) if "." not in leaf.path)
+
+
+def type_name(t) -> str:
+    """A short name of a leaf's type for documents: int, float, bool, str, list[int], one of a|b, map."""
+    if isinstance(t, mi.UnionType):
+        parts = [type_name(x) for x in t.types if not isinstance(x, mi.NoneType)]
+        return " | ".join(parts) + " | null"
+    if isinstance(t, mi.LiteralType):
+        return " | ".join(repr(v) if v == "" else str(v) for v in t.values)
+    if isinstance(t, mi.ListType):
+        return f"list[{type_name(t.item_type)}]"
+    if isinstance(t, mi.DictType):
+        return "map"
+    return {mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "bool", mi.StrType: "str"}.get(type(t), "value")
+
+
+def bounds(t) -> str:
+    """'>= 1, <= 256' for a constrained number; '' otherwise."""
+    if isinstance(t, mi.UnionType):
+        return ", ".join(b for b in (bounds(x) for x in t.types) if b)
+    parts = []
+    for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        value = getattr(t, attr, None)
+        if value is not None:
+            parts.append(f"{sym} {value:g}" if isinstance(value, float) else f"{sym} {value}")
+    return ", ".join(parts)

@@ -1,0 +1,230 @@
+"""Every setting of a deployment, declared once: name, type, default, bounds, help and the processes that need it.
+
+Each field's `Meta(description=...)` is its help text (the first paragraph is `--help`'s; the whole text is the
+comment above it in configs/tiny.yaml); `extra=use(...)` names the processes that read it, its flag where that
+is not `--NAME`, and the older key names a config file may still use. Everything else is derived from this
+module: the launch flags (disagg/launcher/options.py), config-file keys, DISAGG_<NAME> environment variables
+(disagg/settings/sources.py), each process's own settings object (disagg/settings/process.py), configs/tiny.yaml and the
+README's settings table (disagg/settings/render.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from disagg.transport.params import CacheSpec  # one cache rule: requests' and the settings'
+from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
+    PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
+)
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything a deployment is: `disagg launch` merges flags over DISAGG_ variables over a config file over
+    these defaults, checks the result once, and gives each process its own part (disagg/settings/process.py)."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=1024, description=(
+        "Which model every role serves: demo (a tiny Flux trained on coloured shapes: \"a red circle on the left\", "
+        "64x64), tiny (the same architecture with random weights: noise, any size; the parity tests use it), a "
+        "diffusers checkpoint (a local folder or a Hugging Face id: Flux, SD3/3.5, SDXL, Wan 2.1/2.2, Qwen-Image) "
+        "or sim:PROFILE (configs/sim/PROFILE.yaml, no compute)."),
+        extra=use("launcher", "role"))] = "demo"
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
+        "Checkpoints' weight dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16."),
+        extra=use("role"))] = "auto"
+    host: Annotated[str, Meta(description=(
+        "Address the orchestrator binds. Clients use port, roles register on port + 1. Keep 127.0.0.1 unless "
+        "other hosts must reach it (then with keys)."),
+        extra=use("launcher", "orchestrator"))] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65534, description="Client port of the orchestrator; roles use port + 1.",
+                              extra=use("launcher", "orchestrator"))] = 5555
+    join: Annotated[str, Meta(description=(
+        "Join host: tcp://HEAD:PORT of an orchestrator on another host. Only the role processes start here; they "
+        "register with it and this launcher supervises them. Empty: this host runs the orchestrator."),
+        extra=use("launcher", metavar="tcp://HEAD:PORT"))] = ""
+    advertise_host: Annotated[str, Meta(description=(
+        "The address other hosts reach this host's roles at (Mooncake's local_hostname). Empty: host when it is "
+        "a real address, else the interface that routes to the head (or out of this host)."),
+        extra=use("launcher"))] = ""
+    transfer: Annotated[Literal[TRANSFERS], Meta(description=(
+        "How tensors move between stages.\n\n"
+        "auto: per pair of instances, the fastest engine both serve: same host -> cuda-ipc (GPU pools) or shm "
+        "(host pools); other host -> mooncake; inline only as a last resort. cuda-ipc: same host, GPU: the "
+        "consumer opens the producer pool's IPC handle once. shm: same host, CPU: the consumer maps the "
+        "producer's shared memory once. mooncake: any host: Mooncake Transfer Engine reads the producer's "
+        "registered pool (the mooncake or mooncake-cpu extra). inline: tensors ride in ZeroMQ frames through "
+        "the orchestrator."),
+        extra=use("orchestrator", "role"))] = "auto"
+    transfer_protocol: Annotated[Literal["", "tcp", "rdma"], Meta(description=(
+        "Mooncake's protocol: tcp or rdma (empty: rdma when ib_device names a NIC, else tcp)."),
+        extra=use("role"))] = ""
+    ib_device: Annotated[str, Meta(description="The RDMA NIC Mooncake uses, e.g. mlx5_0.", extra=use("role"))] = ""
+    dispatch: Annotated[Literal[DISPATCH_POLICIES], Meta(description=(
+        "Which ready instance gets a role's next request: max-free-slots, round-robin, or least-work (the least "
+        "predicted work from measured stage times)."),
+        extra=use("orchestrator"))] = "max-free-slots"
+    host_aware: Annotated[bool, Meta(description=(
+        "Of two otherwise equally good instances, the one on the producer's host gets the request, so fewer "
+        "bytes cross the network (under every policy). false (--host-blind): only to compare."),
+        extra=use("orchestrator", flag="--host-aware/--host-blind"))] = True
+    gpus: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(description=(
+        "GPUs to spread every instance over, round-robin (each instance sees its own GPU as cuda:0). Empty: the "
+        "CPU. A role's own gpus list takes precedence."),
+        extra=use("launcher", metavar="0,1,..."))] = []
+    heartbeat_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds of silence after which an instance is dead and the requests it held get new attempts; a role "
+        "that hears nothing from the orchestrator this long reconnects. At least 2: twice the 1 s heartbeat."),
+        extra=use("orchestrator", "role", legacy="heartbeat_timeout_s"))] = 3.0
+    stall_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds an instance holding work may make no progress (stage starts and ends, denoising steps) before "
+        "it is dead for that work."),
+        extra=use("orchestrator", legacy="stall_timeout_s"))] = 120.0
+    request_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds a request may take before it fails with a timeout error (a Submit may set its own)."),
+        extra=use("orchestrator", legacy="request_timeout_s"))] = 600.0
+    join_wait: Annotated[float, Meta(gt=0, description=(
+        "Seconds a role may have no instance (none registered yet, or every one stopped or dead) before Submits "
+        "are refused at once as not ready (HTTP 503 with Retry-After) and the requests waiting for it fail. "
+        "It is the room a join host's roles get to register."),
+        extra=use("orchestrator", legacy="join_wait_s"))] = 30.0
+    max_retries: Annotated[int, Meta(ge=0, le=100, description=(
+        "New attempts a request gets when an instance dies under it; then it fails, naming the cause."),
+        extra=use("orchestrator"))] = 2
+    max_queue: Annotated[int, Meta(ge=1, description=(
+        "Admission control: while this many requests wait in a role's queue, Submit is refused at once as "
+        "overloaded (HTTP 429)."),
+        extra=use("orchestrator"))] = 4096
+    schedule: Annotated[Literal["fifo", "slo"], Meta(description=(
+        "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
+        "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
+        "less now and less the predicted remaining time, from measured stage times), and a request goes to the "
+        "instance where it gets the device soonest; a denoiser holding several requests picks after every step "
+        "which one steps next, earliest deadline first, setting aside the longest where one would miss, so a long "
+        "request yields at step boundaries to a short one (its latents stay in memory); encoders and decoders "
+        "order their computes the same way (a video's decode yields between latent frames). Aging "
+        "(schedule_aging_s) bounds how long any request waits."),
+        extra=use("orchestrator", "role"))] = "slo"
+    schedule_aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
+        "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
+        "one priority higher, so no request starves."),
+        extra=use("orchestrator", "role"))] = 10.0
+    cache: Annotated[CacheSpec, Meta(description=(
+        "Denoisers: the step cache of every request that names none, as a request's `cache` field: "
+        "{type: first_block, threshold: 0.3} (types first_block, mag, taylorseer, faster, "
+        "pyramid_attention_broadcast, sea; the other keys are the diffusers config's own fields, with its bounds). "
+        "A request's {type: none} runs without. {} = none. Models without a diffusers transformer (sim, payload) "
+        "ignore it."),
+        extra=use("role", flag=None))] = {}
+    compile: Annotated[bool, Meta(description=(
+        "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
+        "boot at each of compile_sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
+        "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
+        extra=use("role", flag="--compile/--no-compile"))] = False
+    compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                            Meta(description=(
+        "compile: torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "
+        "with torch < 2.13, which crashes them on a request's thread (pytorch#123177)."),
+        extra=use("role"))] = "default"
+    compile_scope: Annotated[Literal["blocks", "model"], Meta(description=(
+        "compile: blocks compiles each repeated transformer block class once (diffusers' "
+        "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
+        "model compiles the whole transformer."),
+        extra=use("role"))] = "blocks"
+    compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
+        "compile: the WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
+        "default size."),
+        extra=use("role", flag=None))] = []
+    compile_cache_dir: Annotated[str, Meta(description=(
+        "compile: where inductor keeps its caches (TORCHINDUCTOR_CACHE_DIR), so an instance restarted or started "
+        "from a spare skips most of the compile. '' = <run dir>/inductor (this deployment's)."),
+        extra=use("role"))] = ""
+    conditioning_cache_mib: Annotated[int, Meta(ge=0, le=1 << 20, description=(
+        "Encoders: MiB of recent text encodings each keeps (an LRU on its device). A request whose prompt, "
+        "negative prompt, guidance and adapters equal a kept one reuses it and the encoder computes nothing; "
+        "the orchestrator sends a repeat to the encoder that holds it when that one has a free slot. 0 = off."),
+        extra=use("role"))] = 256
+    admission: Annotated[Literal["off", "slo"], Meta(description=(
+        "slo: a request whose deadline (slo_ms) cannot be met even if it ran at once, by the measured stage "
+        "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "
+        "measurements nothing is refused. off: every request is taken."),
+        extra=use("orchestrator"))] = "off"
+    busy_poll: Annotated[float, Meta(ge=0, le=0.01, description=(
+        "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
+        "(busy_poll_max_in_flight): the next message is taken without a thread wake-up, for about a core's "
+        "CPU while it lasts. 0: always sleep in poll."),
+        extra=use("orchestrator"))] = 0.0003
+    busy_poll_max_in_flight: Annotated[int, Meta(ge=0, le=1 << 20, description=(
+        "Busy polling stops while more requests than this are in flight (then messages arrive close together "
+        "and a poll never sleeps long)."),
+        extra=use("orchestrator"))] = 4
+    keys: Annotated[str, Meta(description=(
+        "CurveZMQ keys directory (`disagg keys generate DIR`): only holders of the client key may submit or "
+        "register. Empty: no authentication (keep host on 127.0.0.1 then)."),
+        extra=use("launcher", "orchestrator", "role", "gateway", metavar="DIR"))] = ""
+    lane: Annotated[bool, Meta(description=(
+        "Control messages between processes on one host take a Unix-socket fast lane instead of ZeroMQ: one "
+        "thread wake per hop instead of several (about 100 us less per hop on a small VM). ZeroMQ still carries "
+        "registration, other hosts and big messages. false: everything over ZeroMQ."),
+        extra=use("orchestrator", "role", flag="--lane/--no-lane"))] = True
+    ready_timeout: Annotated[float, Meta(gt=0, description=(
+        "Seconds an instance may go without progress while it boots before `disagg launch` gives up on it (a "
+        "stall, not the whole boot: downloading weights, loading them and compiling go on for as long as they "
+        "progress; `disagg status` shows each instance's phase and bytes so far)."),
+        extra=use("launcher", legacy="ready_timeout_s"))] = 180.0
+    fork_server: Annotated[bool, Meta(description=(
+        "Roles without a GPU start (where there are two or more) as forks of one process that imported torch, diffusers and the model's "
+        "adapter once, instead of each importing them (~5 s of CPU for a diffusers model here): a role then "
+        "costs only its model's load, and the imports' memory is shared. Roles on a GPU always start a fresh "
+        "interpreter (CUDA's state must not be inherited). false (--no-fork-server): every role its own."),
+        extra=use("launcher", flag="--fork-server/--no-fork-server"))] = True
+    spares: Annotated[int, Meta(ge=0, le=64, description=(
+        "Spare interpreters kept with torch, diffusers and every adapter imported (about 4 s of a role's start "
+        "here): a role process that dies is replaced by one, which loads only the model (well under a second "
+        "for the tiny model). Each costs the memory of those imports (~400 MB), no GPU. 0 = none."),
+        extra=use("launcher"))] = 1
+    # capacities 4, 2, 4: at concurrency 64 on sim:zero, 1.65x the throughput of 1, 1, 1 at 0.6x the p50, and the
+    # same at concurrency 1 (benchmarks/defaults_ab.py, BENCHMARKS.md); a denoiser holds the next request's
+    # inputs while it computes one
+    encoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1, capacity=4))
+    denoisers: RolePool = msgspec.field(default_factory=lambda: RolePool(count=2, capacity=2))
+    decoders: RolePool = msgspec.field(default_factory=lambda: RolePool(count=1, capacity=4))
+    colocated: Annotated[int, Meta(ge=0, le=256, description=(
+        "> 0: the colocated baseline instead of the pools: this many monolithic instances, each running all "
+        "three stages in one process (capacity from denoisers, devices from gpus)."),
+        extra=use("launcher", "orchestrator"))] = 0
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    rebalance: RebalanceSettings = msgspec.field(default_factory=RebalanceSettings)
+    sim_slowdown: Annotated[dict[str, Annotated[float, Meta(gt=0)]], Meta(description=(
+        "sim: models only: instance id -> factor on its simulated times, e.g. {denoiser-0: 3.0} for one denoiser "
+        "three times slower than the others (dispatch experiments)."),
+        extra=use("launcher", flag=None))] = {}
+    parallel: Annotated[dict[RoleName, ParallelLayout], Meta(description=(
+        "Instances over several devices: role -> {cfg, ulysses, ring} degrees, e.g. {denoiser: {ulysses: 2}}. "
+        "cfg splits classifier-free guidance's negative and positive rows over ranks (SD3, SDXL); ulysses and "
+        "ring are diffusers' context parallelism over the sequence (Flux, Wan, Qwen-Image, tiny; ring needs "
+        "GPUs). With gpus each instance takes that many contiguous GPUs; without, its ranks share the CPU "
+        "(gloo). No continuous batching (max_batch 1). Only denoisers."),
+        extra=use("launcher", flag=None))] = {}
+    gpus_per: Annotated[dict[RoleName, Annotated[int, Meta(ge=1, le=64)]], Meta(description=(
+        "GPUs (ranks) per instance, per role (--gpus-per-denoiser N): the layout's degrees multiply to it; with "
+        "no layout named, the model's own kind at that degree (ulysses N, or cfg 2 for SD3 and SDXL). Encoders "
+        "and decoders take only 1."),
+        extra=use("launcher", flag=None))] = {}
+
+    def role(self, role: str) -> RolePool:
+        return getattr(self, ROLE_SECTIONS[role])
+
+    @property
+    def protocol(self) -> str:
+        return self.transfer_protocol or ("rdma" if self.ib_device else "tcp")
+
+    def all_gpus(self) -> list[int]:
+        gpus = list(self.gpus)
+        for role in ROLE_SECTIONS:
+            for g in self.role(role).gpus or []:
+                if g not in gpus:
+                    gpus.append(g)
+        return gpus

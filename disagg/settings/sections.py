@@ -1,0 +1,234 @@
+"""The settings schema's parts below the top level: the processes a setting is for, how a field says so (`use`),
+and the sections (encoders / denoisers / decoders, http, loras, rebalance, parallel layouts). disagg/settings/schema.py
+assembles them into Settings and re-exports them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from disagg.transport.params import (
+    LoraName,  # one adapter-name rule: requests' and the registry's
+)
+
+#: the processes a setting may be for
+PROCESSES = ("launcher", "orchestrator", "role", "gateway")
+#: how one instance may span devices, in mesh order (disagg/roles/layout.py re-exports it)
+PARALLEL_KINDS = ("cfg", "ring", "ulysses")
+#: dispatch policies (disagg/orchestrator/dispatch.py implements each; a test checks the two agree)
+DISPATCH_POLICIES = ("max-free-slots", "round-robin", "least-work")
+#: transfer engines (disagg/transport/selection.py's CHOICES; a test checks the two agree)
+TRANSFERS = ("auto", "cuda-ipc", "shm", "mooncake", "inline")
+#: `disagg serve-http` serves here when http.port is 0 (launch then starts no gateway)
+SERVE_HTTP_PORT = 8000
+ROLE_SECTIONS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
+#: flags of section fields: one section's (-e sets encoders.count) or every role's at once (--capacity E,D,K sets
+#: encoders.capacity, denoisers.capacity and decoders.capacity); gpus_per's (--gpus-per-ROLE N) are per role
+SECTION_FLAGS = {
+    "encoders.count": "-e/--encoders", "denoisers.count": "-d/--denoisers", "decoders.count": "-k/--decoders",
+    "denoisers.max_batch": "--max-batch",
+    **{f"{section}.{name}": f"--{name}" for section in ROLE_SECTIONS.values() for name in ("capacity", "standby")},
+}
+
+
+def world_of(layout: dict[str, int]) -> int:
+    """The ranks of an instance of this layout ({cfg, ulysses, ring} degrees, missing ones 1)."""
+    n = 1
+    for k in PARALLEL_KINDS:
+        n *= layout.get(k, 1)
+    return n
+
+
+def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str = "") -> dict:
+    """A field's `extra`: the processes that read it; its flag ("" = --NAME, None = config file and environment
+    only); an older key name that still works, with a warning."""
+    assert set(processes) <= set(PROCESSES), processes
+    return {"for": processes, "flag": flag, "legacy": legacy, "metavar": metavar}
+
+
+Degree = Annotated[int, Meta(ge=1, le=64)]
+RoleName = Literal["encoder", "denoiser", "decoder"]
+
+
+class ParallelLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How one instance spans devices; the product of the degrees is its ranks (GPUs, with --gpus).
+
+    cfg: classifier-free guidance's negative and positive rows on different ranks (SD3, SDXL);
+    ulysses / ring: diffusers' context parallelism over the sequence (Flux, Wan, Qwen-Image)."""
+
+    cfg: Degree = 1
+    ulysses: Degree = 1
+    ring: Degree = 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in PARALLEL_KINDS}
+
+    @property
+    def world(self) -> int:
+        return world_of(self.as_dict())
+
+
+class RolePool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One role's pool of instances (the sections encoders, denoisers, decoders)."""
+
+    count: Annotated[int, Meta(ge=0, le=256, description=(
+        "Instances of this role on this host (0: none here; other hosts may join)."),
+        extra=use("launcher", flag=None))] = 1
+    capacity: Annotated[int, Meta(ge=1, le=1024, description=(
+        "Requests each instance holds at once (their transfers overlap; a diffusers pipeline's computes take "
+        "turns, so a denoiser that should compute several at once batches them: max_batch). Defaults: encoders "
+        "4, denoisers 2, decoders 4 (measured: BENCHMARKS.md, defaults)."),
+        extra=use("launcher", flag=None))] = 1
+    pool_mib: Annotated[Annotated[int, Meta(ge=1, le=1 << 20)] | None, Meta(description=(
+        "MiB of each instance's buffer pool: staged outputs waiting for the next stage plus the inputs it pulled "
+        "(shared memory on the CPU, GPU memory on a GPU). null = sized from the model's largest payload at its "
+        "maximum resolution: (3 x capacity + 1) payloads, at least 16 MiB."),
+        extra=use("launcher", flag=None))] = None
+    gpus: Annotated[list[Annotated[int, Meta(ge=0)]] | None, Meta(description=(
+        "GPUs of this role's instances, round-robin (null: the global gpus list)."),
+        extra=use("launcher", flag=None))] = None
+    max_batch: Annotated[int, Meta(ge=1, le=256, description=(
+        "Denoisers only: requests of one shape sharing each forward, joining the running batch at step boundaries "
+        "(continuous batching; capacity is raised to at least this). 1 = no batching; models with step-level "
+        "batching take more (demo, tiny, Flux checkpoints, sim:*)."),
+        extra=use("launcher", flag=None))] = 1
+    standby: Annotated[int, Meta(ge=0, le=256, description=(
+        "Warm standbys besides count: loaded and registered, given no work (state standby) until an instance of "
+        "this role dies; then one takes over at once. A standby costs what an instance costs: on a GPU, a device "
+        "holding the role's weights and pool."),
+        extra=use("launcher", "orchestrator", flag=None))] = 0
+
+
+#: a key's priority (http.api_keys)
+ApiKeyPriority = Annotated[int, Meta(ge=-1000, le=1000)]
+
+
+class ApiKey(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An http.api_keys entry written out: the priority its requests get (null: any they name) and whether it
+    sees every key's work (admin)."""
+
+    priority: ApiKeyPriority | None = None
+    admin: bool = False
+
+
+class HttpSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The OpenAI-compatible HTTP gateway (disagg/gateway/): `disagg launch` starts one beside the orchestrator when
+    http.port is set; `disagg serve-http` runs one for a deployment already running."""
+
+    port: Annotated[int, Meta(ge=0, le=65535, description=(
+        f"Port of the HTTP gateway. 0: launch starts none (serve-http then serves on {SERVE_HTTP_PORT})."),
+        extra=use("launcher", "gateway", flag="--http-port"))] = 0
+    host: Annotated[str, Meta(description="Address the HTTP gateway binds.",
+                              extra=use("gateway", flag="--http-host"))] = "127.0.0.1"
+    api_key: Annotated[str, Meta(description=(
+        "When set, every route but /, /health, /liveness, /metrics and the unguessable image URLs needs "
+        "`Authorization: Bearer KEY`. It is the admin key: it sees what every key made (http.api_keys). Prefer the "
+        "environment (DISAGG_HTTP_API_KEY) to a file or a flag."),
+        extra=use("gateway", flag="--api-key"))] = ""
+    api_keys: Annotated[dict[str, ApiKeyPriority | ApiKey], Meta(description=(
+        "More API keys, each a tenant of its own: KEY -> the priority its requests get (-1000..1000), or KEY -> "
+        "{priority, admin}. A request sent with such a key runs at that priority unless it names a lower one; "
+        "naming a higher one is refused (403, param priority); {priority: null} names any. What the gateway keeps "
+        "(answers kept for X-Request-Id, video jobs, /recent) each key sees of its own only; http.api_key and keys "
+        "with admin: true see every key's. Prefer the environment (DISAGG_HTTP_API_KEYS, YAML: '{KEY: 5}' or "
+        "'{KEY: {priority: 5, admin: true}}') to a file."),
+        extra=use("gateway", flag=None))] = {}
+    image_ttl: Annotated[float, Meta(gt=0, description=(
+        "response_format=url: seconds an image stays fetchable at its URL."), extra=use("gateway", flag=None))] = 600.0
+    image_store_max: Annotated[int, Meta(ge=1, description="response_format=url: the most images kept.",
+                                         extra=use("gateway", flag=None))] = 256
+    image_store_mib: Annotated[int, Meta(ge=1, description="response_format=url: the most MiB of images kept.",
+                                         extra=use("gateway", flag=None))] = 512
+    recent_max: Annotated[int, Meta(ge=0, description=(
+        "Completed answers kept for a client that sends the same X-Request-Id again (answered without computing "
+        "again)."), extra=use("gateway", flag=None))] = 1024
+    recent_mib: Annotated[int, Meta(ge=1, description="MiB of images those kept answers may hold.",
+                                    extra=use("gateway", flag=None))] = 128
+    read_timeout: Annotated[float, Meta(gt=0, le=3600, description=(
+        "Seconds a client has to send a request's headers, and the most it may stay silent while sending its body: "
+        "past it the connection is closed (headers) or the request answered 408 (body)."),
+        extra=use("gateway", flag=None))] = 30.0
+    body_timeout: Annotated[float, Meta(gt=0, le=86400, description=(
+        "Seconds a client has to send a whole request body (408 past it), however it trickles in."),
+        extra=use("gateway", flag=None))] = 300.0
+    body_budget_mib: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "MiB of request bodies the gateway holds at once, every request together, from their first byte until "
+        "they are answered (each body is also limited by its route: 1 MiB, 33 MiB for uploads). A body that would "
+        "pass it is refused with 503 and Retry-After."),
+        extra=use("gateway", flag=None))] = 512
+
+
+class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """LoRA adapters requests may apply (a request's `loras: [{name, scale}]`), loaded by the roles with diffusers'
+    own LoRA support and dispatched to the denoisers that already hold them."""
+
+    dir: Annotated[str, Meta(description=(
+        "A folder of adapters: each *.safetensors file or diffusers LoRA folder in it is one, named by its stem. "
+        "Adapters added later are picked up without a restart. The same path must hold them on every host."),
+        extra=use("orchestrator", flag="--lora-dir", metavar="DIR"))] = ""
+    adapters: Annotated[dict[LoraName, str], Meta(description=(
+        "More adapters by name: name -> a file, a folder or a Hugging Face id. A request names adapters only by "
+        "name, never by path."),
+        extra=use("orchestrator", flag=None))] = {}
+    max_per_request: Annotated[int, Meta(ge=1, le=16, description="The most adapters one request may apply.",
+                                         extra=use("orchestrator", flag=None))] = 4
+    slots: Annotated[int, Meta(ge=1, le=1024, description=(
+        "Adapters each instance keeps loaded at once; for a new one it unloads the one its latest requests used "
+        "least (the least recently used among equals)."),
+        extra=use("role", flag="--lora-slots"))] = 8
+    host_slots: Annotated[int, Meta(ge=0, le=65536, description=(
+        "Adapters each instance keeps in host memory once unloaded from its device (0: none, an unloaded adapter "
+        "is forgotten). A request for one copies it back (a restore: diffusers' set_lora_device) instead of "
+        "reading and installing its file again (a load); the least recently unloaded is forgotten first. Refused "
+        "with compile (a compiled denoiser keeps every adapter it holds active)."),
+        extra=use("role", flag="--lora-host-slots"))] = 0
+    max_mib: Annotated[int, Meta(ge=1, description=(
+        "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
+        extra=use("role", flag=None))] = 4096
+    affinity: Annotated[Literal["auto", "on", "off", "cost", "slack", "two-choices"], Meta(description=(
+        "auto: cost where a denoiser keeps adapters in host memory (host_slots), else on: each where it was "
+        "measured best (BENCHMARKS.md, LoRA affinity). on: of the free denoisers, one that holds all of a "
+        "request's adapters gets it; when only busy ones hold them, the request waits for one at most as long as "
+        "a load takes, then goes elsewhere (the load rule). cost: the free denoiser where the request is expected "
+        "to finish first, counting the work each holds, a load where its adapters are not held (a restore where it "
+        "keeps them in host memory) and half a load more when it evicts one (half a restore with host_slots, unless "
+        "host memory is full); without host memory it loads more than on (0.67x of off's loads against 0.37x) for "
+        "no shorter tail. off: adapters play no part in dispatch. slack (a holder unless another has more than one "
+        "free slot more) and two-choices (the freer of two holders drawn at random) are rules it was measured "
+        "against, kept to compare."),
+        extra=use("orchestrator", flag="--lora-affinity"))] = "auto"
+
+
+class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Pools that size themselves: the orchestrator works out which split of the devices between the roles serves
+    the recent traffic best (disagg/orchestrator/planner.py), shows it, and with mode auto moves devices to it."""
+
+    mode: Annotated[Literal["off", "advise", "auto"], Meta(description=(
+        "advise: every interval_s, from the last window_s of requests (their mix) and the measured stage times, "
+        "the split of the devices (E:D:K) that serves the most requests per second is recommended, with what the "
+        "current and the recommended splits are predicted to serve (status, the live table, /metrics). auto: "
+        "devices also move to it: an instance of a role with too many drains (it takes no new work and finishes "
+        "what it holds), exits, and its launcher starts it again on the same device as the role with too few "
+        "(forked from the launcher's fork server, or a spare interpreter). off: neither."),
+        extra=use("orchestrator", flag="--rebalance"))] = "advise"
+    window_s: Annotated[float, Meta(ge=1, le=86400, description=(
+        "Seconds of recent requests the traffic mix is taken from."),
+        extra=use("orchestrator", flag=None))] = 10.0
+    interval_s: Annotated[float, Meta(ge=0.1, le=3600, description="Seconds between two plans.",
+                                      extra=use("orchestrator", flag=None))] = 1.0
+    cooldown_s: Annotated[float, Meta(ge=0, le=86400, description=(
+        "auto: seconds after a move finished during which no move undoes it (a device back to the role it left); "
+        "moves onward in the same direction follow at once. With min_gain and window_s, the hysteresis that keeps "
+        "a traffic mix that alternates quickly from moving devices to and fro."),
+        extra=use("orchestrator", flag=None))] = 15.0
+    min_per_role: Annotated[int, Meta(ge=1, le=256, description="auto: the fewest devices a role keeps.",
+                                      extra=use("orchestrator", flag=None))] = 1
+    min_gain: Annotated[float, Meta(ge=0, le=10, description=(
+        "auto: a move is made only when the recommended split is predicted to serve this much more than the "
+        "current one (0.05: 5% more requests per second)."),
+        extra=use("orchestrator", flag=None))] = 0.05
+    min_requests: Annotated[int, Meta(ge=1, le=1 << 20, description=(
+        "The fewest requests in the window for a recommendation (fewer say too little about the mix)."),
+        extra=use("orchestrator", flag=None))] = 8
