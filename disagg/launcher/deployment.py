@@ -31,7 +31,8 @@ from disagg.transport.shm import SHM_PREFIX, remove_segments
 
 log = logging.getLogger("disagg.launcher")
 
-PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+#: the folder that holds the `disagg` package: on the children's PYTHONPATH, so a checkout runs without an install
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class Deployment(Startup):

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
+PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "sim"
 
 
 class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
