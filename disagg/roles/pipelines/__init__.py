@@ -164,7 +164,7 @@ def adapter_modules(model: str) -> tuple[str, ...]:
     if model.startswith("sim:"):
         return ("disagg.roles.pipelines.sim",)
     if model in ("tiny", "demo", "payload"):
-        return (f"roles.pipelines.{model}",)
+        return (f"disagg.roles.pipelines.{model}",)
     return (FAMILY_ADAPTERS[model_spec(model).family][0],)
 
 
