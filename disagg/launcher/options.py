@@ -7,7 +7,7 @@ import click
 import msgspec.inspect as mi
 
 from disagg.launcher.cli_common import int_list
-from disagg.settings.fields import Leaf, by_path, leaves
+from disagg.settings.fields import Leaf, by_path, choices, leaves
 from disagg.settings.render import value_text
 from disagg.settings.schema import ROLE_SECTIONS
 
@@ -15,8 +15,8 @@ PRECEDENCE = "Precedence: a flag over its DISAGG_<NAME> variable over the --conf
 
 
 def _click_type(t):
-    if isinstance(t, mi.LiteralType):
-        return click.Choice([str(v) for v in t.values if v != ""] or [""])
+    if isinstance(t, (mi.LiteralType, mi.EnumType)):
+        return click.Choice([v for v in choices(t) if v != ""] or [""])
     if isinstance(t, mi.IntType):
         lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else None)
         return click.IntRange(lo, t.le if t.le is not None else (t.lt - 1 if t.lt is not None else None))

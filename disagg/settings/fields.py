@@ -105,13 +105,18 @@ def type_name(t) -> str:
     if isinstance(t, mi.UnionType):
         parts = [type_name(x) for x in t.types if not isinstance(x, mi.NoneType)]
         return " | ".join(parts) + " | null"
-    if isinstance(t, mi.LiteralType):
-        return " | ".join(repr(v) if v == "" else str(v) for v in t.values)
+    if isinstance(t, (mi.LiteralType, mi.EnumType)):
+        return " | ".join(repr(v) if v == "" else str(v) for v in choices(t))
     if isinstance(t, mi.ListType):
         return f"list[{type_name(t.item_type)}]"
     if isinstance(t, mi.DictType):
         return "map"
     return {mi.IntType: "int", mi.FloatType: "float", mi.BoolType: "bool", mi.StrType: "str"}.get(type(t), "value")
+
+
+def choices(t) -> tuple[str, ...]:
+    """The values a choice-valued leaf takes, sorted (as msgspec gives a Literal's)."""
+    return tuple(sorted(m.value for m in t.cls)) if isinstance(t, mi.EnumType) else tuple(t.values)
 
 
 def bounds(t) -> str:

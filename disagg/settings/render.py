@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+import msgspec
 import yaml
 
 from disagg.settings.fields import Leaf, bounds, leaves, sections, type_name
@@ -28,6 +29,7 @@ SECRETS = ("http.api_key", "http.api_keys")
 
 
 def value_text(value) -> str:
+    value = msgspec.to_builtins(value)  # an enum member as its string
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("\n...").strip()
 
 
@@ -74,8 +76,6 @@ def readme_table() -> str:
 
 def effective_yaml(resolved) -> str:
     """`launch --print-config`: the merged settings as YAML, each value with where it came from."""
-    import msgspec
-
     data = msgspec.to_builtins(resolved.settings)
     lines, current = [], None
     for leaf in leaves():

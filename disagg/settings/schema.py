@@ -10,12 +10,15 @@ README's settings table (disagg/settings/render.py).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
 from disagg.transport.params import CacheSpec  # one cache rule: requests' and the settings'
+from disagg.settings.choices import (
+    Admission, CompileMode, CompileScope, Dispatch, Dtype, Schedule, Transfer, TransferProtocol,
+)
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
 )
@@ -31,9 +34,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "diffusers checkpoint (a local folder or a Hugging Face id: Flux, SD3/3.5, SDXL, Wan 2.1/2.2, Qwen-Image) "
         "or sim:PROFILE (configs/sim/PROFILE.yaml, no compute)."),
         extra=use("launcher", "role"))] = "demo"
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
+    dtype: Annotated[Dtype, Meta(description=(
         "Checkpoints' weight dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16."),
-        extra=use("role"))] = "auto"
+        extra=use("role"))] = Dtype.AUTO
     host: Annotated[str, Meta(description=(
         "Address the orchestrator binds. Clients use port, roles register on port + 1. Keep 127.0.0.1 unless "
         "other hosts must reach it (then with keys)."),
@@ -48,7 +51,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The address other hosts reach this host's roles at (Mooncake's local_hostname). Empty: host when it is "
         "a real address, else the interface that routes to the head (or out of this host)."),
         extra=use("launcher"))] = ""
-    transfer: Annotated[Literal[TRANSFERS], Meta(description=(
+    transfer: Annotated[Transfer, Meta(description=(
         "How tensors move between stages.\n\n"
         "auto: per pair of instances, the fastest engine both serve: same host -> cuda-ipc (GPU pools) or shm "
         "(host pools); other host -> mooncake; inline only as a last resort. cuda-ipc: same host, GPU: the "
@@ -56,15 +59,15 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "producer's shared memory once. mooncake: any host: Mooncake Transfer Engine reads the producer's "
         "registered pool (the mooncake or mooncake-cpu extra). inline: tensors ride in ZeroMQ frames through "
         "the orchestrator."),
-        extra=use("orchestrator", "role"))] = "auto"
-    transfer_protocol: Annotated[Literal["", "tcp", "rdma"], Meta(description=(
+        extra=use("orchestrator", "role"))] = Transfer.AUTO
+    transfer_protocol: Annotated[TransferProtocol, Meta(description=(
         "Mooncake's protocol: tcp or rdma (empty: rdma when ib_device names a NIC, else tcp)."),
-        extra=use("role"))] = ""
+        extra=use("role"))] = TransferProtocol.DEFAULT
     ib_device: Annotated[str, Meta(description="The RDMA NIC Mooncake uses, e.g. mlx5_0.", extra=use("role"))] = ""
-    dispatch: Annotated[Literal[DISPATCH_POLICIES], Meta(description=(
+    dispatch: Annotated[Dispatch, Meta(description=(
         "Which ready instance gets a role's next request: max-free-slots, round-robin, or least-work (the least "
         "predicted work from measured stage times)."),
-        extra=use("orchestrator"))] = "max-free-slots"
+        extra=use("orchestrator"))] = Dispatch.MAX_FREE_SLOTS
     host_aware: Annotated[bool, Meta(description=(
         "Of two otherwise equally good instances, the one on the producer's host gets the request, so fewer "
         "bytes cross the network (under every policy). false (--host-blind): only to compare."),
@@ -96,7 +99,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Admission control: while this many requests wait in a role's queue, Submit is refused at once as "
         "overloaded (HTTP 429)."),
         extra=use("orchestrator"))] = 4096
-    schedule: Annotated[Literal["fifo", "slo"], Meta(description=(
+    schedule: Annotated[Schedule, Meta(description=(
         "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
         "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
         "less now and less the predicted remaining time, from measured stage times), and a request goes to the "
@@ -105,7 +108,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "request yields at step boundaries to a short one (its latents stay in memory); encoders and decoders "
         "order their computes the same way (a video's decode yields between latent frames). Aging "
         "(schedule_aging_s) bounds how long any request waits."),
-        extra=use("orchestrator", "role"))] = "slo"
+        extra=use("orchestrator", "role"))] = Schedule.SLO
     schedule_aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
         "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
         "one priority higher, so no request starves."),
@@ -122,16 +125,15 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "boot at each of compile_sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
         "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
         extra=use("role", flag="--compile/--no-compile"))] = False
-    compile_mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                            Meta(description=(
+    compile_mode: Annotated[CompileMode, Meta(description=(
         "compile: torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "
         "with torch < 2.13, which crashes them on a request's thread (pytorch#123177)."),
-        extra=use("role"))] = "default"
-    compile_scope: Annotated[Literal["blocks", "model"], Meta(description=(
+        extra=use("role"))] = CompileMode.DEFAULT
+    compile_scope: Annotated[CompileScope, Meta(description=(
         "compile: blocks compiles each repeated transformer block class once (diffusers' "
         "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
         "model compiles the whole transformer."),
-        extra=use("role"))] = "blocks"
+        extra=use("role"))] = CompileScope.BLOCKS
     compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
         "compile: the WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
         "default size."),
@@ -145,11 +147,11 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "negative prompt, guidance and adapters equal a kept one reuses it and the encoder computes nothing; "
         "the orchestrator sends a repeat to the encoder that holds it when that one has a free slot. 0 = off."),
         extra=use("role"))] = 256
-    admission: Annotated[Literal["off", "slo"], Meta(description=(
+    admission: Annotated[Admission, Meta(description=(
         "slo: a request whose deadline (slo_ms) cannot be met even if it ran at once, by the measured stage "
         "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "
         "measurements nothing is refused. off: every request is taken."),
-        extra=use("orchestrator"))] = "off"
+        extra=use("orchestrator"))] = Admission.OFF
     busy_poll: Annotated[float, Meta(ge=0, le=0.01, description=(
         "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
         "(busy_poll_max_in_flight): the next message is taken without a thread wake-up, for about a core's "

@@ -4,11 +4,12 @@ assembles them into Settings and re-exports them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
+from disagg.settings.choices import Dispatch, LoraAffinity, RebalanceMode, Role, Transfer
 from disagg.transport.params import (
     LoraName,  # one adapter-name rule: requests' and the registry's
 )
@@ -18,9 +19,9 @@ PROCESSES = ("launcher", "orchestrator", "role", "gateway")
 #: how one instance may span devices, in mesh order (disagg/roles/layout.py re-exports it)
 PARALLEL_KINDS = ("cfg", "ring", "ulysses")
 #: dispatch policies (disagg/orchestrator/dispatch.py implements each; a test checks the two agree)
-DISPATCH_POLICIES = ("max-free-slots", "round-robin", "least-work")
+DISPATCH_POLICIES = Dispatch.values()
 #: transfer engines (disagg/transport/selection.py's CHOICES; a test checks the two agree)
-TRANSFERS = ("auto", "cuda-ipc", "shm", "mooncake", "inline")
+TRANSFERS = Transfer.values()
 #: `disagg serve-http` serves here when http.port is 0 (launch then starts no gateway)
 SERVE_HTTP_PORT = 8000
 ROLE_SECTIONS = {"encoder": "encoders", "denoiser": "denoisers", "decoder": "decoders"}
@@ -49,7 +50,7 @@ def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str =
 
 
 Degree = Annotated[int, Meta(ge=1, le=64)]
-RoleName = Literal["encoder", "denoiser", "decoder"]
+RoleName = Role
 
 
 class ParallelLayout(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -187,7 +188,7 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_mib: Annotated[int, Meta(ge=1, description=(
         "MiB of adapter weights each instance keeps loaded at most (besides slots)."),
         extra=use("role", flag=None))] = 4096
-    affinity: Annotated[Literal["auto", "on", "off", "cost", "slack", "two-choices"], Meta(description=(
+    affinity: Annotated[LoraAffinity, Meta(description=(
         "auto: cost where a denoiser keeps adapters in host memory (host_slots), else on: each where it was "
         "measured best (BENCHMARKS.md, LoRA affinity). on: of the free denoisers, one that holds all of a "
         "request's adapters gets it; when only busy ones hold them, the request waits for one at most as long as "
@@ -198,21 +199,21 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "no shorter tail. off: adapters play no part in dispatch. slack (a holder unless another has more than one "
         "free slot more) and two-choices (the freer of two holders drawn at random) are rules it was measured "
         "against, kept to compare."),
-        extra=use("orchestrator", flag="--lora-affinity"))] = "auto"
+        extra=use("orchestrator", flag="--lora-affinity"))] = LoraAffinity.AUTO
 
 
 class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Pools that size themselves: the orchestrator works out which split of the devices between the roles serves
     the recent traffic best (disagg/orchestrator/planner.py), shows it, and with mode auto moves devices to it."""
 
-    mode: Annotated[Literal["off", "advise", "auto"], Meta(description=(
+    mode: Annotated[RebalanceMode, Meta(description=(
         "advise: every interval_s, from the last window_s of requests (their mix) and the measured stage times, "
         "the split of the devices (E:D:K) that serves the most requests per second is recommended, with what the "
         "current and the recommended splits are predicted to serve (status, the live table, /metrics). auto: "
         "devices also move to it: an instance of a role with too many drains (it takes no new work and finishes "
         "what it holds), exits, and its launcher starts it again on the same device as the role with too few "
         "(forked from the launcher's fork server, or a spare interpreter). off: neither."),
-        extra=use("orchestrator", flag="--rebalance"))] = "advise"
+        extra=use("orchestrator", flag="--rebalance"))] = RebalanceMode.ADVISE
     window_s: Annotated[float, Meta(ge=1, le=86400, description=(
         "Seconds of recent requests the traffic mix is taken from."),
         extra=use("orchestrator", flag=None))] = 10.0

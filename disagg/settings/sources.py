@@ -116,7 +116,7 @@ def _env_value(leaf, raw: str):
         if raw.strip().lower() in ("", "null", "none"):
             return None
         t = next(x for x in t.types if not isinstance(x, mi.NoneType))
-    if isinstance(t, (mi.StrType, mi.LiteralType)):
+    if isinstance(t, (mi.StrType, mi.LiteralType, mi.EnumType)):
         return raw
     if isinstance(t, mi.ListType) and re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*|\s*", raw):
         return [int(x) for x in raw.split(",") if x.strip()]

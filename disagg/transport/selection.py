@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from disagg.transport.choice import Choice
 from disagg.transport.messages import PoolInfo
 
+
+class Transfer(Choice):
+    """The `transfer` setting: an engine, or auto (per pair of instances, the fastest both serve)."""
+
+    AUTO = "auto"
+    CUDA_IPC = "cuda-ipc"
+    SHM = "shm"
+    MOONCAKE = "mooncake"
+    INLINE = "inline"
+
+
 #: fastest first
-ENGINES = ("cuda-ipc", "shm", "mooncake", "inline")
-CHOICES = ("auto",) + ENGINES
+ENGINES = tuple(t.value for t in Transfer if t is not Transfer.AUTO)
+CHOICES = Transfer.values()
 
 
 def choose_engine(forced: str, producer: PoolInfo, consumer: PoolInfo) -> tuple[str, str | None]:
@@ -16,7 +28,7 @@ def choose_engine(forced: str, producer: PoolInfo, consumer: PoolInfo) -> tuple[
     inline only when nothing else is shared by both ends.
     """
     common = [e for e in ENGINES if e in producer.engines and e in consumer.engines]
-    if forced != "auto":
+    if Transfer(forced) is not Transfer.AUTO:
         if forced in common:
             return forced, None
         return "inline", (
