@@ -152,10 +152,10 @@ def test_auto_is_on_without_host_memory_and_cost_once_a_denoiser_keeps_adapters_
     for tier in (False, True):
         (tmp_path / str(tier)).mkdir()
         h, d0, d1 = cost_harness(tmp_path / str(tier), affinity="auto")
-        assert h.router.affinity_rule == "strict"
+        assert h.router.affinity_rule == "on"
         if tier:  # host memory comes with a heartbeat, after registration
             h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_host_slots=8))
-        assert h.router.affinity_rule == ("cost" if tier else "strict")
+        assert h.router.affinity_rule == ("cost" if tier else "on")
         holding(h, d1, ["A"])
         picks = [to_denoiser(h, f"r{k}")[0] for k in range(3)]
         # on: the holder while it has a free slot; cost: the third loads on the idle one (1.5 s against 2.1 s)

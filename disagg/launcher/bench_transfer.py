@@ -24,6 +24,7 @@ from disagg.client import Client
 from disagg.launcher.deployment import Deployment
 from disagg.launcher.ports import free_port_pair
 from disagg.settings import RolePool, Settings
+from disagg.settings.choices import Transfer
 
 SIZES = (16 * 1024, 512 * 1024, 4 * 1024**2, 10 * 1024**2, 30 * 1024**2)
 WIDTHS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
@@ -79,7 +80,7 @@ def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int],
     pool_mib = 2 * max(sizes) // 1024**2 + 16
     config = Settings(
         # shm moves host pools: beside GPU engines it is the host-memory baseline, on the CPU
-        model="payload", port=free_port_pair(), transfer=engine, gpus=[] if engine == "shm" else gpus,
+        model="payload", port=free_port_pair(), transfer=Transfer(engine), gpus=[] if engine == Transfer.SHM else gpus,
         encoders=RolePool(count=1, pool_mib=pool_mib), denoisers=RolePool(count=1, pool_mib=pool_mib),
         decoders=RolePool(count=1),
     )

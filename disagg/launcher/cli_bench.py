@@ -11,7 +11,7 @@ import click
 from disagg.client import Unreachable
 from disagg.launcher.cli_common import EXIT_FAILED, endpoint_option, exit_unreachable, int_list, keys_option, make_client, make_console
 from disagg.launcher.prompts import PromptError, load_prompts
-from disagg.transport.selection import CHOICES as TRANSFER_CHOICES
+from disagg.transport.selection import CHOICES as TRANSFER_CHOICES, Transfer
 
 
 @click.group(invoke_without_command=True)
@@ -137,12 +137,13 @@ def bench_transfer(engines, sizes, repeats, warmup, gpus, as_json) -> None:
     gpu_list = int_list(gpus, "--gpus") or []
     if engines:
         names = [e.strip() for e in engines.split(",") if e.strip()]
-        bad = [e for e in names if e not in TRANSFER_CHOICES or e == "auto"]
+        bad = [e for e in names if e not in TRANSFER_CHOICES or e == Transfer.AUTO]
         if bad:
             raise click.BadParameter(f"unknown engine(s) {', '.join(bad)}", param_hint="--engines")
     else:
         has_mooncake = importlib.util.find_spec("mooncake") is not None
-        names = (["cuda-ipc"] if gpu_list else ["shm"]) + (["mooncake"] if has_mooncake else []) + ["inline"]
+        names = ([Transfer.CUDA_IPC] if gpu_list else [Transfer.SHM]) + ([Transfer.MOONCAKE] if has_mooncake else []) + \
+            [Transfer.INLINE]
     size_list = int_list(sizes, "--sizes") or list(SIZES)
     for n in size_list:
         try:

@@ -9,6 +9,7 @@ the host's cores. A layout that does not fit, or that the model cannot run, is r
 from __future__ import annotations
 
 from disagg.roles.layout import KINDS, describe_layout
+from disagg.settings.choices import Dtype
 from disagg.settings.schema import ParallelLayout  # noqa: F401 - launcher code imports it from here
 
 def resolve_layouts(config, gpus_per: dict[str, int]) -> dict[str, ParallelLayout]:
@@ -53,7 +54,7 @@ def resolve_layouts(config, gpus_per: dict[str, int]) -> dict[str, ParallelLayou
         if layout.ring > 1 and not gpus:
             raise ConfigError(f"parallel.{role} ring {layout.ring}: ring attention needs an attention backend that returns "
                               "its log-sum-exp (cuDNN's, on GPUs); on the CPU use ulysses")
-        if layout.ring > 1 and (config.dtype == "float32" or not spec.family):
+        if layout.ring > 1 and (config.dtype == Dtype.FLOAT32 or not spec.family):
             weights = "dtype float32" if spec.family else f"model {config.model!r} (float32 weights, whatever dtype says)"
             raise ConfigError(f"parallel.{role} ring {layout.ring} with {weights}: ring attention runs cuDNN's attention "
                               "(disagg/roles/parallel.py RING_BACKEND), which takes bfloat16 or float16; use a checkpoint at "

@@ -12,6 +12,7 @@ import msgspec
 from disagg.launcher.parallel import ParallelLayout, group_gpus, resolve_layouts
 from disagg.roles.pipelines import ModelError, ModelSpec, model_spec
 from disagg.settings import ROLE_SECTIONS, Resolved, Settings, SettingsError, resolve
+from disagg.settings.choices import RebalanceMode, Transfer, TransferProtocol
 from disagg.transport.messages import HEARTBEAT_INTERVAL_S
 
 ROLE_KEYS = ROLE_SECTIONS
@@ -43,9 +44,9 @@ def validate(config: Settings) -> None:
         model_spec(config.model)
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
-    if config.transfer == "cuda-ipc" and not config.all_gpus():
+    if config.transfer == Transfer.CUDA_IPC and not config.all_gpus():
         raise ConfigError("--transfer cuda-ipc needs GPUs (--gpus or a role's gpus list)")
-    if config.transfer_protocol == "rdma" and not config.ib_device:
+    if config.transfer_protocol == TransferProtocol.RDMA and not config.ib_device:
         raise ConfigError("transfer_protocol rdma needs ib_device (e.g. mlx5_0)")
     if config.join:
         from disagg.launcher.hosts import parse_endpoint
@@ -63,7 +64,7 @@ def validate(config: Settings) -> None:
         raise ConfigError(f"loras.host_slots {config.loras.host_slots} (--lora-host-slots) with compile (--compile): a "
                           "compiled denoiser cannot move adapters between the device and host memory, so the host tier "
                           "would be off; use one or the other")
-    if config.colocated and config.rebalance.mode == "auto":
+    if config.colocated and config.rebalance.mode == RebalanceMode.AUTO:
         raise ConfigError("rebalance.mode auto (--rebalance auto) with colocated (--colocated): monolith instances run "
                           "every stage, so no device has a role to change; use one or the other")
     if config.sim_slowdown and not config.model.startswith("sim:"):

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from disagg.orchestrator.loras import pick_by_affinity
 from disagg.orchestrator.registry import Instance
+from disagg.settings.choices import Dispatch
 from disagg.transport.params import lora_key
 
 #: the roles whose instances hold a request's LoRA adapters in their model (encoders hold only the text
@@ -178,11 +179,12 @@ def _pick(policy, role, instances, names, affinity, prefer_host, nbytes, rng, co
     return policy.pick(role, instances, prefer_host, nbytes)
 
 
-POLICIES = {"round-robin": RoundRobin, "max-free-slots": MaxFreeSlots, "least-work": LeastWork}
+#: the `dispatch` setting -> its policy
+POLICIES = {Dispatch.ROUND_ROBIN: RoundRobin, Dispatch.MAX_FREE_SLOTS: MaxFreeSlots, Dispatch.LEAST_WORK: LeastWork}
 
 
-def make_policy(name: str) -> DispatchPolicy:
+def make_policy(name: Dispatch) -> DispatchPolicy:
     try:
-        return POLICIES[name]()
-    except KeyError:
+        return POLICIES[Dispatch(name)]()
+    except ValueError:
         raise ValueError(f"unknown dispatch policy {name!r}; choose from {', '.join(POLICIES)}") from None

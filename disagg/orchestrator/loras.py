@@ -22,19 +22,19 @@ import os
 from pathlib import Path
 
 from disagg.orchestrator.registry import Instance
+from disagg.settings.choices import LoraAffinity
 from disagg.transport.params import LoraName
 
 import msgspec
 
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1
-#: loras.affinity -> the load rule: on (`strict`: warm whenever one is free; its bound is the instance's capacity
-#: and the patience of disagg/orchestrator/placement.py worth_waiting), cost (the earliest expected finish, a load and
-#: what it evicts counted: expected_finish), and the alternatives BENCHMARKS.md measured them against: slack
-#: (the rule above), two-choices (the freer of two warm ones drawn at random). auto, the default, is not here:
-#: cost where a denoiser keeps unloaded adapters in host memory (loras.host_slots), else on, each where it
-#: measured best (Placement.affinity_rule)
-AFFINITY_RULES = {"on": "strict", "off": None, "cost": "cost", "slack": "slack", "two-choices": "two-choices"}
+#: The load rules are loras.affinity's own values (LoraAffinity): on (warm whenever one is free; its bound is the
+#: instance's capacity and the patience of disagg/orchestrator/placement.py worth_waiting), cost (the earliest
+#: expected finish, a load and what it evicts counted: expected_finish), and the alternatives BENCHMARKS.md
+#: measured them against: slack (the rule above), two-choices (the freer of two warm ones drawn at random). off
+#: is no rule (None); auto resolves to cost where a denoiser keeps unloaded adapters in host memory
+#: (loras.host_slots), else on, each where it measured best (Placement.affinity_rule)
 #: the `cost` rule's price of evicting an adapter to load another, in loads: a later request for the evicted one
 #: may have to load it again (BENCHMARKS.md, LoRA affinity: with it, `cost` still loads 0.86x of `off`)
 EVICTION_COST = 0.5
@@ -160,22 +160,22 @@ def evicts(inst: Instance, names) -> bool:
     return bool(missing and inst.lora_slots and len(inst.loras) + missing > inst.lora_slots)
 
 
-def pick_by_affinity(ready: list[Instance], names, rule: str = "slack", rng=None,
+def pick_by_affinity(ready: list[Instance], names, rule: LoraAffinity, rng=None,
                      cost=None) -> list[Instance] | None:
     """The instances a request with adapters `names` should go to, among `ready` (dispatchable ones), for the
     policy to choose from; None when adapters make no difference (then the policy picks among all). `cost`:
     the `cost` rule's estimate (instance, warm -> seconds; Placement.lora_cost)."""
     if not names or not ready:
         return None
-    if rule == "cost" and cost is not None:
+    if rule == LoraAffinity.COST and cost is not None:
         scored = [(cost(i, warm), not warm, i) for i in ready for warm in (holds(i, names),)]
         best = min(s[:2] for s in scored)
         return [i for c, cold, i in scored if (c, cold) <= (best[0] + 1e-9, best[1])]
     warm = [i for i in ready if holds(i, names)]
     if warm:
-        if rule == "strict":
+        if rule == LoraAffinity.ON:
             return warm
-        if rule == "two-choices":
+        if rule == LoraAffinity.TWO_CHOICES:
             pair = rng.sample(warm, 2) if rng is not None and len(warm) > 2 else warm
             best = max(i.free_slots for i in pair)
             return [i for i in pair if i.free_slots == best]

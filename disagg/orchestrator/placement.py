@@ -9,10 +9,12 @@ import logging
 import msgspec
 
 from disagg.orchestrator.dispatch import AFFINITY_ROLES, pick_joining_batch
-from disagg.orchestrator.loras import AFFINITY_RULES, evicts, expected_finish, holds, in_host, note_assigned, reload_s
+from disagg.orchestrator.loras import evicts, expected_finish, holds, in_host, note_assigned, reload_s
 from disagg.orchestrator.outbox import Out, to_instance
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.requests import ROLES, Request, next_stage
+from disagg.settings.choices import LoraAffinity, Schedule, Transfer
+from disagg.transport.averages import ewma
 from disagg.transport.messages import Run
 from disagg.transport.selection import choose_engine
 
@@ -40,14 +42,14 @@ class Placement:
     """Methods of Router; see disagg/orchestrator/router.py for the state they use."""
 
     @property
-    def affinity_rule(self) -> str | None:
+    def affinity_rule(self) -> LoraAffinity | None:
         """The adapter-affinity load rule (disagg/orchestrator/loras.py), None when loras.affinity is off; under auto, cost
-        where a denoiser keeps adapters in host memory, else on's (strict)."""
+        where a denoiser keeps adapters in host memory, else on."""
         setting = self.config.loras.affinity
-        if setting == "auto":
+        if setting == LoraAffinity.AUTO:
             hosted = self.registry.host_tier("denoiser") or self.registry.host_tier("monolith")
-            return "cost" if hosted else AFFINITY_RULES["on"]
-        return AFFINITY_RULES[setting]
+            return LoraAffinity.COST if hosted else LoraAffinity.ON
+        return None if setting == LoraAffinity.OFF else setting
 
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         for role in ROLES:
@@ -56,7 +58,7 @@ class Placement:
             #: requests with LoRA adapters that wait for a busy instance holding them (worth_waiting); the
             #: requests behind them are placed meanwhile, and they go back to the queue's front in order
             deferred: list[str] = []
-            if self.config.schedule == "slo":
+            if self.config.schedule == Schedule.SLO:
                 self.order_queue(role, now)  # priority, then least slack (disagg/orchestrator/slo.py)
             while queue:
                 req = self.requests.get(queue[0])
@@ -72,7 +74,7 @@ class Placement:
                     inst = self.policy.pick(role, self.slo_pick(req, candidates, now), prefer,
                                             req.source.slot.nbytes if req.source is not None else 0)
                 else:
-                    cost = self.lora_cost(req, now) if req.params.loras and self.affinity_rule == "cost" else None
+                    cost = self.lora_cost(req, now) if req.params.loras and self.affinity_rule == LoraAffinity.COST else None
                     inst = pick_joining_batch(self.policy, role, candidates, req, self.requests, prefer,
                                               batching=self.registry.batching(role), affinity=self.affinity_rule,
                                               rng=self.lora_rng, cost=cost)
@@ -92,7 +94,7 @@ class Placement:
     def slo_placed(self, req: Request, role: str) -> bool:
         """Placed by slo_pick: under schedule slo, a request with a deadline, where neither batching nor adapter
         affinity decides."""
-        return (self.config.schedule == "slo" and req.slo_deadline is not None and not self.registry.batching(role)
+        return (self.config.schedule == Schedule.SLO and req.slo_deadline is not None and not self.registry.batching(role)
                 and not (req.params.loras and self.affinity_rule and role in AFFINITY_ROLES))
 
     def conditioning_holder(self, req: Request, inst: Instance) -> Instance:
@@ -145,15 +147,14 @@ class Placement:
         return cost
 
     def note_lora_load(self, role: str, seconds: float) -> None:
-        avg = self.lora_load_s.get(role)
-        self.lora_load_s[role] = seconds if avg is None else 0.8 * avg + 0.2 * seconds
+        self.lora_load_s[role] = ewma(self.lora_load_s.get(role), seconds)
 
     def worth_waiting(self, req: Request, inst: Instance, candidates: list[Instance], now: float) -> bool:
         """Affinity's patience: `inst` lacks some of the request's adapters, and an instance that holds them all
         is busy. Loading costs about what the role's loads took so far (their moving average), so the request
         waits for the holder that long at most, then takes the cold instance (and the adapter spreads); where
         `inst` keeps the adapters in host memory, as long as its restores take."""
-        if not req.params.loras or self.affinity_rule in (None, "cost") or inst.role not in AFFINITY_ROLES:
+        if not req.params.loras or self.affinity_rule in (None, LoraAffinity.COST) or inst.role not in AFFINITY_ROLES:
             return False
         names = [r.name for r in req.params.loras]
         if holds(inst, names):
@@ -176,7 +177,7 @@ class Placement:
         if req.source is not None:
             producer = self.registry.get(req.source.slot.instance_id)
             engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
-            if engine == "inline" and not req.source_frames:
+            if engine == Transfer.INLINE and not req.source_frames:
                 self.release_source(req, out)
                 self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
                 return
@@ -187,7 +188,7 @@ class Placement:
             inst.engine = engine
             self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
-            frames = req.source_frames if engine == "inline" else []
+            frames = req.source_frames if engine == Transfer.INLINE else []
         if not inst.running:
             inst.progress_at = now  # an idle instance's progress clock starts with its work
         inst.alone = req.id if not inst.running else None  # a request that runs alone measures solo_s
@@ -220,7 +221,7 @@ class Placement:
                 kinds = self._consumer_kinds[role] = {
                     (c.pool.host_id, tuple(c.pool.engines), c.pool.device): c.pool
                     for c in self.registry.of_role(role) if c.state == "ready"}
-            cached = any(choose_engine(self.config.transfer, producer.pool, pool)[0] == "inline"
+            cached = any(choose_engine(self.config.transfer, producer.pool, pool)[0] == Transfer.INLINE
                          for pool in kinds.values())
             self._inline_cache[key] = cached
         return cached

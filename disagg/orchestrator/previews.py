@@ -13,7 +13,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.transport.messages import Done, Failed, HeldPreview, Partial, Preview, Release, Run, SlotRef, Source
-from disagg.transport.selection import choose_engine
+from disagg.transport.selection import Transfer, choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -67,7 +67,7 @@ class Previews:
         if decoders:  # the decoder with the most free slots: a preview takes a spare one
             decoder = max(decoders, key=lambda d: d.free_slots)
             engine, _ = choose_engine(self.config.transfer, producer.pool, decoder.pool)
-        if engine is None or (engine == "inline" and not frames):
+        if engine is None or (engine == Transfer.INLINE and not frames):
             return False
         pid = f"{req.id[:100]}:p{info.index}"
         params = msgspec.structs.replace(req.params_for("decoder"), previews=None)
@@ -77,7 +77,7 @@ class Previews:
         decoder.running[pid] = req.attempt
         self.previews[pid] = PreviewRun(req.id, info.index, info.step, producer.id, slot.offset, decoder.id, now,
                                         info.steps, info.staged_at)
-        out.append(to_instance(decoder.id, run, list(frames) if engine == "inline" else []))
+        out.append(to_instance(decoder.id, run, list(frames) if engine == Transfer.INLINE else []))
         return True
 
     def preview_reads(self, producer_id: str, offset: int) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from disagg.orchestrator.outbox import to_client
 from disagg.orchestrator.planner import ROLES, Plan, Work, fmt, plan
 from disagg.orchestrator.slo import shape
+from disagg.settings.choices import RebalanceMode
 from disagg.transport.messages import RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
@@ -71,13 +72,13 @@ class Rebalance:
         self.launcher_ids: dict[str, frozenset[str]] = {}
 
     @property
-    def rebalance_mode(self) -> str:
-        return "off" if self.config.colocated else self.config.rebalance.mode
+    def rebalance_mode(self) -> RebalanceMode:
+        return RebalanceMode.OFF if self.config.colocated else self.config.rebalance.mode
 
     # --- inputs ---------------------------------------------------------------------------------
 
     def note_arrival(self, params, now: float) -> None:
-        if self.rebalance_mode == "off":
+        if self.rebalance_mode == RebalanceMode.OFF:
             return
         start = math.floor(now / BUCKET_S) * BUCKET_S
         if not self.arrivals or self.arrivals[-1][0] != start:
@@ -92,7 +93,7 @@ class Rebalance:
     def handle_launcher_poll(self, identity, msg, frames, now, out) -> None:
         self.launchers[msg.launcher] = now
         self.launcher_ids[msg.launcher] = frozenset(msg.ids)
-        if msg.idle and self.rebalance_mode == "auto" and not self.stopping:
+        if msg.idle and self.rebalance_mode == RebalanceMode.AUTO and not self.stopping:
             self.adopt_idle(msg.launcher, msg.idle, now)
         orders = [Rerole(instance_id=m.inst, new_id=m.new_id, role=m.to_role) for m in self.moving.values()
                   if m.launcher == msg.launcher and m.state == "restarting"]
@@ -105,7 +106,7 @@ class Rebalance:
         device: it recommends for the budget, whoever would move it)."""
         if len(inst.devices) > 1:
             return False
-        if self.rebalance_mode != "auto":
+        if self.rebalance_mode != RebalanceMode.AUTO:
             return True
         return bool(inst.launcher) and now - self.launchers.get(inst.launcher, -math.inf) <= LAUNCHER_SILENCE_S
 
@@ -157,7 +158,7 @@ class Rebalance:
 
     def rebalance_tick(self, now: float, out) -> None:
         mode = self.rebalance_mode
-        if mode == "off":
+        if mode == RebalanceMode.OFF:
             return
         self.follow_moves(now)
         if now < self.next_plan:
@@ -171,7 +172,7 @@ class Rebalance:
             return
         self.plan = plan(work, current, self.config.rebalance.min_per_role, fixed)
         # advise never moves: nothing holds it back once a plan is made (the last "too few requests" is stale)
-        self.holding = self.maybe_move(now) if mode == "auto" else ""
+        self.holding = self.maybe_move(now) if mode == RebalanceMode.AUTO else ""
 
     def maybe_move(self, now: float) -> str:
         """Start the moves to the recommended split, or say why not now."""
@@ -292,7 +293,7 @@ class Rebalance:
 
     def rebalance_status(self, now: float) -> RebalanceStatus | None:
         mode = self.rebalance_mode
-        if mode == "off":
+        if mode == RebalanceMode.OFF:
             return None
         current, fixed = self.split_now(now)
         serving, _ = self.split_now(now, moving=False)

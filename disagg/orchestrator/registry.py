@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.transport.averages import ewma
 from disagg.transport.messages import InstanceStatus, PoolInfo, Register
 
 
@@ -128,14 +129,14 @@ class Instance:
         """`device_s`: the request's share of a batched forward; it then counts as busy time, and
         x capacity as the stage time, since requests in a batch finish together rather than side by side."""
         if request_id and request_id == self.alone:
-            self.solo_s = seconds if not self.solo_s else 0.8 * self.solo_s + 0.2 * seconds
+            self.solo_s = ewma(self.solo_s or None, seconds)
             self.alone = None
         if device_s is not None:
             self.busy_s += device_s
             seconds = device_s * self.capacity
         else:
             self.busy_s += seconds
-        self.stage_s_avg = seconds if not self.stage_s_avg else 0.8 * self.stage_s_avg + 0.2 * seconds
+        self.stage_s_avg = ewma(self.stage_s_avg or None, seconds)
 
     @property
     def dispatchable(self) -> bool:

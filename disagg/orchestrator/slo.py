@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 from disagg.orchestrator.outbox import to_client
+from disagg.settings.choices import Admission, Schedule
+from disagg.transport.averages import ewma
 from disagg.transport.messages import SLACK_BUCKETS_S, ErrorCode, Rejected, SloCount
-
-#: the weight of a new measurement in the moving averages
-NEW_WEIGHT = 0.2
 
 
 def shape(p) -> tuple:
@@ -29,10 +28,6 @@ def _units(p) -> float:
 
 def _steps(p) -> int:
     return p.num_inference_steps or 0
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - NEW_WEIGHT) * old + NEW_WEIGHT * new
 
 
 class StagePredictor:
@@ -54,8 +49,8 @@ class StagePredictor:
             return
         value = seconds / _steps(p) if self._per_step(role, p) else seconds
         key = (role, shape(p), self._per_step(role, p))
-        self.by_shape[key] = _ewma(self.by_shape.get(key), value)
-        self.per_unit[role] = _ewma(self.per_unit.get(role), value / _units(p))
+        self.by_shape[key] = ewma(self.by_shape.get(key), value)
+        self.per_unit[role] = ewma(self.per_unit.get(role), value / _units(p))
 
     def predict(self, role: str, p, measured_only: bool = False) -> float | None:
         """Seconds `role` should take request `p` alone; None before any measurement of that role (with
@@ -187,7 +182,7 @@ class Slo:
     def unmeetable(self, params, now: float) -> str:
         """admission slo: why a request with these parameters cannot meet its deadline even if it ran at once
         (its stages' predicted times exceed slo_ms); "" when it can, or nothing is measured yet."""
-        if self.config.admission != "slo" or params.slo_ms is None:
+        if self.config.admission != Admission.SLO or params.slo_ms is None:
             return ""
         roles = stages_from(self.first_stage, self.config.colocated)
         parts = {role: self.predictor.predict(role, params) for role in roles}
@@ -222,7 +217,7 @@ class Slo:
         for role, queue in self.queues.items():
             if len(queue) < limit:
                 continue
-            shed = self.shed_for(msg.params) if self.config.schedule == "slo" else None
+            shed = self.shed_for(msg.params) if self.config.schedule == Schedule.SLO else None
             if shed is not None:
                 self.fail(shed, f"shed: the {role} queue is full (max_queue {limit}) and a request of priority "
                           f"{msg.params.priority} came; retry later", now, out, code=ErrorCode.OVERLOADED)

@@ -22,8 +22,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from disagg.roles.turns import ewma
 from disagg.roles.turns import order as urgency_order
+from disagg.settings.choices import Schedule
+from disagg.settings.fields import default
+from disagg.transport.averages import ewma
 from disagg.transport.params import lora_key
 
 
@@ -48,8 +50,8 @@ class _Entry:
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: str = "fifo", aging_s: float = 10.0,
-                 caches=None):
+    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: Schedule = default("schedule"),
+                 aging_s: float = default("schedule_aging_s"), caches=None):
         self.adapter = adapter
         #: the transformer's step caches: a request with one runs alone, its steps back to back
         self.caches = caches
@@ -80,7 +82,7 @@ class StepBatcher:
                                         object() if cache else None), progress, ticket=ticket, cache=cache)
         with self._cond:
             if self._thread is None:
-                drive = self._drive_slo if self.schedule == "slo" else self._drive
+                drive = self._drive_slo if self.schedule == Schedule.SLO else self._drive
                 self._thread = threading.Thread(target=drive, name="batcher", daemon=True)
                 self._thread.start()
             self._waiting.append(entry)

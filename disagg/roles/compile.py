@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from disagg.settings.choices import CompileMode, CompileScope
+
 log = logging.getLogger("disagg.role")
 
 #: denoising steps of a warm-up run (enough that every step's graph has run once)
@@ -32,9 +34,6 @@ WARMUP_STEPS = 2
 
 #: seconds between the log's "compiling: ... (N s so far)" lines while a warm-up compiles
 TICK_S = 10.0
-
-#: the modes whose compiled code replays CUDA graphs (inductor's cudagraph trees)
-CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 #: the first torch whose cudagraph trees work from a thread other than the one that compiled (pytorch#123177,
 #: fixed by #184357, merged into main on 2026-06-01 when main was 2.13's development line: 2.13.0.dev20260518 still
@@ -46,7 +45,7 @@ def refuse_cudagraphs(mode: str, device: str, torch_version: str = torch.__versi
     """A ValueError naming the setting where `mode`'s CUDA graphs would crash at serving time: compiled and warmed
     up on the boot thread, they run on the executor and batcher threads, and torch before 2.13 keeps a CUDA graph
     tree's state in the compiling thread's storage only (`assert torch._C._is_key_in_tls` in another)."""
-    if mode not in CUDAGRAPH_MODES or not device.startswith("cuda"):
+    if not CompileMode(mode).cuda_graphs or not device.startswith("cuda"):  # inductor's cudagraph trees
         return
     release = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
     if release < CUDAGRAPH_THREADS_FIXED:
@@ -178,7 +177,8 @@ def warmup_batches(stage) -> list[int]:
     return sorted({1, min(2, top), top})
 
 
-def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = "blocks", hook=None) -> float:
+def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = CompileScope.BLOCKS,
+                  hook=None) -> float:
     """Compile the stage's transformer(s) and run a warm-up denoise at each size and batch size (warmup_batches);
     the seconds it took. `scope`: blocks (diffusers' compile_repeated_blocks, where the model names its repeated
     blocks) or model (the whole transformer). `hook(what, seconds_so_far)`: told at each warm-up and every TICK_S."""
@@ -196,9 +196,10 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
         log.warning("the cache setting (%s) gives every request a step cache, and a request with one runs the "
                     "transformer uncompiled: only requests with cache {type: none} use the compiled one",
                     default.get("type"))
+    mode = CompileMode(mode).value  # torch.compile's own spelling
     t0 = time.perf_counter()
     for m in models:
-        if scope == "blocks" and getattr(m, "_repeated_blocks", None):
+        if scope == CompileScope.BLOCKS and getattr(m, "_repeated_blocks", None):
             # diffusers' regional compilation: each repeated block class compiles once, reused by every block
             m.compile_repeated_blocks(mode=mode)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from disagg.roles.errors import RequestError
 from disagg.roles.pipelines import ROLES, ModelSpec, model_spec
+from disagg.settings.choices import Dtype
 
 MIB = 1024 * 1024
 
@@ -86,6 +87,6 @@ def device_free_memory(device: str) -> int:
 
 def param_bytes(dtype: str, device: str) -> int:
     """Bytes per weight at `dtype` (auto: bfloat16 on a GPU, float32 elsewhere)."""
-    if dtype == "auto":
+    if dtype == Dtype.AUTO:
         return 2 if device.startswith("cuda") else 4
-    return 4 if dtype == "float32" else 2
+    return 4 if dtype == Dtype.FLOAT32 else 2

@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager
 
 from disagg.roles.lora_backends import DiffusersLoras, LoraError, SimLoras
+from disagg.transport.averages import ewma
 
 log = logging.getLogger("disagg.role")
 
@@ -165,10 +166,10 @@ class LoraBank:
             took = time.perf_counter() - t0
             if restored:
                 self.restores += 1
-                self.restore_s = took if not self.restore_s else 0.8 * self.restore_s + 0.2 * took
+                self.restore_s = ewma(self.restore_s or None, took)
             else:
                 self.loads += 1
-                self.load_s = took if not self.load_s else 0.8 * self.load_s + 0.2 * took
+                self.load_s = ewma(self.load_s or None, took)
 
     def _restore(self, name: str, nbytes: int, t0: float) -> None:
         """Copy an adapter back from host memory (the loading event for `name` is set; cleared here)."""

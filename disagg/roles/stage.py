@@ -15,6 +15,8 @@ import torch
 from disagg.roles.errors import RequestError
 from disagg.roles.media import check_format, encode_image, encode_mp4
 from disagg.roles.pipelines.conditioned import LAYOUT
+from disagg.settings.choices import Schedule
+from disagg.settings.fields import default
 from disagg.transport.messages import GenerationParams
 from disagg.transport.params import conditioning_key, lora_label
 
@@ -84,7 +86,8 @@ class Stage:
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
     def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
-                 loras=None, schedule: str = "fifo", aging_s: float = 10.0, caches=None, conditioning=None):
+                 loras=None, schedule: Schedule = default("schedule"), aging_s: float = default("schedule_aging_s"),
+                 caches=None, conditioning=None):
         self.role = role
         self.adapter = adapter
         self.model = model
@@ -120,7 +123,7 @@ class Stage:
         #: thread-safe, or on one simulated device); a decoder that can (`decode_yields`) hands the device over
         #: between a video's latent frames
         serial = not shared or getattr(adapter, "one_device", False)
-        if schedule == "slo" and self.batcher is None and self.group is None and (
+        if schedule == Schedule.SLO and self.batcher is None and self.group is None and (
                 role in ("denoiser", "monolith") or (role in ("encoder", "decoder") and serial)):
             from disagg.roles.turns import Turns
 
@@ -128,7 +131,7 @@ class Stage:
 
     def ticket(self, request_id: str, params: GenerationParams, deadline_s: float | None, steps: int):
         """The step scheduler's view of one request (schedule slo: `turns`, or the batcher's), or None."""
-        if self.turns is None and (self.batcher is None or self.schedule != "slo"):
+        if self.turns is None and (self.batcher is None or self.schedule != Schedule.SLO):
             return None
         from disagg.roles.turns import Ticket
 

@@ -21,6 +21,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from disagg.settings.fields import default
+from disagg.transport.averages import ewma
+
 _arrivals = itertools.count()
 
 
@@ -79,15 +82,10 @@ def order(items: list, now: float, aging_s: float, ticket_of=lambda t: t, left_s
     return ranked
 
 
-def ewma(old: float | None, new: float) -> float:
-    """A step time's moving average (the newest measurement weighs 0.2)."""
-    return new if old is None else 0.8 * old + 0.2 * new
-
-
 class Turns:
     """An instance's device, handed from request to request at step boundaries by urgency."""
 
-    def __init__(self, aging_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, aging_s: float = default("schedule_aging_s"), clock=time.monotonic):
         self.aging_s = aging_s
         self.clock = clock
         self._cond = threading.Condition()

@@ -91,6 +91,11 @@ def by_path() -> dict[str, Leaf]:
     return {leaf.path: leaf for leaf in leaves()}
 
 
+def default(path: str):
+    """The schema's default of a setting: what a constructor that takes one defaults to, so none disagrees."""
+    return by_path()[path].default
+
+
 def for_process(process: str) -> tuple[Leaf, ...]:
     return tuple(leaf for leaf in leaves() if process in leaf.processes)
 

@@ -221,7 +221,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def protocol(self) -> str:
-        return self.transfer_protocol or ("rdma" if self.ib_device else "tcp")
+        return self.transfer_protocol or (TransferProtocol.RDMA if self.ib_device else TransferProtocol.TCP)
 
     def all_gpus(self) -> list[int]:
         gpus = list(self.gpus)

@@ -18,6 +18,7 @@ import torch
 
 from disagg.transport.messages import Source
 from disagg.transport.pool import Pool
+from disagg.transport.selection import Transfer
 from disagg.transport.shm import shm_path
 
 MOONCAKE_HINT = (
@@ -166,7 +167,8 @@ def _engine_classes() -> dict[str, type[TransferEngine]]:
     from disagg.transport.cuda_ipc import CudaIpcEngine
     from disagg.transport.mooncake_engine import MooncakeEngine
 
-    return {"cuda-ipc": CudaIpcEngine, "shm": ShmEngine, "mooncake": MooncakeEngine, "inline": InlineEngine}
+    return {Transfer.CUDA_IPC: CudaIpcEngine, Transfer.SHM: ShmEngine, Transfer.MOONCAKE: MooncakeEngine,
+            Transfer.INLINE: InlineEngine}
 
 
 def make_engine(name: str, pool: Pool, options: EngineOptions | None = None) -> TransferEngine:
@@ -177,7 +179,7 @@ def make_engine(name: str, pool: Pool, options: EngineOptions | None = None) -> 
     return classes[name](pool, options or EngineOptions())
 
 
-def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None = None, log=None,
+def make_engines(pool: Pool, forced: str = Transfer.AUTO, options: EngineOptions | None = None, log=None,
                  problems: dict[str, str] | None = None) -> dict[str, TransferEngine]:
     """Every engine this process can serve, fastest first. A forced engine must work (else raise). `problems`
     gets each engine that applies here but could not start, with the reason (a GPU pool Mooncake cannot register,
@@ -194,6 +196,6 @@ def make_engines(pool: Pool, forced: str = "auto", options: EngineOptions | None
                 continue
             if log is not None:
                 log.warning("%s engine unavailable: %s", name, exc)
-            if problems is not None and forced == "auto":
+            if problems is not None and Transfer(forced) == Transfer.AUTO:
                 problems[name] = str(exc)[:1024]
     return engines

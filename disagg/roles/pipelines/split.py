@@ -15,16 +15,17 @@ from __future__ import annotations
 import torch
 
 from disagg.roles.pipelines.checkpoint import Checkpoint, load_checkpoint, vae_scale_factors
+from disagg.settings.choices import Dtype
 
 #: what encode_prompt returns for the CFG families (SD3, SDXL), in its order
 CFG_EMBEDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {Dtype.FLOAT32: torch.float32, Dtype.BFLOAT16: torch.bfloat16, Dtype.FLOAT16: torch.float16}
 
 
 def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
     """bf16 on a GPU, fp32 on the CPU, unless `dtype` names one."""
-    if dtype in (None, "", "auto"):
+    if not dtype or dtype == Dtype.AUTO:
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return DTYPES[dtype]
 
