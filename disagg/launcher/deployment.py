@@ -128,11 +128,12 @@ class Deployment(Startup):
         c = self.config
         fields = schema_part(c, "orchestrator")
         fields["keys"] = self.keys_dir  # resolved: the orchestrator runs in another folder
+        fields["loras"] = self.loras_resolved()
         return OrchestratorSettings(
             **fields, deployment_id=self.run_id, host_id=self.host_id,
             model_identity=msgspec.convert(model_identity(c.model, c.dtype), ModelIdentity),
             standby={role: c.role(role).standby for role in ("encoder", "denoiser", "decoder")},
-            loras=self.loras_resolved(), sim=c.model.startswith("sim:"), rebalance=c.rebalance,
+            sim=c.model.startswith("sim:"),
         )
 
     def loras_resolved(self):
@@ -151,8 +152,10 @@ class Deployment(Startup):
         env = self._env()
         env["DISAGG_HTTP_API_KEY"] = self.config.http.api_key
         env["DISAGG_HTTP_API_KEYS"] = msgspec.json.encode(self.config.http.api_keys).decode()
-        http = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
-        settings = GatewaySettings(endpoint=self.endpoint, http=http, keys=self.keys_dir)
+        fields = schema_part(self.config, "gateway")
+        fields["http"] = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
+        fields["keys"] = self.keys_dir
+        settings = GatewaySettings(**fields, endpoint=self.endpoint)
         return self.supervisor.spawn("gateway", self.supervisor.python("disagg.gateway", encode(settings)), env=env)
 
     @property
@@ -204,7 +207,6 @@ class Deployment(Startup):
             pool_bytes=p.pool_bytes, pool_name=f"{self.shm_prefix}{p.instance_id}", host_id=self.host_id,
             threads=p.threads, data_host=self.data_host, visible_gpus=self.visible_gpus(p),
             deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,
-            loras=c.loras,
         )
         spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
         if spec.compile and not spec.compile_cache_dir:  # this deployment's: its restarts and spares find it

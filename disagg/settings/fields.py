@@ -8,7 +8,7 @@ from functools import cache
 import msgspec
 import msgspec.inspect as mi
 
-from disagg.settings.schema import SECTION_FLAGS, Settings
+from disagg.settings.schema import ROLE_SECTIONS, SECTION_FLAGS, Settings
 
 ENV_PREFIX = "DISAGG_"
 
@@ -98,6 +98,15 @@ def default(path: str):
 
 def for_process(process: str) -> tuple[Leaf, ...]:
     return tuple(leaf for leaf in leaves() if process in leaf.processes)
+
+
+def sections_for(process: str) -> tuple[str, ...]:
+    """The sections `process` reads (a field of theirs names it in its `use`), whole: the process's settings object
+    carries each as the schema's struct. The role pools (encoders, denoisers, decoders) are the launcher's; the
+    orchestrator gets their standby counts by role (its `standby`)."""
+    pools = set(ROLE_SECTIONS.values())
+    return tuple(dict.fromkeys(leaf.section for leaf in for_process(process)
+                               if leaf.section and leaf.section not in pools))
 
 
 def top_level_for(process: str) -> tuple[str, ...]:

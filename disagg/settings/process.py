@@ -14,8 +14,8 @@ from functools import cache
 
 import msgspec
 
-from disagg.settings.fields import top_level_for
-from disagg.settings.schema import HttpSettings, LoraSettings, RebalanceSettings, Settings, world_of
+from disagg.settings.fields import sections_for, top_level_for
+from disagg.settings.schema import Settings, world_of
 from disagg.transport.descriptors import ModelIdentity
 
 
@@ -26,9 +26,11 @@ def _hints() -> dict:
 
 def _with_schema_fields(process: str, base: type) -> type:
     """`base` (its launcher-made fields) plus every top-level schema field `process` reads, same name, type,
-    bounds and default."""
+    bounds and default, and every section it reads (sections_for: loras, rebalance, http), whole."""
     defaults = Settings()
     fields = [(name, _hints()[name], getattr(defaults, name)) for name in top_level_for(process)]
+    fields += [(name, _hints()[name], msgspec.field(default_factory=type(getattr(defaults, name))))
+               for name in sections_for(process)]
     return msgspec.defstruct(base.__name__.lstrip("_"), fields, bases=(base,), module=__name__, kw_only=True,
                              forbid_unknown_fields=True)
 
@@ -44,12 +46,8 @@ class _OrchestratorSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     model_identity: ModelIdentity | None = None
     #: role -> warm standbys to keep (the roles' `standby` settings)
     standby: dict[str, int] = {}
-    #: the loras section (the registry of adapters, per-request limit, affinity)
-    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
     #: a sim model: any adapter name is taken, with no file
     sim: bool = False
-    #: the rebalance section (advise or move devices between the roles)
-    rebalance: RebalanceSettings = msgspec.field(default_factory=RebalanceSettings)
 
 
 class _GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -57,8 +55,6 @@ class _GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     #: the orchestrator's client endpoint
     endpoint: str
-    #: its http section (host, port, api_key, stores)
-    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
 
 
 class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -94,8 +90,6 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rank: int = 0
     dist_init: str = ""
     group_devices: list[str] = []
-    #: the loras section (slots, max_mib)
-    loras: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
     @property
     def world(self) -> int:
@@ -113,8 +107,8 @@ RoleSettings = _with_schema_fields("role", _RoleSettings)
 
 
 def schema_part(settings: Settings, process: str) -> dict:
-    """The values of the top-level settings `process` reads, from the deployment's settings."""
-    return {name: getattr(settings, name) for name in top_level_for(process)}
+    """The values of the top-level settings and the sections `process` reads, from the deployment's settings."""
+    return {name: getattr(settings, name) for name in (*top_level_for(process), *sections_for(process))}
 
 
 def encode(settings: msgspec.Struct) -> str:
