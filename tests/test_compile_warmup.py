@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_modes_are_refused_on_a_gpu_where_torch_crashes_them_off_the_compiling_thread(mode):
     for version in ("2.11.0+cu128", "2.12.1"):
-        with pytest.raises(ValueError, match=f"compile_mode {mode} \\(--compile-mode\\) uses CUDA graphs, which crash "
+        with pytest.raises(ValueError, match=f"compile.mode {mode} \\(--compile-mode\\) uses CUDA graphs, which crash "
                                              f"in torch {version.replace('+', '.')}"):
             refuse_cudagraphs(mode, "cuda:0", version)
     refuse_cudagraphs(mode, "cuda:0", "2.13.0+cu130")  # fixed there

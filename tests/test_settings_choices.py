@@ -51,13 +51,13 @@ def test_choices_decode_from_file_env_and_the_process_json(tmp_path):
     got = resolve(cfg, environ={"DISAGG_REBALANCE_MODE": "auto", "DISAGG_COMPILE_MODE": "reduce-overhead"}).settings
     assert type(got.schedule).__name__ == "Schedule" and got.schedule == "fifo"
     assert got.loras.affinity.name == "TWO_CHOICES" and got.rebalance.mode.name == "AUTO"
-    assert got.compile_mode.cuda_graphs
+    assert got.compile.mode.cuda_graphs
     orch = OrchestratorSettings(**{k: getattr(got, k) for k in ("schedule", "admission", "dispatch")})
     back = decode(encode(orch), OrchestratorSettings)
     assert back.schedule is got.schedule and isinstance(back.dispatch, enum.Enum)
     assert '"schedule":"fifo"' in encode(orch)
     role = decode(encode(RoleSettings(role="denoiser", instance_id="d", endpoint="e")), RoleSettings)
-    assert role.compile_scope.name == "BLOCKS"
+    assert role.compile.scope.name == "BLOCKS"
 
 
 def test_constructors_that_take_a_setting_default_to_the_schemas_value():
@@ -96,3 +96,33 @@ def test_no_setting_value_is_compared_as_a_spelled_string():
             if compare.search(code) and (allowed is None or allowed not in code):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_compile_settings_are_a_section_and_their_older_names_still_work(tmp_path):
+    """compile, compile_mode, compile_scope, compile_sizes, compile_cache_dir became the compile section; a config
+    file and DISAGG_COMPILE still take the older names (a warning names the new one), the flags are as they were."""
+    from tests.test_settings import clean_env, print_config
+    from tests.conftest import disagg
+
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("compile: true\ncompile_mode: max-autotune\ncompile_sizes: [64x64]\ncompile_cache_dir: /tmp/x\n")
+    res = resolve(cfg, environ={})
+    c = res.settings.compile
+    assert (c.enabled, c.mode, c.sizes, c.cache_dir) == (True, "max-autotune", ["64x64"], "/tmp/x")
+    assert f"config {cfg}: compile_mode is now compile.mode" in res.warnings
+    assert f"config {cfg}: compile is now compile.enabled" in res.warnings
+    # the new spelling, without a warning; a section key that is not a mapping is still refused
+    new = tmp_path / "new.yaml"
+    new.write_text("compile: {enabled: true, scope: model}\n")
+    res = resolve(new, environ={})
+    assert res.settings.compile.enabled and res.settings.compile.scope == "model" and not res.warnings
+    old_env = resolve(environ={"DISAGG_COMPILE": "true", "DISAGG_COMPILE_MODE": "reduce-overhead"})
+    assert old_env.settings.compile.enabled and old_env.settings.compile.mode == "reduce-overhead"
+    assert old_env.warnings == ["DISAGG_COMPILE is now DISAGG_COMPILE_ENABLED"]
+    got = print_config("--compile", "--compile-mode", "max-autotune", "--compile-scope", "model",
+                       env=clean_env(DISAGG_COMPILE_CACHE_DIR="/tmp/y"))
+    assert got["compile.enabled"] == ("true", "flag --compile/--no-compile")
+    assert got["compile.mode"] == ("max-autotune", "flag --compile-mode")
+    assert got["compile.scope"][0] == "model" and got["compile.cache_dir"] == ("/tmp/y", "env DISAGG_COMPILE_CACHE_DIR")
+    res = disagg("launch", "--config", str(cfg), "--print-config", env=clean_env(), timeout=30)
+    assert res.returncode == 0 and "compile_sizes is now compile.sizes" in res.stderr, res.stderr

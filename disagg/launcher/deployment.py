@@ -209,8 +209,8 @@ class Deployment(Startup):
             deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,
         )
         spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
-        if spec.compile and not spec.compile_cache_dir:  # this deployment's: its restarts and spares find it
-            spec.compile_cache_dir = str(self.run_dir / "inductor")
+        if spec.compile.enabled and not spec.compile.cache_dir:  # this deployment's: its restarts and spares find it
+            spec.compile = msgspec.structs.replace(spec.compile, cache_dir=str(self.run_dir / "inductor"))
         if p.world > 1:
             return self._spawn_group(p, spec)
         env = self._env()

@@ -60,7 +60,7 @@ def validate(config: Settings) -> None:
     for role in ROLE_KEYS:
         if role != "denoiser" and config.role(role).max_batch > 1:
             raise ConfigError(f"{ROLE_KEYS[role]}.max_batch: only denoisers batch")
-    if config.compile and config.loras.host_slots:
+    if config.compile.enabled and config.loras.host_slots:
         raise ConfigError(f"loras.host_slots {config.loras.host_slots} (--lora-host-slots) with compile (--compile): a "
                           "compiled denoiser cannot move adapters between the device and host memory, so the host tier "
                           "would be off; use one or the other")

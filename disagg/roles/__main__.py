@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # an instance over several ranks applies no adapters (each rank would have to load them in lockstep)
         loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown,
-                          compiled=spec.compile, host_slots=spec.loras.host_slots) if group is None else None
+                          compiled=spec.compile.enabled, host_slots=spec.loras.host_slots) if group is None else None
         from disagg.roles.step_cache import make_caches
 
         caches = make_caches(adapter, spec.role, spec.cache or None) if group is None else None

@@ -10,7 +10,7 @@ keep Python state (step counters, a skip decision per step) that torch.compile w
 seconds in most cached requests, and the hooks that count its steps are not seen by code compiled before they
 were registered (dynamo does not guard on a submodule's forward hooks), so its counts would be false.
 
-Inductor's caches (FX graphs, AOT autograd, kernels) go to the deployment's `compile_cache_dir` (by default
+Inductor's caches (FX graphs, AOT autograd, kernels) go to the deployment's `compile.cache_dir` (by default
 `<run dir>/inductor`): an instance restarted, or started from a spare, finds the compiled kernels there and
 skips most of the work (benchmarks/compile_boot.py measures it).
 """
@@ -49,9 +49,9 @@ def refuse_cudagraphs(mode: str, device: str, torch_version: str = torch.__versi
         return
     release = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
     if release < CUDAGRAPH_THREADS_FIXED:
-        raise ValueError(f"compile_mode {mode} (--compile-mode) uses CUDA graphs, which crash in torch {torch_version} "
+        raise ValueError(f"compile.mode {mode} (--compile-mode) uses CUDA graphs, which crash in torch {torch_version} "
                          "when the compiled model runs on another thread than the one that compiled it, as a role's "
-                         "requests do (pytorch#123177, fixed in torch 2.13): use compile_mode default or "
+                         "requests do (pytorch#123177, fixed in torch 2.13): use compile.mode default or "
                          "max-autotune-no-cudagraphs, or torch >= 2.13")
 
 
@@ -134,7 +134,7 @@ def warmup_inputs(adapter) -> dict[str, torch.Tensor] | None:
 
 
 class CompileWatch:
-    """Once the warm-up is done, a compile is one inside a request (a size not in compile_sizes, a batch of images,
+    """Once the warm-up is done, a compile is one inside a request (a size not in compile.sizes, a batch of images,
     an adapter's new layers): it may take minutes, with no denoising step meanwhile. While one runs, every TICK_S:
     a log line, and `tick()` (the instance's progress counter, which its heartbeats carry), so the orchestrator's
     stall detector sees a compile that progresses, not a hung instance. Told by dynamo's compile callbacks."""
@@ -159,7 +159,7 @@ class CompileWatch:
 
     def _start(self, *_args) -> None:
         self.compiles += 1
-        log.warning("compiling inside a request: a shape or adapter not warmed up at boot (compile_sizes, max_batch)")
+        log.warning("compiling inside a request: a shape or adapter not warmed up at boot (compile.sizes, max_batch)")
         self._ticker = _Ticker(time.perf_counter(), lambda what, s: self.tick(), self.every_s).__enter__()
         self._ticker.what = "inside a request"
 

@@ -123,25 +123,25 @@ class Worker(Link, SelfReport):
     def boot(self) -> None:
         """Load the model off the loop thread, so heartbeats go on while it loads; they carry the boot's phase and
         progress (disagg/roles/boot.py), so the launcher tells a slow boot from a stuck one."""
-        meter = BootMeter(self.spec.model, self.spec.compile_cache_dir).start()
+        meter = BootMeter(self.spec.model, self.spec.compile.cache_dir).start()
         try:
-            if self.spec.compile:  # before the load: a mode that cannot serve here fails the boot at once
+            if self.spec.compile.enabled:  # before the load: a mode that cannot serve here fails the boot at once
                 from disagg.roles.compile import refuse_cudagraphs
 
-                refuse_cudagraphs(self.spec.compile_mode, self.spec.device)
+                refuse_cudagraphs(self.spec.compile.mode, self.spec.device)
             boot_phase("loading", f"model {self.spec.model}")
             stage = self.load_stage()
             self.components = stage.adapter.components_loaded()
             test_hold(self.spec.instance_id)
-            if self.spec.compile and stage.role in ("denoiser", "monolith"):
+            if self.spec.compile.enabled and stage.role in ("denoiser", "monolith"):
                 from disagg.roles.boot import tick as boot_tick
                 from disagg.roles.compile import CompileWatch, compile_stage
 
-                boot_phase("compiling", f"torch.compile {self.spec.compile_mode}, warm-up at "
-                           f"{', '.join(self.spec.compile_sizes) or 'the default size'}")
+                boot_phase("compiling", f"torch.compile {self.spec.compile.mode}, warm-up at "
+                           f"{', '.join(self.spec.compile.sizes) or 'the default size'}")
                 # each warm-up (size, batch) and every TICK_S of it: the boot's detail, and progress
-                self.compile_s = compile_stage(stage, self.spec.compile_mode, self.spec.compile_sizes,
-                                               self.spec.compile_cache_dir, self.spec.compile_scope,
+                self.compile_s = compile_stage(stage, self.spec.compile.mode, self.spec.compile.sizes,
+                                               self.spec.compile.cache_dir, self.spec.compile.scope,
                                                hook=lambda what, s: boot_tick(f"{what} ({s:.0f} s so far)"))
                 self.log.info("compiled in %.1f s", self.compile_s)
                 CompileWatch(self.runner.tick).install()  # a compile inside a request is progress, and logged

@@ -23,12 +23,18 @@ class Leaf:
     help: str
     processes: tuple[str, ...]
     flag: str | None  # "--name", "--a/--no-a", "-e/--encoders"; None: file and environment only
-    legacy: str  # an older key (same section) that still works, with a warning
+    legacy: str  # the older key's whole path ("compile_mode" for compile.mode): still works, with a warning
     metavar: str
 
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.path.replace(".", "_").upper()
+
+    @property
+    def legacy_env(self) -> str:
+        """The older key's variable ("" when it has none, or when it is the same as env: compile_mode's)."""
+        env = ENV_PREFIX + self.legacy.replace(".", "_").upper() if self.legacy else ""
+        return "" if env == self.env else env
 
     @property
     def section(self) -> str:

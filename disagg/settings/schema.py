@@ -16,11 +16,10 @@ import msgspec
 from msgspec import Meta
 
 from disagg.transport.params import CacheSpec  # one cache rule: requests' and the settings'
-from disagg.settings.choices import (
-    Admission, CompileMode, CompileScope, Dispatch, Dtype, Schedule, Transfer, TransferProtocol,
-)
+from disagg.settings.choices import Admission, Dispatch, Dtype, Schedule, Transfer, TransferProtocol
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
+    CompileSettings,
 )
 
 
@@ -120,28 +119,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A request's {type: none} runs without. {} = none. Models without a diffusers transformer (sim, payload) "
         "ignore it."),
         extra=use("role", flag=None))] = {}
-    compile: Annotated[bool, Meta(description=(
-        "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
-        "boot at each of compile_sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
-        "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
-        extra=use("role", flag="--compile/--no-compile"))] = False
-    compile_mode: Annotated[CompileMode, Meta(description=(
-        "compile: torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "
-        "with torch < 2.13, which crashes them on a request's thread (pytorch#123177)."),
-        extra=use("role"))] = CompileMode.DEFAULT
-    compile_scope: Annotated[CompileScope, Meta(description=(
-        "compile: blocks compiles each repeated transformer block class once (diffusers' "
-        "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
-        "model compiles the whole transformer."),
-        extra=use("role"))] = CompileScope.BLOCKS
-    compile_sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
-        "compile: the WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
-        "default size."),
-        extra=use("role", flag=None))] = []
-    compile_cache_dir: Annotated[str, Meta(description=(
-        "compile: where inductor keeps its caches (TORCHINDUCTOR_CACHE_DIR), so an instance restarted or started "
-        "from a spare skips most of the compile. '' = <run dir>/inductor (this deployment's)."),
-        extra=use("role"))] = ""
+    compile: CompileSettings = msgspec.field(default_factory=CompileSettings)
     conditioning_cache_mib: Annotated[int, Meta(ge=0, le=1 << 20, description=(
         "Encoders: MiB of recent text encodings each keeps (an LRU on its device). A request whose prompt, "
         "negative prompt, guidance and adapters equal a kept one reuses it and the encoder computes nothing; "

@@ -9,7 +9,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from disagg.settings.choices import Dispatch, LoraAffinity, RebalanceMode, Role, Transfer
+from disagg.settings.choices import CompileMode, CompileScope, Dispatch, LoraAffinity, RebalanceMode, Role, Transfer
 from disagg.transport.params import (
     LoraName,  # one adapter-name rule: requests' and the registry's
 )
@@ -44,7 +44,8 @@ def world_of(layout: dict[str, int]) -> int:
 
 def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str = "") -> dict:
     """A field's `extra`: the processes that read it; its flag ("" = --NAME, None = config file and environment
-    only); an older key name that still works, with a warning."""
+    only); the older key it had (its whole path: compile_mode for compile.mode), which still works in a config
+    file and as a DISAGG_ variable, with a warning."""
     assert set(processes) <= set(PROCESSES), processes
     return {"for": processes, "flag": flag, "legacy": legacy, "metavar": metavar}
 
@@ -200,6 +201,35 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "free slot more) and two-choices (the freer of two holders drawn at random) are rules it was measured "
         "against, kept to compare."),
         extra=use("orchestrator", flag="--lora-affinity"))] = LoraAffinity.AUTO
+
+
+class CompileSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Compiled denoisers (disagg/roles/compile.py): torch.compile on the transformer, warmed up at boot. Before this
+    section these were the top-level compile, compile_mode, compile_scope, compile_sizes and compile_cache_dir
+    (still read from a config file and DISAGG_COMPILE, with a warning)."""
+
+    enabled: Annotated[bool, Meta(description=(
+        "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
+        "boot at each of compile.sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
+        "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
+        extra=use("role", flag="--compile/--no-compile", legacy="compile"))] = False
+    mode: Annotated[CompileMode, Meta(description=(
+        "torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "
+        "with torch < 2.13, which crashes them on a request's thread (pytorch#123177)."),
+        extra=use("role", legacy="compile_mode"))] = CompileMode.DEFAULT
+    scope: Annotated[CompileScope, Meta(description=(
+        "blocks compiles each repeated transformer block class once (diffusers' "
+        "compile_repeated_blocks: a shorter cold start; the whole model where it names no repeated blocks); "
+        "model compiles the whole transformer."),
+        extra=use("role", legacy="compile_scope"))] = CompileScope.BLOCKS
+    sizes: Annotated[list[Annotated[str, Meta(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")]], Meta(description=(
+        "The WIDTHxHEIGHT sizes warmed up at boot (each compiles its own graphs); [] = the model's "
+        "default size."),
+        extra=use("role", flag=None, legacy="compile_sizes"))] = []
+    cache_dir: Annotated[str, Meta(description=(
+        "Where inductor keeps its caches (TORCHINDUCTOR_CACHE_DIR), so an instance restarted or started "
+        "from a spare skips most of the compile. '' = <run dir>/inductor (this deployment's)."),
+        extra=use("role", legacy="compile_cache_dir"))] = ""
 
 
 class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

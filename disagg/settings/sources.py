@@ -85,7 +85,7 @@ def flatten_file(data: dict, where: str, notes: list[str]) -> dict[str, object]:
     """{leaf path: value} of a config file's mapping; unknown keys are refused naming the closest, older
     names are taken with a note naming the new one."""
     known = by_path()
-    legacy = {(leaf.section + "." if leaf.section else "") + leaf.legacy: leaf.path for leaf in leaves() if leaf.legacy}
+    legacy = {leaf.legacy: leaf.path for leaf in leaves() if leaf.legacy}
     out: dict[str, object] = {}
 
     def put(path: str, value) -> None:
@@ -98,7 +98,7 @@ def flatten_file(data: dict, where: str, notes: list[str]) -> dict[str, object]:
 
     for key, value in data.items():
         key = str(key)
-        if key in sections():
+        if key in sections() and not (key in legacy and not isinstance(value, dict)):  # `compile: true` is older
             if not isinstance(value, dict):
                 raise SettingsError(f"{where}: {key}: expected a mapping, got {value!r}")
             for sub, v in value.items():
@@ -130,7 +130,7 @@ def check_variables(environ: Mapping[str, str]) -> None:
     """Refuse a DISAGG_ variable that is neither a setting nor in OTHER_VARIABLES (a typo would otherwise be
     ignored in silence), naming the closest known name. `launch` checks through from_environment; the client
     commands (status, submit, stop, bench, serve-http), which read few settings, call this."""
-    by_env = {leaf.env for leaf in leaves()}
+    by_env = {leaf.env for leaf in leaves()} | {leaf.legacy_env for leaf in leaves() if leaf.legacy_env}
     for name in environ:
         if name.startswith(ENV_PREFIX) and name not in by_env and name not in OTHER_VARIABLES:
             raise SettingsError(f"unknown variable {name}{closest(name, [*by_env, *OTHER_VARIABLES])}: not a "
@@ -142,12 +142,18 @@ def from_environment(environ: Mapping[str, str], notes: list[str]) -> dict[str, 
     refused, naming the closest known name (check_variables)."""
     check_variables(environ)
     by_env = {leaf.env: leaf for leaf in leaves()}
+    by_legacy_env = {leaf.legacy_env: leaf for leaf in leaves() if leaf.legacy_env}
     out: dict[str, object] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         if name in by_env:
             out[by_env[name].path] = _env_value(by_env[name], raw)
+        elif name in by_legacy_env:
+            leaf = by_legacy_env[name]
+            if leaf.env not in environ:  # the new name wins
+                notes.append(f"{name} is now {leaf.env}")
+                out[leaf.path] = _env_value(leaf, raw)
         elif name == "DISAGG_API_KEY":
             if "DISAGG_HTTP_API_KEY" not in environ:
                 notes.append("DISAGG_API_KEY is now DISAGG_HTTP_API_KEY")
