@@ -12,6 +12,7 @@ from disagg.roles.batcher import StepBatcher
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.roles.stage import Stage
+from disagg.settings.choices import Schedule
 from tests.conftest import wait_until
 from disagg.transport.messages import GenerationParams
 
@@ -65,7 +66,7 @@ def test_requests_join_the_running_batch_at_step_boundaries():
 
 def test_other_shapes_wait_for_the_batch_to_drain_and_are_not_starved():
     adapter = Recorder()
-    batcher = StepBatcher(adapter, max_batch=4)
+    batcher = StepBatcher(adapter, max_batch=4, schedule=Schedule.FIFO)  # fifo's order (the schema's default is slo)
     with ThreadPoolExecutor(8) as pool:
         a = pool.submit(batcher.denoise, {}, params(0, 256, steps=3))
         time.sleep(0.02)

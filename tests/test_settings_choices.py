@@ -126,3 +126,18 @@ def test_the_compile_settings_are_a_section_and_their_older_names_still_work(tmp
     assert got["compile.scope"][0] == "model" and got["compile.cache_dir"] == ("/tmp/y", "env DISAGG_COMPILE_CACHE_DIR")
     res = disagg("launch", "--config", str(cfg), "--print-config", env=clean_env(), timeout=30)
     assert res.returncode == 0 and "compile_sizes is now compile.sizes" in res.stderr, res.stderr
+
+
+def test_the_busy_poll_settings_are_a_section_and_their_older_names_still_work(tmp_path):
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("busy_poll: 0.001\nbusy_poll_max_in_flight: 9\n")
+    res = resolve(cfg, environ={})
+    assert (res.settings.busy_poll.seconds, res.settings.busy_poll.max_in_flight) == (0.001, 9)
+    assert f"config {cfg}: busy_poll is now busy_poll.seconds" in res.warnings
+    res = resolve(environ={"DISAGG_BUSY_POLL": "0"})
+    assert res.settings.busy_poll.seconds == 0 and res.warnings == ["DISAGG_BUSY_POLL is now DISAGG_BUSY_POLL_SECONDS"]
+    from tests.test_settings import clean_env, print_config
+
+    got = print_config("--busy-poll", "0.002", "--busy-poll-max-in-flight", "7", env=clean_env())
+    assert got["busy_poll.seconds"] == ("0.002", "flag --busy-poll") and got["busy_poll.max_in_flight"][0] == "7"
+    assert OrchestratorSettings().busy_poll == Settings().busy_poll  # through the schema's use(), whole

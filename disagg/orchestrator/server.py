@@ -41,7 +41,7 @@ def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 TICK_S = 0.05
-# busy polling (settings busy_poll, busy_poll_max_in_flight): while few requests are in flight, a turn that
+# busy polling (settings busy_poll.seconds, busy_poll.max_in_flight): while few requests are in flight, a turn that
 # handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
 # it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
 # plane). Under load the loop is busy anyway and the CPU is better left to the roles.
@@ -120,7 +120,7 @@ class OrchestratorServer:
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         launcher = LauncherWatch()
-        busy_poll, busy_max = self.router.config.busy_poll, self.router.config.busy_poll_max_in_flight
+        busy_poll, busy_max = self.router.config.busy_poll.seconds, self.router.config.busy_poll.max_in_flight
         busy_until = 0.0
         while not self._stop_requested:
             events = {}

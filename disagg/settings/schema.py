@@ -19,7 +19,7 @@ from disagg.transport.params import CacheSpec  # one cache rule: requests' and t
 from disagg.settings.choices import Admission, Dispatch, Dtype, Schedule, Transfer, TransferProtocol
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
-    CompileSettings,
+    BusyPollSettings, CompileSettings,
 )
 
 
@@ -130,15 +130,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "times, is refused at Submit (deadline_unmeetable, HTTP 429 with Retry-After); before the first "
         "measurements nothing is refused. off: every request is taken."),
         extra=use("orchestrator"))] = Admission.OFF
-    busy_poll: Annotated[float, Meta(ge=0, le=0.01, description=(
-        "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
-        "(busy_poll_max_in_flight): the next message is taken without a thread wake-up, for about a core's "
-        "CPU while it lasts. 0: always sleep in poll."),
-        extra=use("orchestrator"))] = 0.0003
-    busy_poll_max_in_flight: Annotated[int, Meta(ge=0, le=1 << 20, description=(
-        "Busy polling stops while more requests than this are in flight (then messages arrive close together "
-        "and a poll never sleeps long)."),
-        extra=use("orchestrator"))] = 4
+    busy_poll: BusyPollSettings = msgspec.field(default_factory=BusyPollSettings)
     keys: Annotated[str, Meta(description=(
         "CurveZMQ keys directory (`disagg keys generate DIR`): only holders of the client key may submit or "
         "register. Empty: no authentication (keep host on 127.0.0.1 then)."),

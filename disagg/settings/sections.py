@@ -232,6 +232,22 @@ class CompileSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         extra=use("role", legacy="compile_cache_dir"))] = ""
 
 
+class BusyPollSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The orchestrator's busy polling (disagg/orchestrator/server.py). Before this section these were the top-level
+    busy_poll (now busy_poll.seconds) and busy_poll_max_in_flight (still read from a config file and DISAGG_BUSY_POLL,
+    with a warning)."""
+
+    seconds: Annotated[float, Meta(ge=0, le=0.01, description=(
+        "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
+        "(busy_poll.max_in_flight): the next message is taken without a thread wake-up, for about a core's "
+        "CPU while it lasts. 0: always sleep in poll."),
+        extra=use("orchestrator", flag="--busy-poll", legacy="busy_poll"))] = 0.0003
+    max_in_flight: Annotated[int, Meta(ge=0, le=1 << 20, description=(
+        "Busy polling stops while more requests than this are in flight (then messages arrive close together "
+        "and a poll never sleeps long)."),
+        extra=use("orchestrator", legacy="busy_poll_max_in_flight"))] = 4
+
+
 class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Pools that size themselves: the orchestrator works out which split of the devices between the roles serves
     the recent traffic best (disagg/orchestrator/planner.py), shows it, and with mode auto moves devices to it."""
