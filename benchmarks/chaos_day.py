@@ -201,8 +201,9 @@ def run_part(part: str, index: int, args, work: Path, loras: Path | None) -> dic
             report[tag]["final"] = {
                 "split": ready_split(final)[0], "rebalance": (final.get("rebalance") or {}).get("current"),
                 "moves": (final.get("rebalance") or {}).get("moves"),
-                "cond_hits": sum(i.get("cond_hits", 0) for i in enc), "cond_lookups": sum(i.get("cond_lookups", 0) for i in enc),
-                "lora_loads": sum(i.get("lora_loads", 0) for i in den), "lora_restores": sum(i.get("lora_restores", 0) for i in den),
+                "cond_hits": sum(i["conditioning"]["hits"] for i in enc),
+                "cond_lookups": sum(i["conditioning"]["lookups"] for i in enc),
+                "lora_loads": sum(i["lora"]["loads"] for i in den), "lora_restores": sum(i["lora"]["restores"] for i in den),
                 "batch_sizes": dict(sum((Counter({int(k): v for k, v in (i.get("batch_steps") or {}).items()}) for i in den),
                                         Counter())),
             }

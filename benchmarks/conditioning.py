@@ -56,8 +56,8 @@ def prompts(n: int, repeat: float, recent: int, seed: int = 0) -> list[dict]:
 def encoder_busy(endpoint: str) -> tuple[float, int, int]:
     res = subprocess.run(disagg("status", "--endpoint", endpoint, "--json"), capture_output=True, text=True, check=True)
     encoders = [i for i in json.loads(res.stdout)["instances"] if i["role"] == "encoder"]
-    return (sum(i["busy_s"] for i in encoders), sum(i.get("cond_hits", 0) for i in encoders),
-            sum(i.get("cond_lookups", 0) for i in encoders))
+    return (sum(i["busy_s"] for i in encoders), sum(i["conditioning"]["hits"] for i in encoders),
+            sum(i["conditioning"]["lookups"] for i in encoders))
 
 
 def run_once(name: str, tmp: Path, prompts_file: Path, n: int, concurrency: int) -> dict:

@@ -541,14 +541,14 @@ def test_a_repeated_prompt_is_taken_from_the_encoders_conditioning_cache(tiny, a
         return png_pixels(base64.b64decode(r.data[0].b64_json))
 
     def settled(e):  # every text request it looked up was a hit or a compute: its heartbeat is up to date
-        return e.cond_lookups == e.cond_hits + e.computed
+        return e.conditioning.lookups == e.conditioning.hits + e.computed
 
     start = encoder()
     first = generate(11)
-    before = wait_until(lambda: (e := encoder()).cond_lookups > start.cond_lookups and settled(e) and e, 10)
+    before = wait_until(lambda: (e := encoder()).conditioning.lookups > start.conditioning.lookups and settled(e) and e, 10)
     again = generate(11)
     other_seed = generate(12)  # another seed, same prompt: the same encoding, other pixels
-    after = wait_until(lambda: (e := encoder()).cond_hits >= before.cond_hits + 2 and settled(e) and e, 10)
+    after = wait_until(lambda: (e := encoder()).conditioning.hits >= before.conditioning.hits + 2 and settled(e) and e, 10)
     assert after.computed == before.computed
     assert np.array_equal(first, again) and not np.array_equal(first, other_seed)
     metrics = httpx.get(tiny.http + "/metrics", timeout=10).text

@@ -20,6 +20,7 @@ from disagg.transport.messages import (
     GenerationParams,
     Heartbeat,
     LoraRef,
+    LoraStats,
     Rejected,
     RequestCounts,
     StatusReport,
@@ -72,7 +73,7 @@ def to_denoiser(h, rid, names=("A",), **params):
 
 
 def holding(h, iid, names):
-    h.role(iid, Heartbeat(instance_id=iid, loras=list(names), lora_slots=4))
+    h.role(iid, Heartbeat(instance_id=iid, lora=LoraStats(held=list(names), slots=4)))
 
 
 def test_a_denoiser_that_holds_the_adapter_gets_it_within_the_load_rule(tmp_path):
@@ -121,11 +122,11 @@ def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_
     assert to_denoiser(h, "r2")[0] == d1  # warm behind one: 1.4 s, against 1.5 cold
     assert to_denoiser(h, "r3")[0] == d0  # warm behind two: 2.1 s; the cold one loads while idle: 1.5 s
     # d1's two are nearly done (its heartbeat says so) and d0 holds A now too: both warm, d1 finishes first
-    h.role(d1, Heartbeat(instance_id=d1, loras=["A"], lora_slots=4, steps={"r1": [3, 4], "r2": [3, 4]}))
+    h.role(d1, Heartbeat(instance_id=d1, lora=LoraStats(held=["A"], slots=4), steps={"r1": [3, 4], "r2": [3, 4]}))
     assert to_denoiser(h, "r4")[0] == d1
     # a load that evicts an adapter costs half a load more: with B cold everywhere, the instance with a free
     # adapter slot gets it even with more work
-    h.role(d0, Heartbeat(instance_id=d0, loras=["A", "C", "D", "E"], lora_slots=4, steps={"r3": [3, 4]}))
+    h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(held=["A", "C", "D", "E"], slots=4), steps={"r3": [3, 4]}))
     assert to_denoiser(h, "r5", names=("B",))[0] == d1
     # it never waits for a busy holder: with both full, the request queues for whichever frees first
     assert not any(h.router.worth_waiting(h.router.requests["r5"], h.router.registry.get(i), [], 0.0)
@@ -137,10 +138,10 @@ def test_the_cost_rule_counts_a_load_at_what_the_instances_own_loads_took(tmp_pa
     holding(h, d1, ["A"])
     assert [to_denoiser(h, f"r{k}")[0] for k in range(2)] == [d1, d1]  # warm: 0.7 s, then 1.4 s; cold 1.5 s
     # d0's loads take it 3 s: A warm behind two (2.1 s) beats loading it there (3.7 s)
-    h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_load_s=3.0))
+    h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(slots=4, load_s=3.0)))
     assert to_denoiser(h, "r2")[0] == d1
     # now they take 0.5 s: behind three (2.8 s) it loads on d0 instead (1.2 s)
-    h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_load_s=0.5))
+    h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(slots=4, load_s=0.5)))
     assert to_denoiser(h, "r3")[0] == d0
     # a request without adapters is placed by the policy as ever
     assert to_denoiser(h, "n1", names=())[0] in (d0, d1)
@@ -154,7 +155,7 @@ def test_auto_is_on_without_host_memory_and_cost_once_a_denoiser_keeps_adapters_
         h, d0, d1 = cost_harness(tmp_path / str(tier), affinity="auto")
         assert h.router.affinity_rule == "on"
         if tier:  # host memory comes with a heartbeat, after registration
-            h.role(d0, Heartbeat(instance_id=d0, lora_slots=4, lora_host_slots=8))
+            h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(slots=4, host_slots=8)))
         assert h.router.affinity_rule == ("cost" if tier else "on")
         holding(h, d1, ["A"])
         picks = [to_denoiser(h, f"r{k}")[0] for k in range(3)]
@@ -358,22 +359,22 @@ def test_dispatch_prefers_an_instance_that_keeps_the_adapter_in_host_memory(tmp_
             h.router.registry.get(iid).solo_s = 0.7
         h.router.lora_load_s["denoiser"] = 0.8
         full = ["C", "D", "E", "F"]
-        h.role(d0, Heartbeat(instance_id=d0, loras=full, lora_slots=4, lora_load_s=0.8))
-        h.role(d1, Heartbeat(instance_id=d1, loras=full, lora_slots=4, lora_load_s=0.8, lora_host=["A"],
-                             lora_host_slots=8, lora_restore_s=0.05))
-        h.role(d2, Heartbeat(instance_id=d2, loras=full, lora_slots=4, lora_load_s=0.8))
+        h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(held=full, slots=4, load_s=0.8)))
+        h.role(d1, Heartbeat(instance_id=d1, lora=LoraStats(held=full, slots=4, load_s=0.8, host=["A"],
+                                                                  host_slots=8, restore_s=0.05)))
+        h.role(d2, Heartbeat(instance_id=d2, lora=LoraStats(held=full, slots=4, load_s=0.8)))
         assert to_denoiser(h, "r1")[0] == d1, affinity  # A is a restore there, a load elsewhere
         inst = h.router.registry.get(d1)
-        assert "A" in inst.loras and "A" not in inst.lora_host and "C" in inst.lora_host  # until its heartbeat
+        assert "A" in inst.lora.held and "A" not in inst.lora.host and "C" in inst.lora.host  # until its heartbeat
 
 
 def test_the_cost_rule_prices_a_load_that_pushes_an_adapter_out_of_full_host_memory(tmp_path):
     h, d0, d1 = cost_harness(tmp_path)
     # both hold 4 adapters on the device and keep unloaded ones in host memory: d0's is full, d1's has room
-    h.role(d0, Heartbeat(instance_id=d0, loras=["D", "E", "F", "G"], lora_slots=4, lora_load_s=0.8,
-                         lora_host=["X", "Y"], lora_host_slots=2, lora_restore_s=0.05))
-    h.role(d1, Heartbeat(instance_id=d1, loras=["B", "D", "E", "F"], lora_slots=4, lora_load_s=0.8,
-                         lora_host=["X"], lora_host_slots=2, lora_restore_s=0.05))
+    h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(held=["D", "E", "F", "G"], slots=4, load_s=0.8,
+                                                              host=["X", "Y"], host_slots=2, restore_s=0.05)))
+    h.role(d1, Heartbeat(instance_id=d1, lora=LoraStats(held=["B", "D", "E", "F"], slots=4, load_s=0.8,
+                                                              host=["X"], host_slots=2, restore_s=0.05)))
     assert to_denoiser(h, "r0", names=("B",))[0] == d1  # warm there
     # A is cold on both: 0.8 s to load, the device's work meanwhile, 0.7 s to compute. Where host memory is full,
     # the adapter the load evicts pushes X or Y out for good (half a load more: one will be loaded again); so A

@@ -95,10 +95,10 @@ def test_flux_adapters_in_flight_together_on_one_denoiser_match_diffusers(flux, 
     assert np.abs(refs["A"] - refs["none"]).max() > 20 and np.abs(refs["A"] - refs["A+B"]).max() > 20
     def denoiser():
         [den] = [i for i in flux.status().instances if i.role == "denoiser"]
-        return den if den.lora_loads >= 2 else None
+        return den if den.lora.loads >= 2 else None
 
     den = wait_until(denoiser, timeout=10)  # its next heartbeat tells
-    assert set(den.loras) >= {"A", "B"} and den.lora_slots == 8 and den.lora_hits >= 1
+    assert set(den.lora.held) >= {"A", "B"} and den.lora.slots == 8 and den.lora.hits >= 1
     # the first request to name an adapter waited for its load: its timings say so
     assert any("lora_denoiser" in o.timings for o in outcomes)
     assert outcomes[1].resolved.get("loras") == "A:0.7,B:0.5"
@@ -220,7 +220,7 @@ def test_with_one_slot_the_next_adapter_is_hotswapped_into_the_last_ones_place(f
         assert "loaded adapter B (" in logs and "in place of A (hotswap)" in logs, logs[-3000:]
         assert "in place of B (hotswap)" in logs, logs[-3000:]
         with Client(dep.endpoint) as client:
-            held = {i.role: list(i.loras or ()) for i in client.status().instances}
+            held = {i.role: list(i.lora.held) for i in client.status().instances}
         assert held["denoiser"] == ["A"], held
 
 
@@ -267,10 +267,10 @@ def test_with_host_slots_an_unloaded_adapter_comes_back_from_host_memory_without
         def denoiser(dep=dep):
             with Client(dep.endpoint) as client:
                 [den] = [i for i in client.status().instances if i.role == "denoiser"]
-            return den if den.lora_restores >= 1 else None
+            return den if den.lora.restores >= 1 else None
 
         den = wait_until(denoiser, timeout=10)  # its next heartbeat tells
-        assert den.loras == ["A"] and den.lora_host == ["B"] and den.lora_loads == 2 and den.lora_restores == 1
+        assert den.lora.held == ["A"] and den.lora.host == ["B"] and den.lora.loads == 2 and den.lora.restores == 1
         logs = "".join(f.read_text(errors="replace") for f in dep.run_dir.rglob("*.log"))
         assert "restored adapter A from host memory" in logs and "hotswap" not in logs, logs[-3000:]
 
@@ -294,7 +294,7 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
 
         def held(dep=dep):
             with Client(dep.endpoint) as client:
-                return {i.role: set(i.loras or ()) for i in client.status().instances}
+                return {i.role: set(i.lora.held) for i in client.status().instances}
 
         # an instance's adapters reach the orchestrator with its next heartbeat (each second), which may come after
         # the last image: T's requests can pass the denoiser and decoder in less than that, and a denoiser's
@@ -304,4 +304,4 @@ def test_sdxl_adapters_in_flight_together_match_diffusers(module_tmp):
         # and its status says how many of its adapters are such
         with Client(dep.endpoint) as client:
             encoder = next(i for i in client.status().instances if i.role == "encoder")
-        assert encoder.lora_names_only == len(set(encoder.loras) - {"T"}) >= 2, encoder
+        assert encoder.lora.names_only == len(set(encoder.lora.held) - {"T"}) >= 2, encoder

@@ -15,7 +15,7 @@ from disagg.launcher.readiness import StallWatch, stall_error
 from disagg.roles.boot import BootMeter, BootProgress
 from tests.conftest import Launched, wait_until
 from disagg.transport.messages import GenerationParams
-from disagg.transport.messages import InstanceStatus, RequestCounts, StatusReport
+from disagg.transport.messages import BootStats, InstanceStatus, RequestCounts, StatusReport
 
 #: small, so the tests are quick: every hold below lasts several times longer
 READY_TIMEOUT_S = 3.0
@@ -66,10 +66,10 @@ def test_a_download_into_the_hub_cache_is_progress(tmp_path, monkeypatch):
     count = progress.count
     meter.look()
     snap = progress.snapshot()
-    assert snap["phase"] == "downloading" and snap["boot_bytes"] == 3 << 20 and snap["boot_progress"] > count
-    assert "org/name" in snap["phase_detail"], snap
+    assert snap.phase == "downloading" and snap.bytes == 3 << 20 and snap.progress > count
+    assert "org/name" in snap.detail, snap
     meter.look()  # no more bytes: the download is over, the weights load
-    assert progress.snapshot()["phase"] == "loading"
+    assert progress.snapshot().phase == "loading"
 
 
 def test_a_compile_that_writes_kernels_or_calls_the_phase_hook_is_progress(tmp_path):
@@ -89,30 +89,30 @@ def test_a_compile_that_writes_kernels_or_calls_the_phase_hook_is_progress(tmp_p
     assert progress.count == count
     (tmp_path / "kernel.so").write_bytes(b"\0" * (2 << 20))
     meter.look()
-    assert progress.count == count + 1 and progress.snapshot()["phase"] == "compiling"
+    assert progress.count == count + 1 and progress.snapshot().phase == "compiling"
     meter.look()  # no kernel, no CPU: a blocked compile
     assert progress.count == count + 1
     work[0] = 0.5  # tracing, lowering: CPU all along, nothing written yet
     meter.look()
     assert progress.count == count + 2
     # the module-level hook, from another thread, is what the heartbeat sends
-    before = boot.PROGRESS.snapshot()["boot_progress"]
+    before = boot.PROGRESS.snapshot().progress
     t = threading.Thread(target=lambda: (boot.phase("warming up", "size 64x64 batch 1"), boot.tick("size 64x64 batch 2")))
     t.start()
     t.join()
     snap = boot.PROGRESS.snapshot()
-    assert snap["phase"] == "warming up" and snap["phase_detail"] == "size 64x64 batch 2"
-    assert snap["boot_progress"] == before + 2
+    assert snap.phase == "warming up" and snap.detail == "size 64x64 batch 2"
+    assert snap.progress == before + 2
 
 
-def instance(**kw) -> InstanceStatus:
-    base = dict(id="denoiser-0", role="denoiser", state="starting", pid=1, host="h", device="cpu", capacity=1,
+def instance(state="starting", **boot) -> InstanceStatus:
+    base = dict(id="denoiser-0", role="denoiser", state=state, pid=1, host="h", device="cpu", capacity=1,
                 free_slots=1, in_flight=0, completed=0, failed=0, engine="shm", pool_bytes=0, pool_used_bytes=0)
-    return InstanceStatus(**{**base, **kw})
+    return InstanceStatus(**base, boot=BootStats(**boot))
 
 
 def test_the_table_and_the_event_log_show_the_boot_phase():
-    downloading = instance(phase="downloading", phase_detail="3.20 GB of org/name", boot_bytes=3_200_000_000)
+    downloading = instance(phase="downloading", detail="3.20 GB of org/name", bytes=3_200_000_000)
     assert _cells(downloading)["state"] == "downloading 3.20 GB"
     assert _cells(instance(phase="compiling"))["state"] == "compiling"
     assert _cells(instance(phase="", state="ready"))["state"] == "ready"
@@ -120,7 +120,7 @@ def test_the_table_and_the_event_log_show_the_boot_phase():
     def report(*instances):
         return StatusReport(orchestrator={}, instances=list(instances), queues={}, requests=RequestCounts())
 
-    lines = events_between(report(instance(phase="loading")), report(instance(phase="compiling", phase_detail="64x64")))
+    lines = events_between(report(instance(phase="loading")), report(instance(phase="compiling", detail="64x64")))
     assert lines == ["denoiser-0 is compiling (64x64)"]
 
 
@@ -140,7 +140,7 @@ def held(dep: Launched) -> InstanceStatus | None:
         report = dep.status(timeout_s=2)
     except Unreachable:
         return None
-    return next((i for i in report.instances if i.id == "denoiser-0" and "test hook" in i.phase_detail), None)
+    return next((i for i in report.instances if i.id == "denoiser-0" and "test hook" in i.boot.detail), None)
 
 
 @pytest.mark.e2e
@@ -149,12 +149,12 @@ def test_a_slow_boot_that_progresses_outlives_the_ready_timeout_and_serves(tmp_p
     try:
         first = wait_until(lambda: held(dep), timeout=120, why=dep.output)
         t0 = time.monotonic()
-        assert first.state == "starting" and first.phase == "loading"
+        assert first.state == "starting" and first.boot.phase == "loading"
         # held for three ready timeouts while it reports progress: the launch goes on
         wait_until(lambda: dep.proc.poll() is not None or time.monotonic() - t0 > 3 * READY_TIMEOUT_S, timeout=60)
         assert dep.proc.poll() is None, dep.output()
         last = held(dep)
-        assert last is not None and last.boot_progress > first.boot_progress, (first, last)
+        assert last is not None and last.boot.progress > first.boot.progress, (first, last)
         open(marker, "w").close()
         dep.wait_ready(3, timeout=60)
         from disagg.client import Client

@@ -99,12 +99,13 @@ class StatusCollector:
         host = GaugeMetricFamily("disagg_lora_host_held", "LoRA adapters the instance keeps in host memory now",
                                  labels=["role", "instance"])
         for i in r.instances:
-            if i.lora_slots:
-                loads.add_metric([i.role, i.id], i.lora_loads)
-                hits.add_metric([i.role, i.id], i.lora_hits)
-                held.add_metric([i.role, i.id], len(i.loras))
-                restores.add_metric([i.role, i.id], i.lora_restores)
-                host.add_metric([i.role, i.id], len(i.lora_host))
+            lora = i.lora
+            if lora.slots:
+                loads.add_metric([i.role, i.id], lora.loads)
+                hits.add_metric([i.role, i.id], lora.hits)
+                held.add_metric([i.role, i.id], len(lora.held))
+                restores.add_metric([i.role, i.id], lora.restores)
+                host.add_metric([i.role, i.id], len(lora.host))
         yield from (loads, hits, held, restores, host)
         yield from conditioning_metrics(r)
         yield from slo_metrics(r)
@@ -121,12 +122,12 @@ def conditioning_metrics(r: StatusReport):
                                "cache, computing nothing", labels=["instance"])
     encoders = [i for i in r.instances if i.role == "encoder"]
     for i in encoders:
-        lookups.add_metric([i.id], i.cond_lookups)
-        hits.add_metric([i.id], i.cond_hits)
-    total = sum(i.cond_lookups for i in encoders)
+        lookups.add_metric([i.id], i.conditioning.lookups)
+        hits.add_metric([i.id], i.conditioning.hits)
+    total = sum(i.conditioning.lookups for i in encoders)
     yield from (lookups, hits)
     yield GaugeMetricFamily("disagg_conditioning_hit_ratio", "Conditioning-cache hits over lookups, all encoders, "
-                            "since they started", value=sum(i.cond_hits for i in encoders) / total if total else 0.0)
+                            "since they started", value=sum(i.conditioning.hits for i in encoders) / total if total else 0.0)
 
 
 def slo_metrics(r: StatusReport):

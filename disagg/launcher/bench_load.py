@@ -110,9 +110,9 @@ def lora_report(before: StatusReport, after: StatusReport) -> dict:
         if i.role not in LORA_ROLES:
             continue
         b = start.get(i.id)
-        loads += i.lora_loads - (b.lora_loads if b else 0)
-        hits += i.lora_hits - (b.lora_hits if b else 0)
-        restores += i.lora_restores - (b.lora_restores if b else 0)
+        loads += i.lora.loads - (b.lora.loads if b else 0)
+        hits += i.lora.hits - (b.lora.hits if b else 0)
+        restores += i.lora.restores - (b.lora.restores if b else 0)
         served[i.id] = i.completed - (b.completed if b else 0)
     mean = statistics.fmean(served.values()) if served else 0.0
     return {"cold_loads": loads, "restores": restores, "hits": hits, "hit_rate": round(hits / max(loads + restores + hits, 1), 4),

@@ -165,7 +165,7 @@ def status(endpoint: str, keys: str | None, as_json: bool, watch: bool, ready_he
 
             here = host_id()
             mine = [i for i in report.instances if i.host == here and i.state != "dead"]
-            waiting = [f"{i.id} {boot_state(i) if i.state == 'starting' and i.phase else i.state}"
+            waiting = [f"{i.id} {boot_state(i) if i.state == 'starting' and i.boot.phase else i.state}"
                        for i in mine if i.state not in ("ready", "standby")]
             if not mine or waiting:
                 click.echo(f"not ready: {', '.join(waiting) or f'no instance of host {here} has registered'}", err=True)

@@ -30,23 +30,28 @@ def _cells(i) -> dict[str, str]:
     return {
         # while starting, its boot's phase and bytes so far: "downloading 3.20 GB", "loading", "compiling"
         "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host,
-        "state": boot_state(i) if i.state == "starting" and i.phase else i.state,
+        "state": boot_state(i) if i.state == "starting" and i.boot.phase else i.state,
         # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"
         "device": f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device,
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),
         # LoRA adapters held / slots, then hits and loads: "2/8 A,B (hits 10, loads 2)"
-        "adapters": (f"{len(i.loras)}/{i.lora_slots} {','.join(i.loras[-3:])}{',..' if len(i.loras) > 3 else ''}"
-                     f" (hits {i.lora_hits}, loads {i.lora_loads}"
-                     + (f", host {len(i.lora_host)}, restores {i.lora_restores}" if i.lora_host or i.lora_restores else "")
-                     + ")" if i.lora_slots and i.role != "encoder" else ""),
+        "adapters": _adapters(i.lora) if i.lora.slots and i.role != "encoder" else "",
     }
+
+
+def _adapters(lora) -> str:
+    held = lora.held
+    return (f"{len(held)}/{lora.slots} {','.join(held[-3:])}{',..' if len(held) > 3 else ''} (hits {lora.hits}, loads "
+            f"{lora.loads}" + (f", host {len(lora.host)}, restores {lora.restores}" if lora.host or lora.restores else "")
+            + ")")
 
 
 def boot_state(i) -> str:
     """A starting instance's state cell: its boot's phase, with the bytes downloaded or loaded so far."""
-    return f"{i.phase} {_size(i.boot_bytes)}" if i.boot_bytes and i.phase in ("downloading", "loading") else i.phase
+    boot = i.boot
+    return f"{boot.phase} {_size(boot.bytes)}" if boot.bytes and boot.phase in ("downloading", "loading") else boot.phase
 
 
 def _size(n: int) -> str:
@@ -70,7 +75,7 @@ def status_view(report: StatusReport, title: str = "disagg", width: int | None =
     """A Rich renderable of one snapshot: the instance table and a line of totals. With `width` (the
     terminal's), only the columns that fit whole are shown, the least important dropped first."""
     rows = [_cells(i) for i in report.instances]
-    columns = fit_columns(rows, width, adapters=bool(report.loras) or any(i.loras for i in report.instances))
+    columns = fit_columns(rows, width, adapters=bool(report.loras) or any(i.lora.held for i in report.instances))
     table = Table(title=title, title_justify="left", expand=False)
     for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
@@ -143,8 +148,8 @@ def events_between(prev: StatusReport | None, cur: StatusReport) -> list[str]:
                              f"{m.new_id} ({m.to_role})")
             else:
                 lines.append(f"{i.id} ({i.role}, pid {i.pid}, {i.device}) is {i.state}")
-        if i.state == "starting" and i.phase and (old is None or old.phase != i.phase or old.state != i.state):
-            lines.append(f"{i.id} is {i.phase}" + (f" ({i.phase_detail})" if i.phase_detail else ""))
+        if i.state == "starting" and i.boot.phase and (old is None or old.boot.phase != i.boot.phase or old.state != i.state):
+            lines.append(f"{i.id} is {i.boot.phase}" + (f" ({i.boot.detail})" if i.boot.detail else ""))
     urls = {g.url for g in prev.gateways} if prev else set()
     for g in cur.gateways:
         if g.url not in urls:

@@ -69,16 +69,17 @@ class StallWatch:
 
 def describe(instance) -> str:
     """What a registered instance's boot does, in words: 'loading (last: 3.20 GB in memory)'."""
-    phase = instance.phase or instance.state
-    last = [instance.phase_detail] if instance.phase_detail else []
-    if instance.boot_bytes and instance.phase == "loading":
-        last.append(f"{instance.boot_bytes / 1e9:.2f} GB in memory")
+    boot = instance.boot
+    phase = boot.phase or instance.state
+    last = [boot.detail] if boot.detail else []
+    if boot.bytes and boot.phase == "loading":
+        last.append(f"{boot.bytes / 1e9:.2f} GB in memory")
     return f"{phase} (last: {'; '.join(last)})" if last else phase
 
 
 def boot_mark(instance) -> tuple:
     """What of a registered instance's report changes when its boot progresses."""
-    return (instance.state, instance.phase, instance.phase_detail, instance.boot_bytes, instance.boot_progress)
+    return (instance.state, instance.boot)
 
 
 def cpu_seconds(pids) -> float:

@@ -80,16 +80,14 @@ class InstanceLifecycle:
             self.settle_inherited(inst, set(msg.running), now, out)
         if msg.batch_steps:
             inst.batch_steps = msg.batch_steps
-        inst.loras, inst.lora_loads, inst.lora_hits = list(msg.loras), msg.lora_loads, msg.lora_hits
-        inst.lora_slots = msg.lora_slots or inst.lora_slots
-        inst.lora_load_s = msg.lora_load_s or inst.lora_load_s
-        inst.lora_host, inst.lora_restores = list(msg.lora_host), msg.lora_restores
-        inst.lora_names_only = msg.lora_names_only
-        self.registry.set_lora_host_slots(inst, msg.lora_host_slots)
-        inst.lora_restore_s = msg.lora_restore_s or inst.lora_restore_s
-        inst.cond_lookups, inst.cond_hits, inst.cond_entries = msg.cond_lookups, msg.cond_hits, msg.cond_entries
-        inst.phase, inst.compile_s = msg.phase, msg.compile_s
-        inst.phase_detail, inst.boot_bytes, inst.boot_progress = msg.phase_detail, msg.boot_bytes, msg.boot_progress
+        if msg.lora is not None:
+            self.registry.set_lora(inst, msg.lora)
+        if msg.conditioning is not None:
+            inst.conditioning = msg.conditioning
+        if msg.boot is not None:
+            inst.boot = msg.boot
+        if msg.compile is not None:
+            inst.compile = msg.compile
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id, forget_pools=self.gone_pools(msg.peer_pools))))

@@ -112,12 +112,12 @@ class LoraCatalog:
 
 
 def holds(inst: Instance, names) -> bool:
-    return all(n in inst.loras for n in names)
+    return all(n in inst.lora.held for n in names)
 
 
 def in_host(inst: Instance, names) -> bool:
     """Every adapter of `names` the instance lacks on its device, it keeps in host memory (a restore, not a load)."""
-    return all(n in inst.loras or n in inst.lora_host for n in names)
+    return all(n in inst.lora.held or n in inst.lora.host for n in names)
 
 
 def note_assigned(inst: Instance, names) -> None:
@@ -127,13 +127,14 @@ def note_assigned(inst: Instance, names) -> None:
     requests used least (disagg/roles/loras.py)."""
     if not names:
         return
-    kept = [n for n in inst.loras if n not in names] + list(names)
-    host = [n for n in inst.lora_host if n not in names]
-    if inst.lora_slots and len(kept) > inst.lora_slots:
-        off, kept = kept[:len(kept) - inst.lora_slots], kept[len(kept) - inst.lora_slots:]
-        if inst.lora_host_slots:
-            host = (host + off)[-inst.lora_host_slots:]
-    inst.loras, inst.lora_host = kept, host
+    lora = inst.lora
+    kept = [n for n in lora.held if n not in names] + list(names)
+    host = [n for n in lora.host if n not in names]
+    if lora.slots and len(kept) > lora.slots:
+        off, kept = kept[:len(kept) - lora.slots], kept[len(kept) - lora.slots:]
+        if lora.host_slots:
+            host = (host + off)[-lora.host_slots:]
+    lora.held, lora.host = kept, host
 
 
 def expected_finish(warm: bool, held_s: float, own_s: float, load_s: float, evicts: bool, back_s: float) -> float:
@@ -156,8 +157,8 @@ def reload_s(load_s: float, restore_s: float, host_slots: int, host_full: bool, 
 
 def evicts(inst: Instance, names) -> bool:
     """Loading the adapters of `names` it lacks takes an adapter slot some other adapter holds."""
-    missing = sum(1 for n in names if n not in inst.loras)
-    return bool(missing and inst.lora_slots and len(inst.loras) + missing > inst.lora_slots)
+    missing = sum(1 for n in names if n not in inst.lora.held)
+    return bool(missing and inst.lora.slots and len(inst.lora.held) + missing > inst.lora.slots)
 
 
 def pick_by_affinity(ready: list[Instance], names, rule: LoraAffinity, rng=None,
@@ -187,5 +188,5 @@ def pick_by_affinity(ready: list[Instance], names, rule: LoraAffinity, rng=None,
     restore = [i for i in ready if not holds(i, names) and in_host(i, names)]
     if restore:
         return restore
-    roomy = [i for i in ready if not holds(i, names) and (not i.lora_slots or len(i.loras) + len(names) <= i.lora_slots)]
+    roomy = [i for i in ready if not holds(i, names) and (not i.lora.slots or len(i.lora.held) + len(names) <= i.lora.slots)]
     return roomy or None

@@ -138,10 +138,10 @@ class Placement:
                 alone = (self.predictor.predict(inst.role, other.params) if other is not None else None) or fallback
                 done, total = inst.steps.get(rid, (0, 0))
                 held += alone * (1.0 - done / total if total else 1.0)
-            load = inst.lora_load_s or self.lora_load_s.get(inst.role, 0.0)
-            restore = inst.lora_restore_s or load
+            load = inst.lora.load_s or self.lora_load_s.get(inst.role, 0.0)
+            restore = inst.lora.restore_s or load
             kept = in_host(inst, names)
-            reload = reload_s(load, restore, inst.lora_host_slots, len(inst.lora_host) >= inst.lora_host_slots, not kept)
+            reload = reload_s(load, restore, inst.lora.host_slots, len(inst.lora.host) >= inst.lora.host_slots, not kept)
             return expected_finish(warm, held, own, restore if kept else load, evicts(inst, names), reload)
 
         return cost
@@ -161,7 +161,7 @@ class Placement:
             return False
         patience = self.lora_load_s.get(inst.role, 0.0)
         if in_host(inst, names):
-            patience = min(patience, inst.lora_restore_s or patience)
+            patience = min(patience, inst.lora.restore_s or patience)
         if now - req.marks.get(f"queued_{inst.role}", now) >= patience:
             return False
         return any(i.state == "ready" and holds(i, names) for i in candidates)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from disagg.transport.averages import ewma
 from disagg.transport.messages import InstanceStatus, PoolInfo, Register
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
 
 
 @dataclass
@@ -68,31 +69,13 @@ class Instance:
     vanished: dict[str, float] = field(default_factory=dict)
     #: stages the process finished since it started, by its own count (Heartbeat.computed)
     computed: int = 0
-    #: LoRA adapters it holds, the next to unload first (its heartbeats, and what was just sent to it), of
-    #: lora_slots; its loads and hits as it counts them
-    loras: list[str] = field(default_factory=list)
-    lora_slots: int = 0
-    lora_loads: int = 0
-    lora_hits: int = 0
-    lora_names_only: int = 0
-    #: what one load takes it, as its heartbeats say (Heartbeat.lora_load_s; 0 before its first load)
-    lora_load_s: float = 0.0
-    #: adapters it keeps in host memory (Heartbeat.lora_host), the next to forget first, of lora_host_slots; its
-    #: restores, and what one takes it
-    lora_host: list[str] = field(default_factory=list)
-    lora_host_slots: int = 0
-    lora_restores: int = 0
-    lora_restore_s: float = 0.0
-    #: an encoder's conditioning cache (Heartbeat.cond_*): lookups, hits, entries held
-    cond_lookups: int = 0
-    cond_hits: int = 0
-    cond_entries: int = 0
-    #: Heartbeat.phase, phase_detail, boot_bytes, boot_progress and compile_s
-    phase: str = ""
-    phase_detail: str = ""
-    boot_bytes: int = 0
-    boot_progress: int = 0
-    compile_s: float = 0.0
+    #: what it measures about itself (disagg/transport/role_stats.py): the latest of each its Register and heartbeats
+    #: sent, kept as it came (a heartbeat without one keeps the last). `lora.held` and `lora.host` also take what was
+    #: just sent to it (disagg/orchestrator/loras.py note_assigned) until its next heartbeat says
+    lora: LoraStats = field(default_factory=LoraStats)
+    conditioning: CacheStats = field(default_factory=CacheStats)
+    boot: BootStats = field(default_factory=BootStats)
+    compile: CompileStats = field(default_factory=CompileStats)
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
@@ -119,8 +102,7 @@ class Instance:
             launcher=msg.launcher,
             devices=list(msg.devices),
             parallel=msg.parallel,
-            loras=list(msg.loras),
-            lora_slots=msg.lora_slots,
+            lora=msg.lora if msg.lora is not None else LoraStats(),
             memory_bytes=msg.memory_bytes,
             unavailable_engines=dict(msg.unavailable_engines),
         )
@@ -184,21 +166,10 @@ class Instance:
             parallel=self.parallel,
             lane=self.lane,
             computed=self.computed,
-            loras=list(self.loras),
-            lora_slots=self.lora_slots,
-            lora_loads=self.lora_loads,
-            lora_host=list(self.lora_host),
-            lora_restores=self.lora_restores,
-            lora_hits=self.lora_hits,
-            lora_names_only=self.lora_names_only,
-            cond_lookups=self.cond_lookups,
-            cond_hits=self.cond_hits,
-            cond_entries=self.cond_entries,
-            phase=self.phase,
-            phase_detail=self.phase_detail,
-            boot_bytes=self.boot_bytes,
-            boot_progress=self.boot_progress,
-            compile_s=self.compile_s,
+            lora=self.lora,
+            conditioning=self.conditioning,
+            boot=self.boot,
+            compile=self.compile,
         )
 
 
@@ -306,14 +277,14 @@ class Registry:
         """Whether some instance of the role keeps unloaded LoRA adapters in host memory (lora_host_slots > 0)."""
         cached = self._host_tier.get(role)
         if cached is None:
-            cached = self._host_tier[role] = any(i.lora_host_slots > 0 for i in self.of_role(role))
+            cached = self._host_tier[role] = any(i.lora.host_slots > 0 for i in self.of_role(role))
         return cached
 
-    def set_lora_host_slots(self, inst: Instance, slots: int) -> None:
-        """A heartbeat's `lora_host_slots` (it comes after registration)."""
-        if slots != inst.lora_host_slots:
-            inst.lora_host_slots = slots
+    def set_lora(self, inst: Instance, stats: LoraStats) -> None:
+        """A heartbeat's LoRA statistics (its `host_slots` come after registration: the role's host tier may change)."""
+        if stats.host_slots != inst.lora.host_slots:
             self._host_tier.pop(inst.role, None)
+        inst.lora = stats
 
     def get(self, instance_id: str) -> Instance | None:
         return self.by_id.get(instance_id)

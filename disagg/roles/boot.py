@@ -12,7 +12,7 @@ progresses. Progress comes from two places:
   (host RSS plus CUDA memory: weights being loaded) and, while compiling, the inductor cache folder and the CPU
   time of the process and its compile workers (a compile burns CPU all along; one blocked for good does not).
 
-Heartbeats carry the snapshot (transport Heartbeat.phase, phase_detail, boot_bytes, boot_progress) to the
+Heartbeats carry the snapshot (a BootStats, disagg/transport/role_stats.py: Heartbeat.boot) to the
 orchestrator; `disagg status` and the launcher's table show it.
 
 Test hook: DISAGG_TEST_BOOT_HOLD="INSTANCE:MODE:PATH" makes role INSTANCE hold its boot, once its model is loaded,
@@ -27,6 +27,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from disagg.transport.role_stats import BootStats
 
 log = logging.getLogger("disagg.role")
 
@@ -78,10 +80,9 @@ class BootProgress:
             self.phase, self.detail, self.bytes = "", "", 0
             self.count += 1
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> BootStats:
         with self.lock:
-            return {"phase": self.phase, "phase_detail": self.detail[:256], "boot_bytes": self.bytes,
-                    "boot_progress": self.count}
+            return BootStats(phase=self.phase, detail=self.detail[:256], bytes=self.bytes, progress=self.count)
 
 
 #: this process's boot (one role per process)

@@ -26,6 +26,7 @@ import time
 import torch
 
 from disagg.settings.choices import CompileMode, CompileScope
+from disagg.transport.role_stats import CompileStats
 
 log = logging.getLogger("disagg.role")
 
@@ -178,9 +179,9 @@ def warmup_batches(stage) -> list[int]:
 
 
 def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str = CompileScope.BLOCKS,
-                  hook=None) -> float:
+                  hook=None) -> CompileStats:
     """Compile the stage's transformer(s) and run a warm-up denoise at each size and batch size (warmup_batches);
-    the seconds it took. `scope`: blocks (diffusers' compile_repeated_blocks, where the model names its repeated
+    what its heartbeats say of it: the seconds it took. `scope`: blocks (diffusers' compile_repeated_blocks, where the model names its repeated
     blocks) or model (the whole transformer). `hook(what, seconds_so_far)`: told at each warm-up and every TICK_S."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
@@ -208,7 +209,7 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
     defaults = adapter.defaults()
     if inputs is None:
         log.warning("no warm-up inputs for %s: its first request compiles", type(adapter).__name__)
-        return time.perf_counter() - t0
+        return CompileStats(seconds=round(time.perf_counter() - t0, 3))
     with _Ticker(t0, hook) as ticker:
         for size in sizes or [f"{defaults['width']}x{defaults['height']}"]:
             w, h = parse_size(size)
@@ -224,4 +225,4 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
                     else:
                         adapter.denoise(inputs, p)
             log.info("compiled and warmed up at %s (%.1f s so far)", size, time.perf_counter() - t0)
-    return time.perf_counter() - t0
+    return CompileStats(seconds=round(time.perf_counter() - t0, 3))

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from disagg.transport.role_stats import CacheStats
+
 
 class ConditioningCache:
     def __init__(self, max_bytes: int):
@@ -26,6 +28,10 @@ class ConditioningCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def stats(self) -> CacheStats:
+        """What its heartbeats say of it: lookups and hits so far, entries held."""
+        return CacheStats(lookups=self.lookups, hits=self.hits, entries=len(self._entries))
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         with self._lock:

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 from disagg.roles.lora_backends import DiffusersLoras, LoraError, SimLoras
 from disagg.transport.averages import ewma
+from disagg.transport.role_stats import LoraStats
 
 log = logging.getLogger("disagg.role")
 
@@ -85,6 +86,15 @@ class LoraBank:
         """Adapters in host memory, the next to forget first."""
         with self._state:
             return list(self.host)
+
+    def stats(self) -> LoraStats:
+        """What its Register and heartbeats say of it: the adapters it holds (`names()`), those in host memory, its
+        slots, and its loads, hits and restores so far."""
+        with self._state:
+            return LoraStats(held=self._unload_order() + [n for n in self.loading if n not in self.held],
+                             slots=self.slots, loads=self.loads, hits=self.hits, load_s=round(self.load_s, 6),
+                             names_only=len(self.empty), host=list(self.host), host_slots=self.host_slots,
+                             restores=self.restores, restore_s=round(self.restore_s, 6))
 
     def _unload_order(self) -> list[str]:
         """Held adapters, least used over the window first, least recently used among equals (held's order)."""

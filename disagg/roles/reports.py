@@ -11,6 +11,7 @@ from disagg.roles.boot import PROGRESS as BOOT
 from disagg.roles.layout import describe_layout
 from disagg.roles.limits import device_free_memory, device_memory, param_bytes
 from disagg.transport.messages import Heartbeat, PoolInfo, Register
+from disagg.transport.role_stats import CacheStats, LoraStats
 
 
 class SelfReport:
@@ -55,7 +56,7 @@ class SelfReport:
                 launcher=self.spec.launcher_id,
                 memory_bytes=device_memory(self.spec.device),
                 unavailable_engines=self.engine_problems,
-                **self.lora_state(register=True),
+                lora=self.lora_stats(),
                 **self.limits,
             )
         )
@@ -77,32 +78,22 @@ class SelfReport:
                 computed=self.runner.computed,
                 # at most as many as a Heartbeat takes (a role mapping more would be refused its every heartbeat)
                 peer_pools=sorted({p for engine in self.engines.values() for p in engine.peer_pools()})[:4096],
-                **self.lora_state(),
-                **self.conditioning_state(),
-                **BOOT.snapshot(),
-                compile_s=round(self.compile_s, 3),
+                lora=self.lora_stats(),
+                conditioning=self.conditioning_stats(),
+                boot=BOOT.snapshot(),
+                compile=self.compile,
             )
         )
 
-    def conditioning_state(self) -> dict:
-        """An encoder's conditioning cache: its lookups, hits and entries so far."""
+    def conditioning_stats(self) -> CacheStats | None:
+        """An encoder's conditioning cache (None: it has none)."""
         cache = getattr(self.runner.stage, "conditioning", None)
-        if cache is None:
-            return {}
-        return {"cond_lookups": cache.lookups, "cond_hits": cache.hits, "cond_entries": len(cache)}
+        return cache.stats() if cache is not None else None
 
-    def lora_state(self, register: bool = False) -> dict:
-        """The adapters it holds (and, registering, its slots; else those in host memory, its loads, restores and
-        hits so far)."""
+    def lora_stats(self) -> LoraStats | None:
+        """Its LoRA adapters (None: it applies none)."""
         bank = getattr(self.runner.stage, "loras", None)
-        if bank is None:
-            return {}
-        if register:
-            return {"loras": bank.names(), "lora_slots": bank.slots}
-        return {"loras": bank.names(), "lora_slots": bank.slots, "lora_loads": bank.loads, "lora_hits": bank.hits,
-                "lora_load_s": round(bank.load_s, 6), "lora_host": bank.host_names(), "lora_host_slots": bank.host_slots,
-                "lora_restores": bank.restores, "lora_restore_s": round(bank.restore_s, 6),
-                "lora_names_only": len(bank.empty)}
+        return bank.stats() if bank is not None else None
 
     def batch_steps(self) -> dict[int, int]:
         stage = self.runner.stage

@@ -52,6 +52,7 @@ from disagg.transport.messages import (
     encode,
 )
 from disagg.transport.pool import Pool
+from disagg.transport.role_stats import CompileStats
 
 RECONNECT_MAX_BACKOFF_S = 5.0
 #: a refusal as "not registered" within this long of a Register is answered by it, not by another Register
@@ -94,8 +95,8 @@ class Worker(Link, SelfReport):
         self.in_flight = 0
         self._count_lock = threading.Lock()
         self.ready = False
-        #: how long its compile took (its boot's phase and progress: disagg/roles/boot.py)
-        self.compile_s = 0.0
+        #: its compile, once done (None: not compiled; its boot's phase and progress: disagg/roles/boot.py)
+        self.compile: CompileStats | None = None
         self.components: dict[str, int] = {}
         #: the largest request the model makes, told to the orchestrator so it refuses larger ones at once
         self.limits = model_limits(spec.model)
@@ -140,10 +141,10 @@ class Worker(Link, SelfReport):
                 boot_phase("compiling", f"torch.compile {self.spec.compile.mode}, warm-up at "
                            f"{', '.join(self.spec.compile.sizes) or 'the default size'}")
                 # each warm-up (size, batch) and every TICK_S of it: the boot's detail, and progress
-                self.compile_s = compile_stage(stage, self.spec.compile.mode, self.spec.compile.sizes,
+                self.compile = compile_stage(stage, self.spec.compile.mode, self.spec.compile.sizes,
                                                self.spec.compile.cache_dir, self.spec.compile.scope,
                                                hook=lambda what, s: boot_tick(f"{what} ({s:.0f} s so far)"))
-                self.log.info("compiled in %.1f s", self.compile_s)
+                self.log.info("compiled in %.1f s", self.compile.seconds)
                 CompileWatch(self.runner.tick).install()  # a compile inside a request is progress, and logged
             self.runner.stage = stage
         except BaseException as exc:  # noqa: BLE001 - any boot failure ends the process

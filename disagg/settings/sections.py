@@ -211,7 +211,7 @@ class CompileSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enabled: Annotated[bool, Meta(description=(
         "Denoisers: torch.compile the transformer (diffusers models' own compile, in place) and warm it up at "
         "boot at each of compile.sizes, and at batch sizes 1, 2 and max_batch when it batches, before the instance "
-        "reports ready (the live table shows it compiling; status its compile_s), so no request pays the compile."),
+        "reports ready (the live table shows it compiling; status its compile.seconds), so no request pays the compile."),
         extra=use("role", flag="--compile/--no-compile", legacy="compile"))] = False
     mode: Annotated[CompileMode, Meta(description=(
         "torch.compile's mode. reduce-overhead and max-autotune replay CUDA graphs: refused on a GPU "

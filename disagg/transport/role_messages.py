@@ -10,6 +10,7 @@ from msgspec import Meta
 from disagg.transport.codes import ErrorCode
 from disagg.transport.descriptors import Count, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source
 from disagg.transport.params import GenerationParams, LoraName
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
 from disagg.transport.wire import Seconds, _Msg
 
 
@@ -51,9 +52,8 @@ class Register(_Msg, tag="register", kw_only=True):
     identity: ModelIdentity | None = None
     #: the launcher that started it (host id and pid): what a join launcher's StopHost names
     launcher: Annotated[str, Meta(max_length=128)] = ""
-    #: LoRA adapters it keeps loaded at once (0: it applies none); adapters it still holds from before
-    lora_slots: Count = 0
-    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
+    #: its LoRA adapters (None: it applies none): its slots, and adapters it still holds from before
+    lora: LoraStats | None = None
     #: its device's memory in bytes (a GPU's total; the host's RAM on the CPU; 0: unknown): what `rebalance`
     #: checks before it gives this device another role
     memory_bytes: Count = 0
@@ -101,35 +101,13 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     computed: Count = 0
     #: the peers' pools it holds mapped (cuda-ipc, shm), by pool name: the orchestrator answers which are gone
     peer_pools: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=4096)] = []
-    #: LoRA adapters loaded here now, the next to unload first, of lora_slots; adapter loads (misses) and hits
-    #: since it started; the seconds one load takes here (moving average of its loads: reading and installing)
-    loras: Annotated[list[LoraName], Meta(max_length=4096)] = []
-    lora_slots: Count = 0
-    lora_loads: Count = 0
-    lora_hits: Count = 0
-    lora_load_s: Annotated[float, Meta(ge=0)] = 0.0
-    #: how many of `loras` it holds as names only: no part for its components (an encoder and an adapter without
-    #: text-encoder parts); they take no slot, so `loras` may list more than lora_slots
-    lora_names_only: Count = 0
-    #: adapters it keeps in host memory (loras.host_slots), the next to forget first, of lora_host_slots; its
-    #: restores (an adapter copied back from host memory) and the seconds one takes (moving average)
-    lora_host: Annotated[list[LoraName], Meta(max_length=65536)] = []
-    lora_host_slots: Count = 0
-    lora_restores: Count = 0
-    lora_restore_s: Annotated[float, Meta(ge=0)] = 0.0
-    #: an encoder's conditioning cache (disagg/roles/conditioning.py): lookups and hits since it started, entries held
-    cond_lookups: Count = 0
-    cond_hits: Count = 0
-    cond_entries: Count = 0
-    #: its boot (disagg/roles/boot.py), until it is ready: what it does ("starting", "downloading", "loading", "compiling",
-    #: "warming up"; "" once ready), a line of detail, the bytes so far (downloaded, or in memory), and a count that
-    #: grows while the boot progresses (the launcher's ready_timeout counts only time without growth); its
-    #: compile's seconds
-    phase: Annotated[str, Meta(max_length=32)] = ""
-    phase_detail: Annotated[str, Meta(max_length=256)] = ""
-    boot_bytes: Count = 0
-    boot_progress: Count = 0
-    compile_s: Annotated[float, Meta(ge=0)] = 0.0
+    #: what it measures about itself (disagg/transport/role_stats.py), each as its own struct, which the orchestrator
+    #: keeps as it comes and `status` reports as it is; None: it has none (no LoRA bank, no conditioning cache, not
+    #: compiled), or says nothing new: the orchestrator keeps the last it had
+    lora: LoraStats | None = None
+    conditioning: CacheStats | None = None
+    boot: BootStats | None = None
+    compile: CompileStats | None = None
 
 
 class Alive(_Msg, tag="alive", kw_only=True):

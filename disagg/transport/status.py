@@ -7,6 +7,8 @@ from typing import Literal
 
 import msgspec
 
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
+
 class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One role instance as `disagg status` shows it."""
 
@@ -52,29 +54,12 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parallel: str = ""
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
-    #: LoRA adapters it holds (the next to unload first) of its lora_slots; its adapter loads and hits so far
-    loras: list[str] = []
-    lora_slots: int = 0
-    lora_loads: int = 0
-    #: adapters it keeps in host memory (loras.host_slots), the next to forget first; adapters it copied back
-    #: from there (restores, not loads)
-    lora_host: list[str] = []
-    lora_restores: int = 0
-    lora_hits: int = 0
-    #: of `loras`, those held as names only (no part for this instance's components): they take no slot
-    lora_names_only: int = 0
-    #: an encoder's conditioning cache: lookups and hits so far (a hit computed nothing), entries it holds
-    cond_lookups: int = 0
-    cond_hits: int = 0
-    cond_entries: int = 0
-    #: its boot while state is starting (Heartbeat.phase and the rest): "starting", "downloading", "loading",
-    #: "compiling", "warming up"; a line of detail; bytes so far; a count that grows while it progresses. Its
-    #: compile's seconds once done
-    phase: str = ""
-    phase_detail: str = ""
-    boot_bytes: int = 0
-    boot_progress: int = 0
-    compile_s: float = 0.0
+    #: what it measures about itself, as its latest heartbeat said (disagg/transport/role_stats.py): its LoRA
+    #: adapters, an encoder's conditioning cache, its boot while state is starting, a compiled denoiser's compile
+    lora: LoraStats = msgspec.field(default_factory=LoraStats)
+    conditioning: CacheStats = msgspec.field(default_factory=CacheStats)
+    boot: BootStats = msgspec.field(default_factory=BootStats)
+    compile: CompileStats = msgspec.field(default_factory=CompileStats)
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""
