@@ -59,3 +59,24 @@ def test_nested_stats_are_checked_on_decode_naming_the_field():
     raw["lora"] = {"held": ["A"], "nonsense": 1}
     with pytest.raises(m.MessageError, match="nonsense"):
         m.decode(msgspec.msgpack.encode(raw), m.RoleMessage)
+
+
+def test_the_conditioning_caches_bytes_reach_metrics_from_the_struct_the_cache_makes():
+    """The example of a statistic added in three files: CacheStats.bytes (its struct), ConditioningCache.stats (where
+    the role measures it), the gateway's conditioning_metrics (where a metric exposes it)."""
+    import torch
+
+    from disagg.gateway.metrics import conditioning_metrics
+    from disagg.roles.conditioning import ConditioningCache
+
+    cache = ConditioningCache(max_bytes=1 << 20)
+    cache.put("k", {"prompt_embeds": torch.zeros(4, 8)})
+    stats = cache.stats()
+    assert stats.entries == 1 and stats.bytes == 4 * 8 * 4
+    h = Harness()
+    [enc] = h.add("encoder")
+    h.role(enc, Heartbeat(instance_id=enc, conditioning=stats))
+    [out] = h.router.handle_client(CLIENT, StatusQuery(), [], h.now)
+    families = {f.name: f for f in conditioning_metrics(out.msg)}
+    [sample] = families["disagg_conditioning_bytes"].samples
+    assert sample.labels == {"instance": enc} and sample.value == 128

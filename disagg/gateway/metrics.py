@@ -115,17 +115,20 @@ class StatusCollector:
 
 
 def conditioning_metrics(r: StatusReport):
-    """Encoders' conditioning caches: lookups and hits per instance, and the hit rate over all of them."""
+    """Encoders' conditioning caches: lookups, hits and bytes held per instance, and the hit rate over all of them."""
     lookups = CounterMetricFamily("disagg_conditioning_lookups", "Text requests an encoder looked up in its "
                                   "conditioning cache", labels=["instance"])
     hits = CounterMetricFamily("disagg_conditioning_hits", "Text requests an encoder took from its conditioning "
                                "cache, computing nothing", labels=["instance"])
+    held = GaugeMetricFamily("disagg_conditioning_bytes", "Bytes an encoder's conditioning cache holds now (on its "
+                             "device, at most conditioning_cache_mib)", labels=["instance"])
     encoders = [i for i in r.instances if i.role == "encoder"]
     for i in encoders:
         lookups.add_metric([i.id], i.conditioning.lookups)
         hits.add_metric([i.id], i.conditioning.hits)
+        held.add_metric([i.id], i.conditioning.bytes)
     total = sum(i.conditioning.lookups for i in encoders)
-    yield from (lookups, hits)
+    yield from (lookups, hits, held)
     yield GaugeMetricFamily("disagg_conditioning_hit_ratio", "Conditioning-cache hits over lookups, all encoders, "
                             "since they started", value=sum(i.conditioning.hits for i in encoders) / total if total else 0.0)
 

@@ -30,8 +30,8 @@ class ConditioningCache:
         return len(self._entries)
 
     def stats(self) -> CacheStats:
-        """What its heartbeats say of it: lookups and hits so far, entries held."""
-        return CacheStats(lookups=self.lookups, hits=self.hits, entries=len(self._entries))
+        """What its heartbeats say of it: lookups and hits so far, entries held and their bytes."""
+        return CacheStats(lookups=self.lookups, hits=self.hits, entries=len(self._entries), bytes=self.bytes)
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
         with self._lock:

@@ -45,11 +45,12 @@ class LoraStats(_Stats):
 
 class CacheStats(_Stats):
     """A cache of results (an encoder's conditioning cache, disagg/roles/conditioning.py): lookups and hits since it
-    started (a hit computed nothing), entries it holds now."""
+    started (a hit computed nothing), entries it holds now, and their bytes (on its device, against its bound)."""
 
     lookups: Count = 0
     hits: Count = 0
     entries: Count = 0
+    bytes: Count = 0
 
 
 class BootStats(_Stats):
