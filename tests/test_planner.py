@@ -12,6 +12,7 @@ from disagg.transport.messages import (
     Heartbeat,
     IdleDevice,
     LauncherPoll,
+    MemoryStats,
     PoolInfo,
     Register,
     Reroles,
@@ -90,6 +91,8 @@ class Deployment:
         self.n = 0
         #: instance id -> the free device memory its heartbeats report (0: unknown)
         self.free: dict[str, int] = {}
+        #: instance id -> the bytes of its weights, as its heartbeats say them once loaded
+        self.weights: dict[str, int] = {}
 
     def add(self, role, iid=None, memory=0):
         iid = iid or f"{role}-{sum(1 for i in self.router.registry.by_id if i.startswith(role))}"
@@ -108,8 +111,9 @@ class Deployment:
 
     def tick(self, dt):
         self.now += dt
-        for inst in self.router.registry.alive():  # the instances are alive all along
-            self.role(inst.id, Heartbeat(instance_id=inst.id, memory_free_bytes=self.free.get(inst.id, 0)))
+        for inst in self.router.registry.alive():  # the instances are alive all along; their weights as they said
+            memory = MemoryStats(free_bytes=self.free.get(inst.id, 0), weights_bytes=self.weights.get(inst.id, 0))
+            self.role(inst.id, Heartbeat(instance_id=inst.id, memory=memory))
         return self.router.tick(self.now)
 
     def serve(self, steps, n, times=None):
@@ -245,7 +249,9 @@ def test_advise_never_moves_and_silent_launchers_and_small_devices_keep_their_in
     d = Deployment(mode="auto")
     for role in ("encoder", "encoder", "denoiser", "decoder"):
         d.add(role, memory=1 << 20)  # 1 MiB: the pool alone
-    d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000}, weights_bytes=40_000))
+    d.weights["denoiser-0"] = 40_000
+    d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000},
+                                   memory=MemoryStats(weights_bytes=40_000)))
     d.poll()
     d.serve(2, 6)
     d.tick(1.0)
@@ -261,7 +267,9 @@ def test_the_fit_check_counts_what_else_the_device_holds_from_the_free_memory_it
         for role in ("encoder", "encoder", "denoiser", "decoder"):
             d.add(role, memory=1 << 30)  # 1 GiB in all: the denoiser's 40 kB of weights and 1 MiB pool fit that
         d.free = {"encoder-0": free, "encoder-1": free}
-        d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000}, weights_bytes=40_000))
+        d.weights["denoiser-0"] = 40_000
+        d.role("denoiser-0", Heartbeat(instance_id="denoiser-0", components={"transformer": 10_000},
+                                       memory=MemoryStats(weights_bytes=40_000)))
         d.poll()
         d.serve(2, 6)
         d.tick(1.0)

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from disagg.transport import messages as m
-from disagg.transport.messages import BootStats, CacheStats, CompileStats, Heartbeat, LoraStats, StatusQuery
+from disagg.transport.messages import BootStats, CacheStats, CompileStats, Heartbeat, LoraStats, MemoryStats, StatusQuery
 from tests.test_router import CLIENT, Harness
 
 
@@ -21,12 +21,14 @@ def test_a_heartbeats_stats_reach_status_as_they_came_and_one_left_out_keeps_the
     assert before.lora == LoraStats() and before.conditioning == CacheStats() and before.compile == CompileStats()
     lora = LoraStats(held=["A", "B"], slots=4, loads=2, hits=7, load_s=0.25, host=["C"], host_slots=2, restores=1)
     cache, boot, compiled = CacheStats(lookups=9, hits=4, entries=3), BootStats(phase=""), CompileStats(seconds=12.5)
-    h.role(enc, Heartbeat(instance_id=enc, lora=lora, conditioning=cache, boot=boot, compile=compiled))
+    memory = MemoryStats(free_bytes=3 << 30, weights_bytes=1 << 30)
+    h.role(enc, Heartbeat(instance_id=enc, lora=lora, conditioning=cache, boot=boot, compile=compiled, memory=memory))
     inst = h.router.registry.get(enc)
     # the registry keeps each struct as it came, and status reports that very struct
     assert inst.lora is lora and inst.conditioning is cache and inst.boot is boot and inst.compile is compiled
+    assert inst.memory is memory
     now = status_of(h, enc)
-    assert (now.lora, now.conditioning, now.boot, now.compile) == (lora, cache, boot, compiled)
+    assert (now.lora, now.conditioning, now.boot, now.compile, now.memory) == (lora, cache, boot, compiled, memory)
     # a heartbeat that says nothing of one (a role without a LoRA bank, or without news) leaves the last in place
     h.role(enc, Heartbeat(instance_id=enc, conditioning=CacheStats(lookups=10, hits=5, entries=3)))
     later = status_of(h, enc)

@@ -71,9 +71,9 @@ class InstanceLifecycle:
 
     def handle_heartbeat(self, sender, msg: Heartbeat, frames, now, out) -> None:
         inst = self.registry.get(sender)
-        inst.pool_free_bytes, inst.memory_free_bytes = msg.pool_free_bytes, msg.memory_free_bytes
+        inst.pool_free_bytes = msg.pool_free_bytes
         if msg.components:
-            inst.components, inst.weights_bytes = msg.components, msg.weights_bytes
+            inst.components = msg.components
         inst.steps = msg.steps
         inst.computed = msg.computed
         if inst.inherited:
@@ -88,6 +88,8 @@ class InstanceLifecycle:
             inst.boot = msg.boot
         if msg.compile is not None:
             inst.compile = msg.compile
+        if msg.memory is not None:
+            inst.memory = msg.memory
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id, forget_pools=self.gone_pools(msg.peer_pools))))

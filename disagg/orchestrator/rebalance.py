@@ -222,8 +222,8 @@ class Rebalance:
         """Whether `inst`'s device holds `need` bytes once `inst` has exited: what the device has free now (other
         processes on it, activations, caches counted) plus the weights and pool `inst` frees; where the device's
         free memory is unknown (the CPU, a simulated device), its total (0: unknown, no check)."""
-        if inst.memory_free_bytes:
-            return need <= inst.memory_free_bytes + inst.weights_bytes + inst.pool.pool_bytes
+        if inst.memory.free_bytes:
+            return need <= inst.memory.free_bytes + inst.memory.weights_bytes + inst.pool.pool_bytes
         return not inst.memory_bytes or need <= inst.memory_bytes
 
     def work_in_hand(self, inst, now: float) -> float:
@@ -233,8 +233,8 @@ class Rebalance:
 
     def footprint(self, role: str) -> int:
         """Bytes a device needs for `role`: its instances' largest weights plus pool (0 before any reported)."""
-        return max((i.weights_bytes + i.pool.pool_bytes for i in self.registry.of_role(role)
-                    if i.state != "dead" and i.weights_bytes), default=0)
+        return max((i.memory.weights_bytes + i.pool.pool_bytes for i in self.registry.of_role(role)
+                    if i.state != "dead" and i.memory.weights_bytes), default=0)
 
     def new_instance_id(self, role: str, old_id: str) -> str:
         """The lowest `ROLE-k` (on the old instance's host) that no instance of the deployment ever had: not one

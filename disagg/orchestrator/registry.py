@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from disagg.transport.averages import ewma
 from disagg.transport.messages import InstanceStatus, PoolInfo, Register
-from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 
 
 @dataclass
@@ -47,11 +47,8 @@ class Instance:
     restarts: int = 0
     max_batch: int = 1
     components: dict[str, int] = field(default_factory=dict)
-    #: its weights' bytes (Heartbeat.weights_bytes) and its device's memory (Register.memory_bytes; 0 unknown)
-    weights_bytes: int = 0
+    #: its device's memory (Register.memory_bytes; 0 unknown); its free memory and weights' bytes are `memory` below
     memory_bytes: int = 0
-    #: its device's free memory, every process on it counted (Heartbeat.memory_free_bytes; 0 unknown)
-    memory_free_bytes: int = 0
     #: engines that apply to its pool but could not start there, and why (Register.unavailable_engines)
     unavailable_engines: dict[str, str] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
@@ -76,6 +73,7 @@ class Instance:
     conditioning: CacheStats = field(default_factory=CacheStats)
     boot: BootStats = field(default_factory=BootStats)
     compile: CompileStats = field(default_factory=CompileStats)
+    memory: MemoryStats = field(default_factory=MemoryStats)
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
 
@@ -170,6 +168,7 @@ class Instance:
             conditioning=self.conditioning,
             boot=self.boot,
             compile=self.compile,
+            memory=self.memory,
         )
 
 

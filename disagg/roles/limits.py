@@ -5,6 +5,7 @@ from __future__ import annotations
 from disagg.roles.errors import RequestError
 from disagg.roles.pipelines import ROLES, ModelSpec, model_spec
 from disagg.settings.choices import Dtype
+from disagg.transport.role_stats import MemoryStats
 
 MIB = 1024 * 1024
 
@@ -83,6 +84,13 @@ def device_free_memory(device: str) -> int:
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     except (RuntimeError, AssertionError):  # a heartbeat must go on: unknown, as on the CPU
         return 0
+
+
+def memory_stats(device: str, dtype: str, components: dict[str, int]) -> MemoryStats:
+    """What its heartbeats say of its device's memory: free now, and its weights' bytes (the parameters of the
+    components it loaded, at `dtype`)."""
+    return MemoryStats(free_bytes=device_free_memory(device),
+                       weights_bytes=sum(components.values()) * param_bytes(dtype, device))
 
 
 def param_bytes(dtype: str, device: str) -> int:

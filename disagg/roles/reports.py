@@ -9,7 +9,7 @@ import time
 
 from disagg.roles.boot import PROGRESS as BOOT
 from disagg.roles.layout import describe_layout
-from disagg.roles.limits import device_free_memory, device_memory, param_bytes
+from disagg.roles.limits import device_memory, memory_stats
 from disagg.transport.messages import Heartbeat, PoolInfo, Register
 from disagg.transport.role_stats import CacheStats, LoraStats
 
@@ -68,10 +68,8 @@ class SelfReport:
                 ready=self.ready,
                 in_flight=self.in_flight,
                 pool_free_bytes=self.pool.free_bytes,
-                memory_free_bytes=device_free_memory(self.spec.device),
                 progress=self.runner.progress,
                 components=self.components,
-                weights_bytes=sum(self.components.values()) * param_bytes(self.spec.dtype, self.spec.device),
                 steps={rid: list(done) for rid, done in list(self.runner.steps.items()) if done[1]},
                 batch_steps=self.batch_steps(),
                 running=list(self.runner.busy),
@@ -82,6 +80,7 @@ class SelfReport:
                 conditioning=self.conditioning_stats(),
                 boot=BOOT.snapshot(),
                 compile=self.compile,
+                memory=memory_stats(self.spec.device, self.spec.dtype, self.components),
             )
         )
 

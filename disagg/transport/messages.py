@@ -21,7 +21,7 @@ from disagg.transport.params import MAX_INPUT_BYTES, GenerationParams, LoraName,
 from disagg.transport.role_messages import (  # noqa: F401 - role <-> orchestrator messages, imported from here too
     Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Preview, Release, Done, Failed, Shutdown, Dead,
 )
-from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats  # noqa: F401 - inside Heartbeat
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats  # noqa: F401 - inside Heartbeat
 from disagg.transport.status import (  # noqa: F401
     GatewayStatus, InstanceStatus, PairEngine, RebalanceStatus, RequestCounts, RoleMove, SplitRate, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
 )

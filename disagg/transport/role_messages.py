@@ -10,7 +10,7 @@ from msgspec import Meta
 from disagg.transport.codes import ErrorCode
 from disagg.transport.descriptors import Count, Held, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source
 from disagg.transport.params import GenerationParams, LoraName
-from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 from disagg.transport.wire import Seconds, _Msg
 
 
@@ -80,15 +80,10 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     ready: bool = True
     in_flight: Count = 0
     pool_free_bytes: Count = 0
-    #: its device's free memory now, every process on it counted (a GPU's, torch.cuda.mem_get_info; 0 elsewhere:
-    #: unknown): what `rebalance` checks before it gives this device another role
-    memory_free_bytes: Count = 0
     #: grows while the role makes progress (stages started and finished, denoising steps)
     progress: Count = 0
     #: once loaded: parameters held per model component (the role loads only its own)
     components: dict[Annotated[str, Meta(max_length=64)], Count] = {}
-    #: bytes of those components' weights (parameters x their dtype's size)
-    weights_bytes: Count = 0
     #: denoising steps of each request it runs: request id -> [done, total]
     steps: dict[Id, Annotated[list[Count], Meta(min_length=2, max_length=2)]] = {}
     #: continuous batching: batch size -> denoising steps run at that size since it started
@@ -108,6 +103,7 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
     conditioning: CacheStats | None = None
     boot: BootStats | None = None
     compile: CompileStats | None = None
+    memory: MemoryStats | None = None
 
 
 class Alive(_Msg, tag="alive", kw_only=True):

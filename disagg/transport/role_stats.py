@@ -3,7 +3,7 @@ registry keeps the latest of each as it came (disagg/orchestrator/registry.py `I
 them as they are (InstanceStatus), and metrics read them there (the gateway's /metrics, the launcher's table).
 
 A new per-instance statistic is a field here, the line of the role that measures it (the struct's `stats()` /
-`snapshot()` maker: disagg/roles/loras.py, conditioning.py, boot.py, compile.py), and, if it is exported, the metric
+`snapshot()` maker: disagg/roles/loras.py, conditioning.py, boot.py, compile.py, limits.py), and, if it is exported, the metric
 that reads it (disagg/gateway/metrics.py): nothing between copies it. Every field has a default, so a struct a role
 leaves out reads as zeros. disagg/transport/messages.py re-exports them."""
 
@@ -62,6 +62,15 @@ class BootStats(_Stats):
     detail: Annotated[str, Meta(max_length=256)] = ""
     bytes: Count = 0
     progress: Count = 0
+
+
+class MemoryStats(_Stats):
+    """Its device's memory now (disagg/roles/limits.py memory_stats): free bytes, every process on it counted (a GPU's,
+    torch.cuda.mem_get_info; 0 elsewhere: unknown), and the bytes of the weights it loaded (parameters x their dtype's
+    size; 0 before they are loaded): what `rebalance` checks before it gives this device another role."""
+
+    free_bytes: Count = 0
+    weights_bytes: Count = 0
 
 
 class CompileStats(_Stats):

@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats
+from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 
 class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One role instance as `disagg status` shows it."""
@@ -55,11 +55,13 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
     #: what it measures about itself, as its latest heartbeat said (disagg/transport/role_stats.py): its LoRA
-    #: adapters, an encoder's conditioning cache, its boot while state is starting, a compiled denoiser's compile
+    #: adapters, an encoder's conditioning cache, its boot while state is starting, a compiled denoiser's compile, its
+    #: device's free memory and its weights' bytes
     lora: LoraStats = msgspec.field(default_factory=LoraStats)
     conditioning: CacheStats = msgspec.field(default_factory=CacheStats)
     boot: BootStats = msgspec.field(default_factory=BootStats)
     compile: CompileStats = msgspec.field(default_factory=CompileStats)
+    memory: MemoryStats = msgspec.field(default_factory=MemoryStats)
 
 class RequestCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Request totals since the orchestrator started."""
