@@ -187,7 +187,7 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
         os.makedirs(cache_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     adapter = stage.adapter
-    pipe = getattr(adapter, "pipe", None)
+    pipe = adapter.pipe if stage.caps.family else None  # only a diffusers pipeline's transformer compiles
     models = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")] if pipe is not None else []
     models = [m for m in models if isinstance(m, torch.nn.Module)]
     if not models:

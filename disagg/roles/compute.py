@@ -148,8 +148,8 @@ class StageRunner:
         done = [0, self.steps_of(run)]
         if self.stage.role in ("denoiser", "monolith"):  # the roles that denoise report their steps
             self.steps[run.request_id] = done
-        at = preview_steps(done[1], run.params.previews or 0) if self.stage.role == "denoiser" and not getattr(
-            self.stage.adapter, "video", False) else {}
+        at = preview_steps(done[1], run.params.previews or 0) if self.stage.role == "denoiser" and \
+            self.stage.caps.previews else {}
 
         def step(*args) -> None:
             self.progress += 1

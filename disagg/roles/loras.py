@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from disagg.roles.lora_backends import DiffusersLoras, LoraError, SimLoras
 from disagg.transport.averages import ewma
 from disagg.transport.role_stats import LoraStats
+from disagg.roles.pipelines.adapter import LoraSupport
 
 log = logging.getLogger("disagg.role")
 
@@ -278,20 +279,17 @@ def make_bank(adapter, role: str, slots: int, max_mib: int, slowdown: float = 1.
     """The bank of an adapter that takes LoRA adapters in `role`; None when it takes none (then a request with
     adapters fails, naming the model). `compiled`: the role compiles its denoiser (DiffusersLoras.compiled);
     `host_slots`: loras.host_slots (a sim profile's lora.host_slots first)."""
-    if role == "decoder":
+    support = adapter.capabilities.loras
+    if role == "decoder" or support is LoraSupport.NONE:
         return None
-    profile = getattr(adapter, "profile", None)
-    if profile is not None and hasattr(profile, "lora"):  # sim: its adapters are the denoiser's weights
+    if support is LoraSupport.SIM:  # its adapters are the denoiser's weights
         if role not in ("denoiser", "monolith"):
             return LoraBank(SimLoras(0.0), 1 << 20, max_mib << 20)  # takes any name, at no cost
-        cost = profile.lora
+        cost = adapter.profile.lora
         return LoraBank(SimLoras(cost.load_ms, slowdown, cost.restore_ms), cost.slots or slots, max_mib << 20,
                         cost.host_slots or host_slots)
-    pipe = getattr(adapter, "pipe", None)
-    if pipe is None:
-        return None
-    try:
-        backend = DiffusersLoras(pipe, role, compiled=compiled and role in ("denoiser", "monolith"))
+    try:  # LoraSupport.DIFFUSERS
+        backend = DiffusersLoras(adapter.pipe, role, compiled=compiled and role in ("denoiser", "monolith"))
     except TypeError:
         return None
     return LoraBank(backend, slots, max_mib << 20, host_slots)

@@ -239,7 +239,7 @@ split_cfg.logged = False
 
 
 def denoising_model(adapter) -> torch.nn.Module:
-    pipe = adapter.pipe
+    pipe = adapter.pipe if adapter.capabilities.family else None  # only a diffusers pipeline's model spans ranks
     model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
     if model is None:
         raise RuntimeError(f"{type(adapter).__name__} holds no transformer or UNet to run over several ranks")

@@ -14,7 +14,8 @@ import torch
 
 from disagg.roles.errors import RequestError
 from disagg.roles.media import check_format, encode_image, encode_mp4
-from disagg.roles.pipelines.conditioned import LAYOUT
+from disagg.roles.pipelines.adapter import ModelAdapter, check_adapter
+from disagg.roles.pipelines.conditioned import LAYOUT, InputError
 from disagg.settings.choices import Schedule
 from disagg.settings.fields import default
 from disagg.transport.messages import GenerationParams
@@ -37,6 +38,20 @@ def one_forward_at_a_time(model) -> None:
 
 class Stopped(Exception):
     """A follower rank's request that rank 0 stopped (its client cancelled it)."""
+
+
+@dataclass
+class Call:
+    """One compute's request: its parameters as sent (`params`, `given`: those it set) and with the model's
+    defaults filled in (`p`), the format it is answered in, its inputs, and the step scheduler's hooks."""
+
+    params: GenerationParams
+    given: dict
+    p: dict
+    fmt: str
+    inputs: dict[str, torch.Tensor]
+    progress: object = None
+    ticket: object = None
 
 
 @dataclass
@@ -85,11 +100,16 @@ class Stage:
     the adapter says it is safe to share (`thread_safe`). Their transfers still overlap; a denoiser that
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
-    def __init__(self, role: str, adapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
+    def __init__(self, role: str, adapter: ModelAdapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
                  loras=None, schedule: Schedule = default("schedule"), aging_s: float = default("schedule_aging_s"),
                  caches=None, conditioning=None):
         self.role = role
         self.adapter = adapter
+        #: what the adapter can do (pipelines/adapter.py), checked against its methods
+        self.caps = caps = check_adapter(adapter)
+        #: the compute of this role: one path each (a colocated instance runs all three stages: `_monolith`)
+        self._compute_role = {"encoder": self._encoder, "denoiser": self._denoiser, "decoder": self._decoder,
+                              "monolith": self._monolith}[role]
         self.model = model
         #: the step caches of a denoiser's transformer (disagg/roles/step_cache.py); None: it runs none
         self.caches = caches
@@ -101,14 +121,15 @@ class Stage:
         self.fit = fit if role in ("encoder",) else None
         self.batcher = None
         if role == "denoiser" and max_batch > 1:
-            if not hasattr(adapter, "denoise_steps"):
+            if not caps.batching:
                 raise ValueError(f"{type(adapter).__name__} cannot batch denoising steps; run it with max_batch 1")
             from disagg.roles.batcher import StepBatcher
 
             self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras, schedule=schedule, aging_s=aging_s,
                                        caches=caches)
-            one_forward_at_a_time(getattr(getattr(adapter, "pipe", None), "transformer", None))
-        shared = self.batcher is not None or getattr(adapter, "thread_safe", False)
+            if caps.family:
+                one_forward_at_a_time(getattr(adapter.pipe, "transformer", None))
+        shared = self.batcher is not None or caps.thread_safe
         #: an instance over several ranks (disagg/roles/parallel.py): they run one request at a time, in lockstep
         self.group = group if role == "denoiser" else None
         if self.group is not None and self.batcher is not None:
@@ -122,7 +143,7 @@ class Stage:
         #: an encoder's or decoder's computes are ordered by urgency too where they take turns anyway (not
         #: thread-safe, or on one simulated device); a decoder that can (`decode_yields`) hands the device over
         #: between a video's latent frames
-        serial = not shared or getattr(adapter, "one_device", False)
+        serial = not shared or caps.one_device
         if schedule == Schedule.SLO and self.batcher is None and self.group is None and (
                 role in ("denoiser", "monolith") or (role in ("encoder", "decoder") and serial)):
             from disagg.roles.turns import Turns
@@ -157,9 +178,9 @@ class Stage:
         else a copy whose diffusers pipeline is a shallow copy with its own scheduler, so the per-call state
         (the scheduler's step index, `_guidance_scale`, ...) is the call's own and the modules are shared."""
         adapter = self.adapter
-        pipe = getattr(adapter, "pipe", None)
-        if getattr(adapter, "thread_safe", False) or pipe is None:
+        if self.caps.thread_safe or not self.caps.family:
             return adapter
+        pipe = adapter.pipe
         own = copy.copy(adapter)
         own_pipe = copy.copy(pipe)
         object.__setattr__(own_pipe, "scheduler", copy.deepcopy(pipe.scheduler))
@@ -197,13 +218,6 @@ class Stage:
             if not group.go_on(stopped is not None):
                 raise stopped or Stopped("rank 0 stopped this request")
         return step
-
-    def _encode(self, p: dict, tasks) -> StageOutput:
-        if tasks is not None:
-            task = tasks.check(p)
-            if tasks.generic(task):  # the task pipeline up to its denoising loop (conditioned.py)
-                return StageOutput(tensors=tasks.encode(p, task))
-        return StageOutput(tensors=self.adapter.encode(p))
 
     # --- step caches (disagg/roles/step_cache.py) ------------------------------------------------------------------
 
@@ -256,72 +270,105 @@ class Stage:
 
     def _compute(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress=None,
                  ticket=None) -> StageOutput:
+        return self._compute_role(self._call(params, inputs, progress, ticket))
+
+    def _call(self, params: GenerationParams, inputs: dict[str, torch.Tensor], progress, ticket) -> Call:
+        """The request as every role's compute takes it, checked: a request the model cannot serve fails here,
+        before any compute (every role checks, so a format the model cannot make fails in the first)."""
+        caps = self.caps
         given = params_dict(params)
         p = {**self.adapter.defaults(), **given}
-        # every role checks, so a format the model cannot make fails before any compute
-        fmt = check_format(params.response_format, getattr(self.adapter, "video", False))
+        fmt = check_format(params.response_format, caps.video)
         if self.fit is not None:
             self.fit.check(p)
-        tasks = getattr(self.adapter, "tasks", None)
-        if tasks is not None and (given.get("image") is not None or "image_pixels" in inputs):
+        if caps.image_tasks and (given.get("image") is not None or "image_pixels" in inputs):
             # an image task's size is its image's (or its pipeline's choice) unless the request names one
             for name in ("width", "height"):
                 if name not in given:
                     p.pop(name, None)
-        if tasks is None and not getattr(self.adapter, "takes_images", False) and \
-                (p.get("image") is not None or p.get("mask") is not None):
-            from disagg.roles.pipelines.conditioned import InputError
-
+        if not caps.image_tasks and not caps.image_inputs and (p.get("image") is not None or p.get("mask") is not None):
             raise InputError(f"model {self.model!r} takes text-to-image (a prompt) only: it takes no image or mask",
                              param="image")
-        if self.role == "encoder":
-            key = conditioning_key(params, getattr(self.adapter, "conditioning_depends", ())) \
-                if self.conditioning is not None else None
-            if key is not None:
-                hit = self.conditioning.get(key)
-                if hit is not None:
-                    return StageOutput(tensors=hit, from_cache=True)
-                out = self._encode(p, tasks)
-                self.conditioning.put(key, out.tensors)
-                return out
-            return self._encode(p, tasks)
-        cache = self._cache_spec(p, given) if self.role in ("denoiser", "monolith") else None
-        if cache is not None and tasks is not None and (LAYOUT in inputs or tasks.generic(tasks.check(p))):
+        return Call(params, given, p, fmt, inputs, progress, ticket)
+
+    def _task(self, p: dict) -> str | None:
+        """The image task whose pipeline runs this request (conditioned.py), or None for the adapter's own path."""
+        if not self.caps.image_tasks:
+            return None
+        task = self.adapter.tasks.check(p)
+        return task if self.adapter.tasks.generic(task) else None
+
+    # --- one compute per role -----------------------------------------------------------------------------------
+
+    def _encoder(self, call: Call) -> StageOutput:
+        key = conditioning_key(call.params, self.caps.conditioning_depends) if self.conditioning is not None else None
+        if key is not None:
+            hit = self.conditioning.get(key)
+            if hit is not None:
+                return StageOutput(tensors=hit, from_cache=True)
+        task = self._task(call.p)
+        # an image task: its pipeline up to its denoising loop (conditioned.py)
+        tensors = self.adapter.tasks.encode(call.p, task) if task is not None else self.adapter.encode(call.p)
+        if key is not None:
+            self.conditioning.put(key, tensors)
+        return StageOutput(tensors=tensors)
+
+    def _step_cache(self, call: Call) -> dict | None:
+        """The step cache a denoising role runs this request with (none for an image task's pipeline)."""
+        cache = self._cache_spec(call.p, call.given)
+        if cache is not None and self.caps.image_tasks and (LAYOUT in call.inputs or self._task(call.p) is not None):
             raise RequestError("cache: image tasks run without a step cache", param="cache")
-        if self.role == "denoiser":
-            if tasks is not None and LAYOUT in inputs:  # what the encoder recorded, replayed
-                return StageOutput(tensors=tasks.denoise(inputs, p, progress))
-            if self.batcher is not None:
-                tensors, device_s, counted = self.batcher.denoise(inputs, {**p, "cache": cache}, progress, ticket)
-                return StageOutput(tensors=tensors, device_s=device_s, cache_steps=counted)
-            # it may yield the device at its steps (on its own pipeline state); one with a step cache keeps it
-            ticket = ticket if self.turns is not None and cache is None else None
-            adapter = self._own() if ticket is not None else self.adapter
-            with self._cached(cache, p, adapter) as count:
-                tensors = adapter.denoise(inputs, p, progress=self._counting(self._yielding(progress, ticket), count))
-            return StageOutput(tensors=tensors, cache_steps=self._counted(cache, count))
-        counted = {}
-        if self.role == "monolith":  # colocated: all three stages here, nothing leaves the process
-            if tasks is not None and tasks.generic(tasks.check(p)):
-                inputs = tasks.whole(p, tasks.check(p), progress)
-            else:
-                ticket = ticket if self.turns is not None and cache is None else None
-                adapter = self._own() if ticket is not None else self.adapter
-                embeds = adapter.encode(p)
-                with self._cached(cache, p, adapter) as count:
-                    inputs = adapter.denoise(embeds, p, progress=self._counting(self._yielding(progress, ticket), count))
-                counted = self._counted(cache, count)
+        return cache
+
+    def _denoise(self, call: Call, cache: dict | None, encode: bool = False):
+        """The adapter's own denoising loop, one request (after its encoding, where `encode`): (latents, the step
+        cache's counts). Under schedule slo it may yield the device at its steps (on its own pipeline state); one
+        with a step cache keeps it."""
+        ticket = call.ticket if self.turns is not None and cache is None else None
+        adapter = self._own() if ticket is not None else self.adapter
+        inputs = adapter.encode(call.p) if encode else call.inputs
+        with self._cached(cache, call.p, adapter) as count:
+            tensors = adapter.denoise(inputs, call.p,
+                                      progress=self._counting(self._yielding(call.progress, ticket), count))
+        return tensors, self._counted(cache, count)
+
+    def _denoiser(self, call: Call) -> StageOutput:
+        cache = self._step_cache(call)
+        if self.caps.image_tasks and LAYOUT in call.inputs:  # what the encoder recorded, replayed
+            return StageOutput(tensors=self.adapter.tasks.denoise(call.inputs, call.p, call.progress))
+        if self.batcher is not None:
+            tensors, device_s, counted = self.batcher.denoise(call.inputs, {**call.p, "cache": cache}, call.progress,
+                                                              call.ticket)
+            return StageOutput(tensors=tensors, device_s=device_s, cache_steps=counted)
+        tensors, counted = self._denoise(call, cache)
+        return StageOutput(tensors=tensors, cache_steps=counted)
+
+    def _monolith(self, call: Call) -> StageOutput:
+        """Colocated: all three stages here, nothing leaves the process. Its decode never yields the device."""
+        cache = self._step_cache(call)
+        task = self._task(call.p)
+        if task is not None:
+            latents, counted = self.adapter.tasks.whole(call.p, task, call.progress), {}
+        else:
+            latents, counted = self._denoise(call, cache, encode=True)
+        return self._decoded(call, latents, counted, {})
+
+    def _decoder(self, call: Call) -> StageOutput:
+        # schedule slo: a decode that can yields the device between a video's latent frames
+        yields = {"progress": self._yielding(None, call.ticket)} if (
+            self.turns is not None and call.ticket is not None and self.caps.decode_yields) else {}
+        return self._decoded(call, call.inputs, {}, yields)
+
+    def _decoded(self, call: Call, latents: dict[str, torch.Tensor], counted: dict, yields: dict) -> StageOutput:
+        """Decode and encode the images (or videos): the answer."""
+        p, fmt = call.p, call.fmt
         params_used = resolved(p, self.model)
         # the client knows its prompts: the wire carries the rest
         done = {k: v for k, v in params_used.items() if k not in ("prompt", "negative_prompt")}
-        # schedule slo: a decode that can yields the device between a video's latent frames
-        yields = {"progress": self._yielding(None, ticket)} if (
-            self.role == "decoder" and self.turns is not None and ticket is not None
-            and getattr(self.adapter, "decode_yields", False)) else {}
-        if hasattr(self.adapter, "decode_encoded"):  # an adapter that has its output bytes at hand (sim)
-            return StageOutput(images=self.adapter.decode_encoded(inputs, p, fmt, **yields), image_format=fmt,
+        if self.caps.encoded_output:  # an adapter that has its output bytes at hand (sim)
+            return StageOutput(images=self.adapter.decode_encoded(latents, p, fmt, **yields), image_format=fmt,
                                resolved=done, cache_steps=counted)
-        outputs = self.adapter.decode(inputs, p, **yields)
+        outputs = self.adapter.decode(latents, p, **yields)
         first = outputs[0] if outputs else None
         first = first[0] if isinstance(first, list) and first else first
         if hasattr(first, "size"):  # an image task may keep its input's size: report the size it made
@@ -330,7 +377,7 @@ class Stage:
         if fmt == "mp4":  # one list of frames per video
             return StageOutput(images=[encode_mp4(frames, p.get("fps", 16)) for frames in outputs], image_format=fmt,
                                resolved=done, cache_steps=counted)
-        if getattr(self.adapter, "video", False):  # lossless frames: each video's frames in order
+        if self.caps.video:  # lossless frames: each video's frames in order
             outputs = [frame for frames in outputs for frame in frames]
         return StageOutput(images=[encode_image(im, fmt, params_used) for im in outputs], image_format=fmt, resolved=done,
                            cache_steps=counted)

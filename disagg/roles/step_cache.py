@@ -228,11 +228,10 @@ class StepCaches:
 
 def make_caches(adapter, role: str, default: dict | None) -> StepCaches | None:
     """The step caches of a denoiser (or colocated instance) whose adapter holds a diffusers transformer."""
-    if role not in ("denoiser", "monolith"):
+    family = adapter.capabilities.family  # its diffusers pipeline's (tiny and demo are Flux)
+    if role not in ("denoiser", "monolith") or not family:
         return None
-    pipe = getattr(adapter, "pipe", None)
-    models = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")] if pipe is not None else []
+    models = [getattr(adapter.pipe, name, None) for name in ("transformer", "transformer_2")]
     if not any(isinstance(m, torch.nn.Module) for m in models):
         return None
-    family = getattr(getattr(adapter, "ck", None), "family", "") or "flux"  # tiny and demo are Flux
     return StepCaches([m for m in models if isinstance(m, torch.nn.Module)], family, default)

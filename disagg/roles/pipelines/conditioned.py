@@ -177,8 +177,7 @@ class ConditionedTasks:
         rec = Recorder(pipe)
         try:
             with torch.inference_mode():
-                pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video,
-                                          getattr(self.adapter, "guidance_kwarg", "guidance_scale")),
+                pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video, self.adapter.guidance_kwarg),
                      generator=self.adapter.generator(p), output_type="latent")
         except StopBeforeDenoise:
             pass
@@ -229,8 +228,7 @@ class ConditionedTasks:
         pipe.prepare_latents = prepare_latents
         try:
             with torch.inference_mode():
-                result = pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video,
-                                          getattr(self.adapter, "guidance_kwarg", "guidance_scale")),
+                result = pipe(**call_kwargs(type(pipe), p, image, mask, self.adapter.video, self.adapter.guidance_kwarg),
                               generator=self.adapter.generator(p), output_type="latent",
                               callback_on_step_end=step_callback(progress))
             latents = result.frames if self.adapter.video else result.images

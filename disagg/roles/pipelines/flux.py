@@ -15,6 +15,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.conditioned import out_size
 from disagg.roles.pipelines.split import SplitPipeline, repeat_rows, step_callback
 
@@ -26,6 +27,8 @@ class FluxSplit:
 
     pipe = None
     device = "cpu"
+    #: the built-in Flux models (tiny, demo): a FluxPipeline, batched steps, previews from each step's latents
+    capabilities = Capabilities(batching=True, previews=True, loras=LoraSupport.DIFFUSERS, family="flux")
 
     @staticmethod
     def defaults() -> dict:
@@ -132,6 +135,8 @@ class FluxState:
 
 class FluxAdapter(FluxSplit, SplitPipeline):
     """Flux from a diffusers checkpoint (folder or hub id)."""
+
+    family_capabilities = {"batching": True}
 
     def fix_without_vae(self, spatial: int, temporal: int) -> None:
         # FluxPipeline assumes 8 without a VAE; latents are packed 2x2, hence the image processor's x2

@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from disagg.roles.pipelines.adapter import Capabilities
+
 
 class PayloadAdapter:
     """Stages a tensor of the requested size; later stages verify it and pass a token on."""
 
-    #: no per-call state: an instance's threads may run it at once
-    thread_safe = True
-    #: what its encoding depends on besides the prompt (the conditioning cache's key: disagg/roles/conditioning.py)
-    conditioning_depends = ("seed", "width", "height")
+    #: no per-call state (an instance's threads may run it at once); its encoding depends on the seed and size
+    capabilities = Capabilities(thread_safe=True, conditioning_depends=("seed", "width", "height"))
 
     def __init__(self, role: str, device: str = "cpu"):
         self.role = role

@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from disagg.roles.media import encode_image
+from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
 
 
@@ -113,9 +114,6 @@ class SimAdapter:
     """Sleeps for each stage's simulated time; emits tensors of the real payload size, each filled with one
     request-specific value (the module's docstring)."""
 
-    #: no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
-    thread_safe = True
-
     def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0):
         self.profile = load_profile(profile)
         self.slowdown = slowdown
@@ -130,8 +128,22 @@ class SimAdapter:
             run = os.environ.get("DISAGG_RUN_ID", "local")
             path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
             self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        #: on a simulated device its computes take turns anyway (schedule slo orders them: disagg/roles/stage.py)
-        self.one_device = self._lock_fd is not None
+        self.capabilities = Capabilities(
+            batching=True,
+            # no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
+            thread_safe=True,
+            # on a simulated device its computes take turns anyway (schedule slo orders them: disagg/roles/stage.py)
+            one_device=self._lock_fd is not None,
+            previews=True,
+            # a request may carry an input image: the profile's `image` cost is added to the encoder's
+            image_inputs=True,
+            # a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
+            decode_yields=True,
+            encoded_output=True,
+            # its payload's size follows the request's (the conditioning cache's key: disagg/roles/conditioning.py)
+            conditioning_depends=("width", "height", "num_frames"),
+            # its adapters are the denoiser's weights, loaded and restored in its profile's times
+            loras=LoraSupport.SIM)
 
     @staticmethod
     def defaults() -> dict:
@@ -154,11 +166,6 @@ class SimAdapter:
         if ms > 0:
             with self.device_turn():
                 time.sleep(ms * self.slowdown / 1000)
-
-    #: a request may carry an input image: the profile's `image` cost is added to the encoder's
-    takes_images = True
-    #: its payload's size follows the request's (the conditioning cache's key: disagg/roles/conditioning.py)
-    conditioning_depends = ("width", "height", "num_frames")
 
     def _size(self, role: str, p: dict) -> int:
         with_image = role == "encoder" and p.get("image") is not None
@@ -220,9 +227,6 @@ class SimAdapter:
         p, done = state.params, state.steps - max(state.steps_left, 0)
         value = lambda: latents_value(state.encoded, p, done)  # noqa: E731
         return self._tensor("denoiser", p, value()) if state.done else self._step_latents("denoiser", p, value)
-
-    #: a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
-    decode_yields = True
 
     def _decode_pixels(self, inputs, p: dict, progress=None) -> list[bytes]:
         prof, pixels = self.profile.for_request(p)

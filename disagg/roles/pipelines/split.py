@@ -1,11 +1,14 @@
 """The base of every diffusers-checkpoint adapter: load only one role's components, split the pipeline.
 
-A family adapter (flux.py, sd3.py, sdxl.py, wan.py) subclasses `SplitPipeline` and provides:
+A family adapter (flux.py, sd3.py, sdxl.py, wan.py, qwen.py) subclasses `SplitPipeline` and provides the
+`ModelAdapter` methods (pipelines/adapter.py):
     defaults()                         request defaults, as the diffusers pipeline's own
     encode(p) -> tensors               the text encoders' outputs (negatives too when CFG is on)
     denoise(inputs, p, progress) -> tensors   the denoising loop, ending in latents
     decode(inputs, p) -> list[PIL.Image] for images, list[list[PIL.Image]] (frames) for video
-and `fix_without_vae()` when the pipeline derives sizes from the VAE it does not hold.
+and `fix_without_vae()` when the pipeline derives sizes from the VAE it does not hold. Every checkpoint adapter
+has image tasks, diffusers LoRA and its family's pipeline (`capabilities`); `family_capabilities` adds the
+family's own (Flux: step batching; Wan: decodes that yield).
 The composition decode(denoise(encode(p))) must equal the diffusers pipeline called with the same
 arguments and `generator=torch.Generator("cpu").manual_seed(seed)`.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.checkpoint import Checkpoint, load_checkpoint, vae_scale_factors
 from disagg.settings.choices import Dtype
 
@@ -56,6 +60,11 @@ def repeat_rows(t: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
 class SplitPipeline:
     """One role's part of a diffusers pipeline loaded from a checkpoint."""
 
+    #: what the family adds to every checkpoint's capabilities (Capabilities' fields)
+    family_capabilities: dict = {}
+    #: the name the family's task pipelines take the request's guidance_scale under (conditioned.py call_kwargs)
+    guidance_kwarg = "guidance_scale"
+
     def __init__(self, source: str | Checkpoint, role: str, device: str = "cpu", dtype: str | None = None):
         import diffusers
 
@@ -89,6 +98,10 @@ class SplitPipeline:
 
         #: the checkpoint's tasks (text, image, inpaint) and the task pipelines that run them
         self.tasks = ConditionedTasks(self, self.ck.tasks)
+        # a video's step callback passes latents too, but a video has no previews (disagg/roles/compute.py)
+        self.capabilities = Capabilities(video=self.video, previews=not self.video, image_tasks=True,
+                                         loras=LoraSupport.DIFFUSERS, family=self.ck.family,
+                                         **self.family_capabilities)
 
     @property
     def video(self) -> bool:

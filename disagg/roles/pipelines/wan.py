@@ -33,6 +33,8 @@ class WanAdapter(SplitPipeline):
 
     #: the decoder makes videos: one list of PIL frames per video, encoded as MP4
     video = True
+    #: decode(progress=) hands the device over between the video's latent frames (schedule slo)
+    family_capabilities = {"decode_yields": True}
 
     @staticmethod
     def defaults() -> dict:
@@ -80,9 +82,6 @@ class WanAdapter(SplitPipeline):
                 callback_on_step_end=step_callback(progress), max_sequence_length=MAX_SEQUENCE_LENGTH, **extra,
             ).frames
         return {"latents": latents}
-
-    #: decode(progress=) hands the device over between the video's latent frames (schedule slo)
-    decode_yields = True
 
     def _yielding_vae(self, progress):
         """The VAE for one decode that calls `progress` before each latent frame's decoder forward: a shallow
