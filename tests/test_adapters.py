@@ -1,17 +1,21 @@
 """The model-adapter interface (disagg/roles/pipelines/adapter.py): every adapter declares its capabilities and
-implements what they name."""
+implements what they name; a role's compute reports each failure by the exception's type, never by its name or
+text (disagg/roles/compute.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg.roles.errors import RequestError
+from disagg.roles.compute import Cancelled, StageRunner
+from disagg.roles.errors import GroupBroken, RequestError
 from disagg.roles.pipelines import model_spec
 from disagg.roles.pipelines.adapter import Capabilities, ModelAdapter, check_adapter
 from disagg.roles.pipelines.payload import PayloadAdapter
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.stage import Stage
-from disagg.transport.messages import GenerationParams
+from disagg.transport.allocator import PoolFull
+from disagg.transport.engines import TransferError
+from disagg.transport.messages import Dead, ErrorCode, Failed, GenerationParams, Run
 
 
 def built_in_adapters():
@@ -76,3 +80,52 @@ def test_a_model_without_image_capabilities_refuses_an_image_whatever_it_has_els
     with pytest.raises(RequestError, match="takes text-to-image") as err:
         Stage("encoder", adapter, model="plain").run(GenerationParams(prompt="p", image=b"png"), {})
     assert err.value.param == "image"
+
+
+class GroupBrokenByName(RuntimeError):
+    """Another error that a class-name match would take for a broken group."""
+
+
+GroupBrokenByName.__name__ = "GroupBroken"
+
+
+@pytest.mark.parametrize("error, code, retryable, param", [
+    (RequestError("width: too wide", param="width"), ErrorCode.INVALID_INPUT, False, "width"),
+    (TransferError("peer gone"), ErrorCode.GENERATION_FAILED, True, None),
+    (PoolFull("pool full: need 512 bytes"), ErrorCode.GENERATION_FAILED, True, None),
+    # a full pool is retried by its type, whatever its text says ("does not fit" was once matched)
+    (PoolFull("this slot does not fit now"), ErrorCode.GENERATION_FAILED, True, None),
+    (PoolFull("a payload of 9 bytes does not fit the 8-byte pool", transient=False), ErrorCode.GENERATION_FAILED,
+     False, None),
+    (ValueError("model bug"), ErrorCode.GENERATION_FAILED, False, None),
+    (GroupBrokenByName("not a group's failure"), ErrorCode.GENERATION_FAILED, False, None),
+])
+def test_a_failed_compute_is_reported_by_its_exception_type(error, code, retryable, param):
+    failed = run_failing(error)
+    assert isinstance(failed, Failed) and failed.request_id == "r1" and failed.attempt == 2
+    assert (failed.code, failed.retryable, failed.param) == (code, retryable, param)
+    assert failed.error == f"{type(error).__name__}: {error}"
+
+
+def test_a_broken_group_reports_the_instance_dead_and_a_cancel_reports_cancelled():
+    runner = []
+    dead = run_failing(GroupBroken("the instance's ranks lost each other"), runner)
+    assert isinstance(dead, Dead) and dead.reason == "the instance's ranks lost each other" and runner[0].broken
+    cancelled = run_failing(Cancelled("request r1 was cancelled by its client"))
+    assert (cancelled.code, cancelled.retryable, cancelled.error) == (
+        ErrorCode.CANCELLED, False, "request r1 was cancelled by its client")
+
+
+def run_failing(error: Exception, keep: list | None = None):
+    """Run one request on an encoder whose compute raises `error`; the one message it reports."""
+    reports = []
+    adapter = Plain()
+    adapter.error = error
+    runner = StageRunner("encoder-0", None, {}, lambda msg, *frames: reports.append(msg))
+    runner.stage = Stage("encoder", adapter, model="plain")
+    if keep is not None:
+        keep.append(runner)
+    runner.execute(Run(request_id="r1", attempt=2, params=GenerationParams(prompt="p")), [], 0.0)
+    [message] = [m for m in reports if m is not None]
+    assert reports[-1] is None  # and then: the compute finished
+    return message

@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Callable
 
-from disagg.roles.errors import RequestError
+from disagg.roles.errors import GroupBroken, RequestError
 from disagg.roles.lora_backends import LoraError
-from disagg.roles.stage import Stage
+from disagg.roles.stage import Stage, StageOutput
 from disagg.transport.allocator import PoolFull
 from disagg.transport.engines import TransferEngine, TransferError
 from disagg.transport.manifest import unpack
@@ -41,6 +41,17 @@ def preview_steps(steps: int, previews: int) -> dict[int, int]:
 
 class Cancelled(Exception):
     """The request's client gave it up (Cancel): its compute stops at the next step."""
+
+
+def failure_code(exc: Exception) -> tuple[ErrorCode, bool]:
+    """A failed compute's code and whether another attempt may go better, by the exception's type (errors.py):
+    the request's fault is invalid_input; a dead peer or a momentarily full pool may go better on another try; a
+    model error not."""
+    if isinstance(exc, RequestError):
+        return ErrorCode.INVALID_INPUT, False
+    if isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and exc.transient):
+        return ErrorCode.GENERATION_FAILED, True
+    return ErrorCode.GENERATION_FAILED, False
 
 
 class BusyMeter:
@@ -233,47 +244,14 @@ class StageRunner:
             self.report(None)
             return
         self.tick()
-        local_slot = None
-        fetch_s = None
+        local = []  # the input's slot in this instance's pool, once allocated
         lora_s, pinned = 0.0, []
         busy_from = self.meter.enter()
         try:
-            inputs = {}
-            if run.source is not None:
-                nbytes = run.source.slot.nbytes
-                local_slot = self.pool.alloc(nbytes)
-                dst = self.pool.view(local_slot, nbytes)
-                engine = self.engines.get(run.source.engine)
-                if engine is None:
-                    raise TransferError(f"transfer engine {run.source.engine!r} is not available here")
-                engine.read(run.source, dst, frames)
-                inputs = unpack(dst, run.source.slot.tensors)
-                fetch_s = time.perf_counter() - received
-                if not self.fold_fetched:  # tell now, so the producer's slot is freed while we compute
-                    self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
-                    fetch_s = None
+            inputs, fetch_s = self._fetch(run, frames, received, local)
             if run.params.loras and self.stage.role != "decoder":  # loaded while another request computes
-                bank = self.stage.loras
-                if bank is None:
-                    raise LoraError(f"model {self.stage.model!r} takes no LoRA adapters"
-                                    + (" on an instance over several ranks" if self.stage.group is not None else ""))
-                lora_s = bank.acquire(run.params.loras, run.lora_sources)
-                pinned = [r.name for r in run.params.loras]
-            step = self._stepper(run)
-            ticket = self.stage.ticket(run.request_id, run.params, run.stage_deadline_s, self.steps_of(run))
-            if ticket is not None:
-                ticket.check = lambda: self.check_cancelled(run)
-            # one compute at a time where the pipeline keeps per-call state; under schedule slo the most urgent
-            # held request's, handed over at step boundaries (disagg/roles/turns.py)
-            with self.stage.turns.hold(ticket) if self.stage.turns is not None else self.stage.turn:
-                self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
-                t0 = time.perf_counter()
-                out = self.stage.run(run.params, inputs, step, ticket)
-                # where this request's compute ends: its outputs are staged after it, not after whatever other
-                # requests queued on the device since (GPU kernels are asynchronous: the time counts until they finish)
-                computed = self.pool.mark()
-                self.pool.compute_done(computed)
-                compute_s = time.perf_counter() - t0
+                lora_s, pinned = self._acquire_loras(run), [r.name for r in run.params.loras]
+            out, ticket, computed, compute_s = self._compute(run, inputs)
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)
@@ -282,49 +260,104 @@ class StageRunner:
                 device_s = out.device_s
             else:  # under schedule slo the device was this request's while it held the turn
                 device_s = ticket.held_s if ticket is not None and self.stage.turns is not None else share
-            if out.images:
-                done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
-                            image_format=out.image_format, compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
-                            resolved={**out.resolved, **out.cache_steps, **run.carry}, lora_s=lora_s)
-                self.keep_result(done, out.images)
-                self.report(done, out.images)
-            else:
-                slot = self.pool.stage(self.instance_id, out.tensors, after=computed)
-                with self.lock:
-                    self.computed += not out.from_cache  # a conditioning-cache hit computed nothing
-                    self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
-                                                    slot=slot, seed=run.params.seed, **out.cache_steps)
-                extra = [self.inline_bytes(slot)] if run.inline_output else []
-                self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, compute_s=compute_s,
-                                   fetch_s=fetch_s, device_s=device_s, lora_s=lora_s, **out.cache_steps), extra)
-        except Cancelled as exc:  # nobody waits for it: free the slot, no retry
-            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
-                               code=ErrorCode.CANCELLED))
-        except Exception as exc:  # a request error: report it and keep serving
-            if type(exc).__name__ == "GroupBroken":  # a parallel instance whose ranks lost each other (parallel.py)
-                # it cannot serve: say so before anything else, so its work (this request too) moves at once
-                # instead of failing here again; the worker then exits and the launcher restarts all its ranks
-                log.error("%s; this instance stops", exc)
-                self.report(Dead(instance_id=self.instance_id, reason=str(exc)))
-                self.broken = True
-                return
-            # a dead peer or a momentarily full pool may go better on another try; a model error not
-            retryable = isinstance(exc, TransferError) or (isinstance(exc, PoolFull) and "does not fit" not in str(exc))
-            invalid = isinstance(exc, RequestError)  # the request's fault: one line, no traceback
-            log.log(logging.INFO if invalid else logging.WARNING, "request %s attempt %d failed: %s: %s",
-                    run.request_id, run.attempt, type(exc).__name__, exc, exc_info=not (retryable or invalid))
-            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=f"{type(exc).__name__}: {exc}",
-                               retryable=retryable, code=ErrorCode.INVALID_INPUT if invalid else ErrorCode.GENERATION_FAILED,
-                               param=exc.param if invalid else None))
+            self._deliver(run, out, computed, dict(compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
+                                                   lora_s=lora_s))
+        except Exception as exc:  # the request's failure: report it and keep serving
+            self._failed(run, exc)
         finally:
             if pinned:
                 self.stage.loras.release(pinned)
             if busy_from is not None:
                 self.meter.leave(busy_from)
-            if local_slot is not None:
-                self.pool.free(local_slot)
+            if local:
+                self.pool.free(local[0])
             self.busy.pop(run.request_id, None)
             self.cancelled.pop(run.request_id, None)
             self.steps.pop(run.request_id, None)
             self.tick()
             self.report(None)
+
+    def _fetch(self, run: Run, frames: list[bytes], received: float, local: list) -> tuple[dict, float | None]:
+        """The Run's inputs read into this instance's pool (its slot appended to `local`), and fetch_s where the
+        Fetched report is folded into the Staged / Done that follows (else it is sent now)."""
+        if run.source is None:
+            return {}, None
+        nbytes = run.source.slot.nbytes
+        local.append(self.pool.alloc(nbytes))
+        dst = self.pool.view(local[0], nbytes)
+        engine = self.engines.get(run.source.engine)
+        if engine is None:
+            raise TransferError(f"transfer engine {run.source.engine!r} is not available here")
+        engine.read(run.source, dst, frames)
+        inputs = unpack(dst, run.source.slot.tensors)
+        fetch_s = time.perf_counter() - received
+        if self.fold_fetched:
+            return inputs, fetch_s
+        # tell now, so the producer's slot is freed while we compute
+        self.report(Fetched(request_id=run.request_id, attempt=run.attempt, fetch_s=fetch_s))
+        return inputs, None
+
+    def _acquire_loras(self, run: Run) -> float:
+        """Load the request's LoRA adapters (pinned until `release`); the seconds it took."""
+        bank = self.stage.loras
+        if bank is None:
+            raise LoraError(f"model {self.stage.model!r} takes no LoRA adapters"
+                            + (" on an instance over several ranks" if self.stage.group is not None else ""))
+        return bank.acquire(run.params.loras, run.lora_sources)
+
+    def _compute(self, run: Run, inputs: dict):
+        """The stage's compute, in its turn: (output, ticket, the pool's mark where it ended, compute_s)."""
+        step = self._stepper(run)
+        ticket = self.stage.ticket(run.request_id, run.params, run.stage_deadline_s, self.steps_of(run))
+        if ticket is not None:
+            ticket.check = lambda: self.check_cancelled(run)
+        # one compute at a time where the pipeline keeps per-call state; under schedule slo the most urgent
+        # held request's, handed over at step boundaries (disagg/roles/turns.py)
+        with self.stage.turns.hold(ticket) if self.stage.turns is not None else self.stage.turn:
+            self.check_cancelled(run)  # cancelled while it waited for its input or turn: stop now
+            t0 = time.perf_counter()
+            out = self.stage.run(run.params, inputs, step, ticket)
+            # where this request's compute ends: its outputs are staged after it, not after whatever other
+            # requests queued on the device since (GPU kernels are asynchronous: the time counts until they finish)
+            computed = self.pool.mark()
+            self.pool.compute_done(computed)
+            compute_s = time.perf_counter() - t0
+        return out, ticket, computed, compute_s
+
+    def _deliver(self, run: Run, out: StageOutput, computed, times: dict) -> None:
+        """A decoder's images as Done (kept a while), another role's tensors staged for the next (Staged)."""
+        if out.images:
+            done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
+                        image_format=out.image_format, resolved={**out.resolved, **out.cache_steps, **run.carry},
+                        **times)
+            self.keep_result(done, out.images)
+            self.report(done, out.images)
+            return
+        slot = self.pool.stage(self.instance_id, out.tensors, after=computed)
+        with self.lock:
+            self.computed += not out.from_cache  # a conditioning-cache hit computed nothing
+            self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
+                                            slot=slot, seed=run.params.seed, **out.cache_steps)
+        extra = [self.inline_bytes(slot)] if run.inline_output else []
+        self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, **times, **out.cache_steps),
+                    extra)
+
+    def _failed(self, run: Run, exc: Exception) -> None:
+        """Report a failed compute, by the exception's type (errors.py); the instance keeps serving."""
+        if isinstance(exc, Cancelled):  # nobody waits for it: free the slot, no retry
+            self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
+                               code=ErrorCode.CANCELLED))
+            return
+        if isinstance(exc, GroupBroken):  # a parallel instance whose ranks lost each other (parallel.py)
+            # it cannot serve: say so before anything else, so its work (this request too) moves at once
+            # instead of failing here again; the worker then exits and the launcher restarts all its ranks
+            log.error("%s; this instance stops", exc)
+            self.report(Dead(instance_id=self.instance_id, reason=str(exc)))
+            self.broken = True
+            return
+        code, retryable = failure_code(exc)
+        invalid = code is ErrorCode.INVALID_INPUT  # the request's fault: one line, no traceback
+        log.log(logging.INFO if invalid else logging.WARNING, "request %s attempt %d failed: %s: %s",
+                run.request_id, run.attempt, type(exc).__name__, exc, exc_info=not (retryable or invalid))
+        self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=f"{type(exc).__name__}: {exc}",
+                           retryable=retryable, code=code, param=exc.param if invalid else None))

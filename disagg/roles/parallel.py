@@ -31,6 +31,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from disagg.roles.errors import GroupBroken
 from disagg.roles.layout import KINDS, describe_layout, world_of
 from disagg.transport.manifest import dtype_name, dtype_of
 from disagg.transport.messages import GenerationParams
@@ -49,10 +50,6 @@ IDLE_WAIT_S = 365 * 86400
 #: which the ring's merge of partial results needs; `_native_cudnn` (torch's cuDNN SDPA, in every CUDA build)
 #: returns it, takes attention masks (Qwen-Image passes one; flash-attn 2 refuses them) and runs context parallel
 RING_BACKEND = "_native_cudnn"
-
-
-class GroupBroken(RuntimeError):
-    """A collective of the instance's ranks failed: a rank died or hung. The work goes elsewhere."""
 
 
 def is_group_failure(exc: BaseException) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from disagg.roles.errors import RequestError
+from disagg.roles.errors import GroupBroken, RequestError
 from disagg.roles.media import check_format, encode_image, encode_mp4
 from disagg.roles.pipelines.adapter import ModelAdapter, check_adapter
 from disagg.roles.pipelines.conditioned import LAYOUT, InputError
@@ -193,7 +193,7 @@ class Stage:
         (schedule slo): the request's place in `turns`, whose turn the caller holds."""
         if self.group is None:
             return self._run(params, inputs, progress, ticket)
-        from disagg.roles.parallel import GroupBroken, is_group_failure
+        from disagg.roles.parallel import is_group_failure
 
         if self.group.leader:
             self.group.share(params, inputs)

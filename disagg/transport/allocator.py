@@ -8,7 +8,12 @@ ALIGN_BYTES = 256  # CUDA's allocation granularity; also keeps every dtype align
 
 
 class PoolFull(RuntimeError):
-    """No free range is large enough for an allocation."""
+    """No free range is large enough for an allocation. `transient`: it may fit once other slots are freed (a
+    payload larger than the whole pool never does)."""
+
+    def __init__(self, message: str, transient: bool = True):
+        super().__init__(message)
+        self.transient = transient
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:

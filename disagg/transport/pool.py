@@ -41,7 +41,7 @@ class Pool:
         if nbytes > self.nbytes:
             raise PoolFull(
                 f"a payload of {nbytes} bytes does not fit the {self.nbytes}-byte pool of this instance "
-                f"(raise pool_mib for its role)"
+                f"(raise pool_mib for its role)", transient=False
             )
         with self._lock:
             return self.allocator.alloc(nbytes)
