@@ -26,9 +26,9 @@ import time
 from contextlib import contextmanager
 
 from disagg.roles.lora_backends import DiffusersLoras, LoraError, SimLoras
+from disagg.roles.pipelines.adapter import LoraSupport
 from disagg.transport.averages import ewma
 from disagg.transport.role_stats import LoraStats
-from disagg.roles.pipelines.adapter import LoraSupport
 
 log = logging.getLogger("disagg.role")
 
