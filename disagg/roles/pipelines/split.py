@@ -110,6 +110,11 @@ class SplitPipeline:
     def fix_without_vae(self, spatial: int, temporal: int) -> None:
         """Set what the pipeline derives from its VAE, for a role that holds none."""
 
+    def encode(self, p: dict) -> dict[str, torch.Tensor]:
+        """The request's encoding through its task's pipeline, up to its denoising loop (conditioned.py): a family
+        with no encode of its own (Qwen-Image) encodes every request so; the others override it."""
+        return self.tasks.encode(p, self.tasks.check(p))
+
     def denoise(self, inputs: dict[str, torch.Tensor], p: dict, progress=None) -> dict[str, torch.Tensor]:
         """The pipeline from precomputed CFG_EMBEDS (those the encoder sent) to latents (SD3, SDXL)."""
         n = p["num_images_per_prompt"]
