@@ -187,3 +187,37 @@ def test_the_video_profile_meets_its_measurements_and_the_mixed_one_uses_it_for_
         assert prof.decoder.fixed_ms(px) == pytest.approx(decode_ms, rel=0.05)
     prof, px = load_profile("mixed-h200").for_request({"width": 1024, "height": 1024})
     assert prof.denoiser.step_ms(px) == pytest.approx(170, abs=0.5)
+
+
+def test_a_queue_in_urgency_order_is_not_ranked_again_and_aging_and_priorities_still_reorder_it():
+    """order_queue re-ranked every waiting request after every message (issue 45): with 500 waiting, a request
+    through the encoder now ranks none of them, while priorities and aging reorder the queue as before."""
+    h = Harness(schedule="slo", schedule_aging_s=10.0)
+    [enc] = h.add("encoder")
+    h.add("denoiser"), h.add("decoder")
+    ranked = []
+    urgency = h.router.urgency
+    h.router.urgency = lambda req, now: ranked.append(req.id) or urgency(req, now)
+    [(_, run)] = runs(h.submit("r0"))
+    for k in range(1, 500):
+        h.submit(f"r{k}")
+    order = []
+
+    def next_run():
+        nonlocal run
+        ranked.clear()
+        out = h.role(enc, staged(enc, run.request_id, offset=256 * len(order)))
+        [(_, run)] = [r for r in runs(out) if r[0] == enc]
+        order.append(run.request_id)
+        return len(ranked)
+
+    h.now += 1.0
+    assert next_run() == 499  # sorted once
+    assert [next_run() for _ in range(3)] == [0, 0, 0]  # and known to be in order since
+    h.now += 4.0
+    h.submit("b1", priority=1), h.submit("b2", priority=1)  # more urgent than the last: ranked again
+    h.now += 1.0
+    assert next_run() > 0
+    h.now += 5.0  # r5 and on waited 11 s: one priority up, as b2, and they came first
+    next_run()
+    assert order == ["r1", "r2", "r3", "r4", "b1", "r5"]

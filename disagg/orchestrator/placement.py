@@ -168,9 +168,11 @@ class Placement:
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         req.stage, req.state, req.assigned = role, "queued", None
+        fresh = f"queued_{role}" not in req.marks
         req.mark(f"queued_{role}", now)
         # a retry already waited its turn once
         (self.queues[role].appendleft if front else self.queues[role].append)(req.id)
+        self.note_enqueued(req, role, now, front, fresh)  # is the queue still in urgency order (disagg/orchestrator/slo.py)
 
     def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
         source, frames = None, []

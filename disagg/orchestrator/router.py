@@ -20,7 +20,7 @@ from disagg.orchestrator.placement import InlineCache, Placement
 from disagg.orchestrator.previews import Previews
 from disagg.orchestrator.rebalance import Rebalance
 from disagg.orchestrator.recovery import Recovery, cache_steps
-from disagg.orchestrator.slo import Slo, SloCounts, StagePredictor
+from disagg.orchestrator.slo import QueueOrder, Slo, SloCounts, StagePredictor
 from disagg.orchestrator.steps import RequestSteps
 from disagg.orchestrator.registry import Registry
 from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
@@ -83,6 +83,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         #: stage times per role and shape, and deadlines met and missed (disagg/orchestrator/slo.py)
         self.predictor = StagePredictor()
         self.slo_counts = SloCounts()
+        #: per role, whether its queue is known to be in urgency order already (schedule slo; order_queue)
+        self.queue_order = QueueOrder()
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
         self.rebalance_init()  # the window, plan and moves of `rebalance` (disagg/orchestrator/rebalance.py)

@@ -98,6 +98,62 @@ class SloCounts:
         return [self.by_priority[k] for k in sorted(self.by_priority)]
 
 
+def _first(pair: tuple):
+    return pair[0]
+
+
+def _next_boost(queued_at: float, now: float, aging_s: float) -> float:
+    """A time before which a request queued at `queued_at` keeps the aging boost it has at `now` (a little early,
+    so float rounding never makes it late)."""
+    at = queued_at + ((now - queued_at) // aging_s + 1) * aging_s
+    return at - 1e-6 - 1e-9 * abs(at)
+
+
+class QueueOrder:
+    """What order_queue knows of each role's queue under schedule slo, so that it sorts only when the order may
+    have changed (a sort of 4,096 waiting requests after every message is what made the control plane slow).
+
+    Known, for a role: its live entries (requests queued in that role) are in urgency order at every time before
+    `until`, and the last of them has urgency `last`. This holds while none of them has a deadline: their slack
+    is then infinite, so priority, aging and arrival alone order them, and aging changes their keys only at
+    times known in advance. A request added at the back keeps it when it is no more urgent than the last (a
+    stable sort would leave it there); anything else (a request with a deadline, one put at the front, one
+    queued in the role again, one that ended while queued) forgets it, and the next order_queue sorts as
+    before. A stale entry (a request no longer queued there) may sit out of order: dispatch skips it, and where
+    it sits changes no decision."""
+
+    def __init__(self):
+        self._known: dict[str, tuple[float, tuple]] = {}
+
+    def holds(self, role: str, now: float) -> bool:
+        known = self._known.get(role)
+        return known is not None and now < known[0]
+
+    def forget(self, role: str) -> None:
+        self._known.pop(role, None)
+
+    def sorted(self, role: str, ranked: list[tuple[tuple, object]], now: float, aging_s: float) -> None:
+        """The queue was just sorted: `ranked` holds its live entries, in order, with their urgency."""
+        until = math.inf
+        for _, req in ranked:
+            if req.slo_deadline is not None:
+                self.forget(role)
+                return
+            until = min(until, _next_boost(req.marks.get(f"queued_{role}", now), now, aging_s))
+        if ranked:
+            self._known[role] = (until, ranked[-1][0])
+        else:
+            self.forget(role)
+
+    def appended(self, role: str, key: tuple, req, now: float, aging_s: float) -> None:
+        """`req`, of urgency `key`, was just added at the back of `role`'s queue (known to be in order at `now`)."""
+        until, last = self._known[role]
+        if req.slo_deadline is not None or key < last:
+            self.forget(role)
+        else:
+            self._known[role] = (min(until, _next_boost(now, now, aging_s)), key)
+
+
 class Slo:
     """Methods of Router (a mixin); see disagg/orchestrator/router.py for the state they use."""
 
@@ -170,14 +226,26 @@ class Slo:
         return (-((req.params.priority or 0) + boost), slack < 0, slack, req.submitted_at)
 
     def order_queue(self, role: str, now: float) -> None:
-        """Sort a role's queue by urgency (schedule slo), when something could take a request now."""
+        """Sort a role's queue by urgency (schedule slo), when something could take a request now, unless it is
+        known to be in that order already (QueueOrder: sorting it would change nothing)."""
         queue = self.queues[role]
-        if len(queue) < 2 or not any(i.dispatchable for i in self.registry.of_role(role)):
+        if len(queue) < 2 or self.queue_order.holds(role, now) or not any(
+                i.dispatchable for i in self.registry.of_role(role)):
             return
-        live = [self.requests[rid] for rid in queue if rid in self.requests]
-        live.sort(key=lambda r: self.urgency(r, now))
+        ranked = [(self.urgency(req, now), req) for rid in queue if (req := self.requests.get(rid)) is not None]
+        ranked.sort(key=_first)  # stable: equal urgencies keep their order
         queue.clear()
-        queue.extend(r.id for r in live)
+        queue.extend(req.id for _, req in ranked)
+        self.queue_order.sorted(role, [(key, req) for key, req in ranked if req.stage == role and req.state == "queued"],
+                                now, self.config.schedule_aging_s)
+
+    def note_enqueued(self, req, role: str, now: float, front: bool, fresh: bool) -> None:
+        """`req` was just put in `role`'s queue (at its front, or at its back; fresh: never queued in that role
+        before, so no older entry of it is left in the queue): whether the queue is still in urgency order."""
+        if front or not fresh or not self.queue_order.holds(role, now):
+            self.queue_order.forget(role)
+        else:
+            self.queue_order.appended(role, self.urgency(req, now), req, now, self.config.schedule_aging_s)
 
     def unmeetable(self, params, now: float) -> str:
         """admission slo: why a request with these parameters cannot meet its deadline even if it ran at once

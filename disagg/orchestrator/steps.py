@@ -56,6 +56,8 @@ class RequestSteps:
         self.send_result(req, result, (), out)
 
     def end(self, req: Request, state: str, now: float) -> None:
+        if req.state == "queued":  # its id stays in the queue until dispatch meets it: the queue's order may change
+            self.queue_order.forget(req.stage)
         req.state = state
         self.note_slo_end(req, state, now)
         del self.requests[req.id]
