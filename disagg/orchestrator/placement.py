@@ -54,6 +54,8 @@ class Placement:
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         for role in ROLES:
             queue = self.queues[role]
+            if not queue:
+                continue
             candidates = None
             #: requests with LoRA adapters that wait for a busy instance holding them (worth_waiting); the
             #: requests behind them are placed meanwhile, and they go back to the queue's front in order

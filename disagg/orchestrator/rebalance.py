@@ -295,8 +295,10 @@ class Rebalance:
         mode = self.rebalance_mode
         if mode == RebalanceMode.OFF:
             return None
-        current, fixed = self.split_now(now)
-        serving, _ = self.split_now(now, moving=False)
+        serving, fixed = self.split_now(now, moving=False)
+        current = dict(serving)  # as split_now(now) counts it: one pass over the instances, not two
+        for m in self.moving.values():
+            current[m.to_role] += 1
         p, w = self.plan, self.plan_work
         moving = [RoleMove(instance_id=m.inst, new_id=m.new_id, from_role=m.from_role, to_role=m.to_role,
                            state=m.state, age_s=round(now - m.started, 3)) for m in self.moving.values()]

@@ -221,6 +221,11 @@ class FreeIndex:
         inst.__dict__["_state"] = "gone"
         self.update(inst)
 
+    def any_room(self, role: str) -> bool:
+        """Whether some instance of the role is dispatchable (ready, a free slot, room in its pool)."""
+        return any(i.pool_has_room() for hosts in self.buckets.get(role, {}).values()
+                   for group in hosts.values() for i in group.values())
+
     def by_free(self, role: str) -> list[tuple[int, dict[str, dict[str, Instance]]]]:
         """(free slots, host -> instances) of the role, most free first."""
         buckets = self.buckets.get(role, {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import random
 import uuid
 
@@ -85,6 +86,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         self.slo_counts = SloCounts()
         #: per role, whether its queue is known to be in urgency order already (schedule slo; order_queue)
         self.queue_order = QueueOrder()
+        #: the lowest priority of any request admitted so far (shed_for: none queued is lower)
+        self.lowest_priority = math.inf
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
         self.rebalance_init()  # the window, plan and moves of `rebalance` (disagg/orchestrator/rebalance.py)

@@ -229,8 +229,7 @@ class Slo:
         """Sort a role's queue by urgency (schedule slo), when something could take a request now, unless it is
         known to be in that order already (QueueOrder: sorting it would change nothing)."""
         queue = self.queues[role]
-        if len(queue) < 2 or self.queue_order.holds(role, now) or not any(
-                i.dispatchable for i in self.registry.of_role(role)):
+        if len(queue) < 2 or self.queue_order.holds(role, now) or not self.registry.free.any_room(role):
             return
         ranked = [(self.urgency(req, now), req) for rid in queue if (req := self.requests.get(rid)) is not None]
         ranked.sort(key=_first)  # stable: equal urgencies keep their order
@@ -267,6 +266,8 @@ class Slo:
         """Under overload (a full queue), the queued request to shed for a new one of higher priority: the
         lowest priority, the latest of those; None when none is lower."""
         priority = params.priority or 0
+        if priority <= self.lowest_priority:  # none queued is lower: no need to look through 4,096 of them
+            return None
         worst = None
         for role, queue in self.queues.items():
             for rid in queue:
@@ -282,6 +283,7 @@ class Slo:
         """Submit's admission: a full queue refuses it (or, under schedule slo, sheds a queued request of lower
         priority for it); admission slo refuses a deadline it cannot meet. False: refused, and told so."""
         limit = self.config.max_queue
+        self.lowest_priority = min(self.lowest_priority, msg.params.priority or 0)  # of any request admitted so far
         for role, queue in self.queues.items():
             if len(queue) < limit:
                 continue

@@ -70,7 +70,7 @@ class Stats:
 
 def snapshot(router, now: float) -> StatusReport:
     """What `disagg status` shows, from a Router's state."""
-    instances = sorted(router.registry.by_id.values(), key=lambda i: (ROLES.index(i.role), i.id))
+    instances = [i for role in ROLES for i in router.registry.of_role(role)]  # by role, then id (of_role is cached)
     return StatusReport(
         orchestrator={
             "pid": os.getpid(),
