@@ -109,13 +109,21 @@ class MaxFreeSlots(TieRotation):
 
     def _pick_indexed(self, role: str, prefer_host: str | None):
         """The most free slots, the producer's host first among equals, equals in turn: from the buckets."""
-        for _free_slots, hosts in self.index.by_free(role):
-            groups = ([hosts[prefer_host]] if prefer_host in hosts else []) + [
-                g for h, g in hosts.items() if h != prefer_host]
-            for group in groups:
+        buckets = self.index.buckets.get(role)
+        for free in sorted(buckets, reverse=True) if buckets else ():
+            hosts = buckets[free]
+            preferred = hosts.get(prefer_host)
+            for group in (preferred,) if preferred is not None else ():
                 for inst in group.values():
                     if inst.pool_has_room():
                         self.index.rotate(inst)
+                        return inst
+            for host, group in hosts.items():
+                if host == prefer_host:
+                    continue
+                for inst in group.values():
+                    if inst.pool_has_room():
+                        self.index.rotate(inst)  # changes `hosts`: the loop ends here
                         return inst
         return None
 

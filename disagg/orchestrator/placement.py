@@ -64,7 +64,7 @@ class Placement:
                 self.order_queue(role, now)  # priority, then least slack (disagg/orchestrator/slo.py)
             while queue:
                 req = self.requests.get(queue[0])
-                if req is None or req.ended or req.stage != role or req.state != "queued":
+                if req is None or req.state != "queued" or req.stage != role:  # (an ended one is not queued)
                     queue.popleft()  # ended or moved on while waiting
                     continue
                 if candidates is None:
@@ -78,7 +78,8 @@ class Placement:
                 else:
                     cost = self.lora_cost(req, now) if req.params.loras and self.affinity_rule == LoraAffinity.COST else None
                     inst = pick_joining_batch(self.policy, role, candidates, req, self.requests, prefer,
-                                              batching=self.registry.batching(role), affinity=self.affinity_rule,
+                                              batching=self.registry.batching(role),
+                                              affinity=self.affinity_rule if req.params.loras else None,
                                               rng=self.lora_rng, cost=cost)
                 if inst is None:
                     break
@@ -170,11 +171,13 @@ class Placement:
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         req.stage, req.state, req.assigned = role, "queued", None
-        fresh = f"queued_{role}" not in req.marks
-        req.mark(f"queued_{role}", now)
+        mark = f"queued_{role}"
+        fresh = mark not in req.marks
+        req.marks[mark] = now
         # a retry already waited its turn once
         (self.queues[role].appendleft if front else self.queues[role].append)(req.id)
-        self.note_enqueued(req, role, now, front, fresh)  # is the queue still in urgency order (disagg/orchestrator/slo.py)
+        if role in self.queue_order.known:  # is the queue still in urgency order (disagg/orchestrator/slo.py)
+            self.note_enqueued(req, role, now, front, fresh)
 
     def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
         source, frames = None, []

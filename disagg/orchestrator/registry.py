@@ -173,13 +173,12 @@ class Instance:
 
 
 class _Indexed:
-    """An Instance attribute whose every change the registry's free-slot index hears of."""
+    """An Instance attribute whose every change the registry's free-slot index hears of. It has no __get__: a
+    read finds the value in the instance's __dict__ under the attribute's own name, at a plain attribute's speed
+    (dispatch reads `state` and `free_slots` some thirty times per request)."""
 
     def __init__(self, name: str):
-        self.key = f"_{name}"
-
-    def __get__(self, obj, owner=None):
-        return self if obj is None else obj.__dict__[self.key]
+        self.key = name
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.key] = value
@@ -218,7 +217,7 @@ class FreeIndex:
             self._where[key] = (inst.role, inst.free_slots, inst.host)
 
     def remove(self, inst: Instance) -> None:
-        inst.__dict__["_state"] = "gone"
+        inst.__dict__["state"] = "gone"
         self.update(inst)
 
     def any_room(self, role: str) -> bool:

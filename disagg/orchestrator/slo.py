@@ -47,8 +47,9 @@ class StagePredictor:
     def record(self, role: str, p, seconds: float) -> None:
         if seconds <= 0:
             return
-        value = seconds / _steps(p) if self._per_step(role, p) else seconds
-        key = (role, shape(p), self._per_step(role, p))
+        per_step = self._per_step(role, p)
+        value = seconds / _steps(p) if per_step else seconds
+        key = (role, shape(p), per_step)
         self.by_shape[key] = ewma(self.by_shape.get(key), value)
         self.per_unit[role] = ewma(self.per_unit.get(role), value / _units(p))
 
@@ -123,14 +124,15 @@ class QueueOrder:
     it sits changes no decision."""
 
     def __init__(self):
-        self._known: dict[str, tuple[float, tuple]] = {}
+        #: role -> (until, last), for each role whose queue's order is known
+        self.known: dict[str, tuple[float, tuple]] = {}
 
     def holds(self, role: str, now: float) -> bool:
-        known = self._known.get(role)
+        known = self.known.get(role)
         return known is not None and now < known[0]
 
     def forget(self, role: str) -> None:
-        self._known.pop(role, None)
+        self.known.pop(role, None)
 
     def sorted(self, role: str, ranked: list[tuple[tuple, object]], now: float, aging_s: float) -> None:
         """The queue was just sorted: `ranked` holds its live entries, in order, with their urgency."""
@@ -141,17 +143,17 @@ class QueueOrder:
                 return
             until = min(until, _next_boost(req.marks.get(f"queued_{role}", now), now, aging_s))
         if ranked:
-            self._known[role] = (until, ranked[-1][0])
+            self.known[role] = (until, ranked[-1][0])
         else:
             self.forget(role)
 
     def appended(self, role: str, key: tuple, req, now: float, aging_s: float) -> None:
         """`req`, of urgency `key`, was just added at the back of `role`'s queue (known to be in order at `now`)."""
-        until, last = self._known[role]
+        until, last = self.known[role]
         if req.slo_deadline is not None or key < last:
             self.forget(role)
         else:
-            self._known[role] = (min(until, _next_boost(now, now, aging_s)), key)
+            self.known[role] = (min(until, _next_boost(now, now, aging_s)), key)
 
 
 class Slo:
