@@ -69,10 +69,10 @@ class Placement:
                     continue
                 if candidates is None:
                     candidates = self.registry.of_role(role)
-                producer = (self.registry.get(req.source.slot.instance_id)
+                producer = (self.registry.by_id.get(req.source.slot.instance_id)
                             if req.source is not None and self.config.host_aware else None)
                 prefer = producer.host if producer is not None else None
-                if self.slo_placed(req, role):  # where it gets the device soonest (disagg/orchestrator/slo.py)
+                if req.slo_deadline is not None and self.slo_placed(req, role):  # where it gets the device soonest (disagg/orchestrator/slo.py)
                     inst = self.policy.pick(role, self.slo_pick(req, candidates, now), prefer,
                                             req.source.slot.nbytes if req.source is not None else 0)
                 else:
@@ -85,7 +85,7 @@ class Placement:
                     break
                 if role == "encoder":
                     inst = self.conditioning_holder(req, inst)
-                if self.worth_waiting(req, inst, candidates, now):
+                if req.params.loras and self.worth_waiting(req, inst, candidates, now):
                     deferred.append(queue.popleft())
                     if len(deferred) >= MAX_DEFERRED:
                         break
@@ -210,7 +210,7 @@ class Placement:
             note_assigned(inst, [r.name for r in req.params.loras])
         run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
                   inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
-                  stage_deadline_s=self.stage_deadline(req, inst.role, now),
+                  stage_deadline_s=self.stage_deadline(req, inst.role, now) if req.slo_deadline is not None else None,
                   carry=req.cache_steps if inst.role == "decoder" else {})
         out.append(to_instance(inst.id, run, frames))
 

@@ -240,7 +240,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
     # --- role messages ----------------------------------------------------------------------
 
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
-        self.folded_fetch(sender, msg, now, out)
+        if msg.fetch_s is not None:
+            self.folded_fetch(sender, msg, now, out)
         inst = self.registry.get(sender)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
@@ -295,7 +296,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         inst = self.registry.get(sender)
         if self.preview_ended(inst, msg, frames, out):
             return
-        self.folded_fetch(sender, msg, now, out)
+        if msg.fetch_s is not None:
+            self.folded_fetch(sender, msg, now, out)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)

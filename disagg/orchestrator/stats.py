@@ -15,6 +15,8 @@ THROUGHPUT_WINDOW_S = 10.0
 STAGE_PHASES = ("queue", "compute", "fetch")
 #: a gateway not heard from for this long is no longer listed in status
 GATEWAY_SILENCE_S = 5.0
+#: a timing's name -> (role, phase), or () for one that is not a stage's phase (Stats.record)
+_STAGE_PHASE: dict[str, tuple] = {}
 
 
 class Stats:
@@ -35,9 +37,14 @@ class Stats:
 
     def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
         for key, seconds in (timings or {}).items():
-            phase, _, role = key.partition("_")
-            if phase in STAGE_PHASES and role:
-                total = self.stage_times[(role, phase)]
+            where = _STAGE_PHASE.get(key)
+            if where is None:
+                phase, _, role = key.partition("_")
+                where = (role, phase) if phase in STAGE_PHASES and role else ()
+                if len(_STAGE_PHASE) < 1024:  # the router's own names: a few dozen
+                    _STAGE_PHASE[key] = where
+            if where:
+                total = self.stage_times[where]
                 total[0] += 1
                 total[1] += seconds
         if state == "done":
