@@ -252,7 +252,10 @@ class Recovery:
             inst = registry.get(r.instance_id)
             return r.kind == "done" or (inst is not None and inst.state != "dead")
 
-        records = [r for r in self.orphans.pop(req.id, []) if usable(r)]
+        records = self.orphans.pop(req.id, None)
+        if not records:
+            return False  # what a new request finds: nothing held for it
+        records = [r for r in records if usable(r)]
         previews = [r for r in records if r.kind == "preview"]  # copies of latents: never what a request resumes from
         records = [r for r in records if r.kind != "preview"]
         if not records:

@@ -17,15 +17,16 @@ MONOLITH = "monolith"
 ROLES = STAGES + (MONOLITH,)
 
 
+_NEXT = {**dict(zip(STAGES, STAGES[1:] + (None,))), MONOLITH: None}
+_PREVIOUS = dict(zip(STAGES[1:], STAGES))
+
+
 def next_stage(role: str) -> str | None:
-    if role == MONOLITH:
-        return None
-    i = STAGES.index(role)
-    return STAGES[i + 1] if i + 1 < len(STAGES) else None
+    return _NEXT[role]
 
 
 def previous_stage(role: str) -> str | None:
-    return STAGES[STAGES.index(role) - 1] if role in STAGES[1:] else None
+    return _PREVIOUS.get(role)
 
 
 @dataclass
@@ -81,11 +82,16 @@ class Request:
             self.timings[name] = round(self.marks[end] - self.marks[start], 6)
 
 
+_LIMIT_KEYS = {"width": "max_width", "height": "max_height", "num_frames": "max_frames"}
+
+
 def over_limits(limits: dict[str, int], p) -> tuple[str, str] | None:
     """(the field, why) a deployment with these limits (max_width, max_height, max_frames; 0 = none) cannot
     make a request of parameters `p`, or None when it can."""
+    if not limits:
+        return None
     for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
-        limit = limits.get(f"max_{field.removeprefix('num_')}", 0)
+        limit = limits.get(_LIMIT_KEYS[field], 0)
         if value is not None and limit and value > limit:
             return field, f"{field} {value} is over this deployment's maximum of {limit}"
     return None

@@ -128,7 +128,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
     def handle_instance(self, sender: str, msg, frames: list[bytes], now: float) -> list[Out]:
         out: list[Out] = []
         if not isinstance(msg, Register):
-            inst = self.registry.get(sender)
+            inst = self.registry.by_id.get(sender)
             if inst is None and self.recovery.keep_early(sender, msg, frames, now):
                 return []  # a report that overtook its role's Register (after a restart): replayed after it
             if inst is None:
