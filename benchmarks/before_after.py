@@ -1,5 +1,7 @@
 """A same-run A/B of two checkouts on `sim:zero` 1:1:1: each launches its own deployment with its own defaults,
-and the rounds alternate between them (concurrency 1, then 64, per round).
+and the rounds alternate between them (concurrency 1, 8, then 64, per round). Besides throughput and p50, each
+bench reports the orchestrator's CPU time per request (psutil: its user + system time over the bench's requests,
+warm-up included).
 
     git worktree add /tmp/before BASE_COMMIT
     python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--out FILE]
@@ -17,12 +19,31 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.sim_suite import stop_all  # noqa: E402
 
 BENCHES = {"c1": ["--concurrency", "1", "--num-requests", "500", "--warmup", "20"],
+           "c8": ["--concurrency", "8", "--num-requests", "3000", "--warmup", "20"],
            "c64": ["--concurrency", "64", "--num-requests", "3000", "--warmup", "20"]}
+
+
+def requests_of(bargs: list[str]) -> int:
+    return int(bargs[bargs.index("--num-requests") + 1]) + int(bargs[bargs.index("--warmup") + 1])
+
+
+def orchestrator(launch) -> psutil.Process:
+    for child in psutil.Process(launch.pid).children(recursive=True):
+        if "disagg.orchestrator" in " ".join(child.cmdline()):
+            return child
+    raise SystemExit("no orchestrator process under the launcher")
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def cli(tree: Path, *args: str) -> list[str]:
@@ -62,27 +83,31 @@ def main() -> None:
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         for side, tree in sides.items():
             ready(tree, endpoints[side], procs[side])
+        orchs = {side: orchestrator(procs[side]) for side in sides}
         for r in range(args.rounds):
             for side, tree in sides.items():
                 for bench, bargs in BENCHES.items():
+                    cpu0 = cpu_s(orchs[side])
                     res = subprocess.run(cli(tree, "bench", "--endpoint", endpoints[side], *bargs, "--json"), cwd=tree,
                                          capture_output=True, text=True)
                     if res.returncode != 0:
                         raise SystemExit(f"{side}/{bench}: {res.stderr[-1500:]}")
                     rep = json.loads(res.stdout)
-                    row = {"rps": rep["throughput_rps"], "p50_ms": round(rep["latency_s"]["p50"] * 1000, 3)}
+                    row = {"rps": rep["throughput_rps"], "p50_ms": round(rep["latency_s"]["p50"] * 1000, 3),
+                           "orch_cpu_us": round((cpu_s(orchs[side]) - cpu0) / requests_of(bargs) * 1e6, 1)}
                     runs[side][bench].append(row)
-                    print(f"round {r + 1} {side:6s} {bench:3s} {row['rps']:9.1f} req/s  p50 {row['p50_ms']:7.3f} ms",
-                          flush=True)
+                    print(f"round {r + 1} {side:6s} {bench:3s} {row['rps']:9.1f} req/s  p50 {row['p50_ms']:7.3f} ms  "
+                          f"orchestrator {row['orch_cpu_us']:6.1f} µs CPU/request", flush=True)
     finally:
         stop_all(procs.values())
-    print(f"\n| side | bench | req/s (median of {args.rounds}) | p50 ms |\n|---|---|---|---|")
+    print(f"\n| side | bench | req/s (median of {args.rounds}) | p50 ms | orchestrator µs CPU/request |\n"
+          "|---|---|---|---|---|")
     medians = {}
     for side, benches in runs.items():
         for bench, rows in benches.items():
-            m = {k: statistics.median(x[k] for x in rows) for k in ("rps", "p50_ms")}
+            m = {k: statistics.median(x[k] for x in rows) for k in ("rps", "p50_ms", "orch_cpu_us")}
             medians[f"{side}/{bench}"] = m
-            print(f"| {side} | {bench} | {m['rps']:.1f} | {m['p50_ms']:.3f} |")
+            print(f"| {side} | {bench} | {m['rps']:.1f} | {m['p50_ms']:.3f} | {m['orch_cpu_us']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"medians": medians, "runs": runs}, indent=1))
 
