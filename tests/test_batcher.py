@@ -119,16 +119,17 @@ def test_a_model_without_step_batching_refuses_max_batch():
 def test_busy_meter_splits_overlapping_work_so_shares_sum_to_busy_time():
     from disagg.roles.compute import BusyMeter
 
-    meter = BusyMeter()
+    now = [0.0]  # an injected clock: the shares do not depend on how the machine schedules this test
+    meter = BusyMeter(clock=lambda: now[0])
     a = meter.enter()
-    time.sleep(0.05)
+    now[0] += 0.05
     b = meter.enter()  # 0.05 s alone, then 0.05 s together
-    time.sleep(0.05)
+    now[0] += 0.05
     share_a = meter.leave(a)
-    time.sleep(0.05)  # b alone again
+    now[0] += 0.05  # b alone again
     share_b = meter.leave(b)
-    assert share_a == pytest.approx(0.075, abs=0.01) and share_b == pytest.approx(0.075, abs=0.01)
-    assert share_a + share_b == pytest.approx(0.15, abs=0.015)
+    assert share_a == pytest.approx(0.075) and share_b == pytest.approx(0.075)
+    assert share_a + share_b == pytest.approx(0.15)
 
 
 def test_flux_requests_sharing_forwards_match_the_pipeline_one_by_one():

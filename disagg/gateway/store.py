@@ -9,8 +9,8 @@ import time
 class BoundedCache:
     """Entries in insertion order, each with its size; the oldest go when a bound is passed."""
 
-    def __init__(self, max_items: int, max_bytes: int, ttl_s: float | None = None):
-        self.max_items, self.max_bytes, self.ttl_s = max_items, max_bytes, ttl_s
+    def __init__(self, max_items: int, max_bytes: int, ttl_s: float | None = None, clock=time.monotonic):
+        self.max_items, self.max_bytes, self.ttl_s, self.clock = max_items, max_bytes, ttl_s, clock
         self._items: collections.OrderedDict[str, tuple[object, int, float]] = collections.OrderedDict()
         self.nbytes = 0
 
@@ -22,7 +22,7 @@ class BoundedCache:
 
     def put(self, key: str, value, nbytes: int) -> None:
         self.pop(key)
-        now = time.monotonic()
+        now = self.clock()
         self._items[key] = (value, nbytes, now + self.ttl_s if self.ttl_s is not None else float("inf"))
         self.nbytes += nbytes
         while self._items and (len(self._items) > self.max_items or self.nbytes > self.max_bytes
@@ -33,7 +33,7 @@ class BoundedCache:
         item = self._items.get(key)
         if item is None:
             return None
-        if item[2] < time.monotonic():
+        if item[2] < self.clock():
             self.pop(key)
             return None
         return item[0]

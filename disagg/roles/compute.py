@@ -61,14 +61,15 @@ class BusyMeter:
     far it advanced between its start and end. The shares sum to the time the instance had any work,
     so utilization stays a fraction even with several requests in flight on one device."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
         self._lock = threading.Lock()
         self._active = 0
-        self._last = time.perf_counter()
+        self._last = clock()
         self._virtual = 0.0
 
     def _advance(self) -> float:
-        now = time.perf_counter()
+        now = self._clock()
         if self._active:
             self._virtual += (now - self._last) / self._active
         self._last = now
