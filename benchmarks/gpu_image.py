@@ -181,14 +181,21 @@ def _requirements_met(dist: str) -> list[tuple[str, str]]:
         req = Requirement(line)
         if req.marker is not None and not req.marker.evaluate(env):
             continue
-        try:
-            have = md.version(req.name)
-        except md.PackageNotFoundError:
-            bad.append((req.name, f"{dist} needs {req}: not installed (not in the image, not carried)"))
-            continue
-        if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append((req.name, f"{dist} needs {req}: {have} is installed"))
+        bad += _unmet(req, f"{dist} needs {req}: not installed (not in the image, not carried)",
+                      f"{dist} needs {req}: {{have}} is installed")
     return bad
+
+
+def _unmet(req, missing: str, other: str) -> list[tuple[str, str]]:
+    """[(req's distribution, why)] when it is not installed (`missing`) or its version is out of req's range
+    (`other`, with {have} the installed one); [] when it is met."""
+    try:
+        have = md.version(req.name)
+    except md.PackageNotFoundError:
+        return [(req.name, missing)]
+    if req.specifier and not req.specifier.contains(have, prereleases=True):
+        return [(req.name, other.format(have=have))]
+    return []
 
 
 def _wheel_requirements(there: set[str]) -> list[str]:
@@ -316,13 +323,8 @@ def env(dry: bool, out: str | None, wheel_list: Path = WHEEL_LIST) -> int:
         req = Requirement(line)
         if normalize(req.name) not in there:
             continue  # the gateway's (fastapi, uvicorn, ...): no step needs them, and the image lacks them
-        try:
-            have = md.version(req.name)
-        except md.PackageNotFoundError:
-            bad.append((req.name, f"{req.name} is missing (pyproject: {req})"))
-            continue
-        if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append((req.name, f"{req.name} {have} is installed; the code needs {req} (pyproject.toml)"))
+        bad += _unmet(req, f"{req.name} is missing (pyproject: {req})",
+                      f"{req.name} {{have}} is installed; the code needs {req} (pyproject.toml)")
     if doc["diffusers"] != pins["diffusers"]:
         bad.append(("diffusers", f"diffusers {doc['diffusers']} is installed; the GPU run pins {pins['diffusers']} "
                                  f"(the version the code was measured on; benchmarks/gpu_wheels.txt)"))
