@@ -9,6 +9,7 @@ import pytest
 
 from disagg.client import Outcome
 from disagg.launcher.bench_load import run_load, zipf_names
+from disagg.orchestrator.placement import LoraPatience, affinity_rule
 from disagg.orchestrator.loras import LoraCatalog, scan
 from disagg.roles.lora_backends import SimLoras
 from disagg.roles.loras import USE_WINDOW, LoraBank
@@ -83,7 +84,7 @@ def test_a_denoiser_that_holds_the_adapter_gets_it_within_the_load_rule(tmp_path
     assert to_denoiser(h, "r1")[0] == "denoiser-2"  # all have 2 free: the holder
     assert to_denoiser(h, "r2")[0] == "denoiser-2"  # it has 1 free, others 2: within the slack, still it
     # now it is full: none holds A and is free, but it will be soon: r3 waits for it (a load takes longer)
-    h.router.lora_load_s["denoiser"] = 0.8
+    h.router.placement.lora_loads.load_s["denoiser"] = 0.8
     assert to_denoiser(h, "r3") is None
     # a request for B is placed meanwhile (the queue behind a waiting one moves on); it goes cold where a load
     # evicts nothing: denoiser-0 and -1 hold no adapter
@@ -111,7 +112,7 @@ def cost_harness(tmp_path, affinity="cost"):
     d0, d1 = h.add("denoiser", 2, capacity=4)
     for iid in (d0, d1):
         h.router.registry.get(iid).solo_s = 0.7
-    h.router.lora_load_s["denoiser"] = 0.8
+    h.router.placement.lora_loads.load_s["denoiser"] = 0.8
     return h, d0, d1
 
 
@@ -129,8 +130,7 @@ def test_the_cost_rule_sends_a_request_where_it_is_expected_to_finish_first(tmp_
     h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(held=["A", "C", "D", "E"], slots=4), steps={"r3": [3, 4]}))
     assert to_denoiser(h, "r5", names=("B",))[0] == d1
     # it never waits for a busy holder: with both full, the request queues for whichever frees first
-    assert not any(h.router.worth_waiting(h.router.requests["r5"], h.router.registry.get(i), [], 0.0)
-                   for i in (d0, d1))
+    assert h.router.placement.step(LoraPatience) is None  # the cost rule leaves patience out of the chain
 
 
 def test_the_cost_rule_counts_a_load_at_what_the_instances_own_loads_took(tmp_path):
@@ -153,10 +153,10 @@ def test_auto_is_on_without_host_memory_and_cost_once_a_denoiser_keeps_adapters_
     for tier in (False, True):
         (tmp_path / str(tier)).mkdir()
         h, d0, d1 = cost_harness(tmp_path / str(tier), affinity="auto")
-        assert h.router.affinity_rule == "on"
+        assert affinity_rule(h.router.config, h.router.registry) == "on"
         if tier:  # host memory comes with a heartbeat, after registration
             h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(slots=4, host_slots=8)))
-        assert h.router.affinity_rule == ("cost" if tier else "on")
+        assert affinity_rule(h.router.config, h.router.registry) == ("cost" if tier else "on")
         holding(h, d1, ["A"])
         picks = [to_denoiser(h, f"r{k}")[0] for k in range(3)]
         # on: the holder while it has a free slot; cost: the third loads on the idle one (1.5 s against 2.1 s)
@@ -357,7 +357,7 @@ def test_dispatch_prefers_an_instance_that_keeps_the_adapter_in_host_memory(tmp_
         d0, d1, d2 = h.add("denoiser", 3, capacity=4)
         for iid in (d0, d1, d2):
             h.router.registry.get(iid).solo_s = 0.7
-        h.router.lora_load_s["denoiser"] = 0.8
+        h.router.placement.lora_loads.load_s["denoiser"] = 0.8
         full = ["C", "D", "E", "F"]
         h.role(d0, Heartbeat(instance_id=d0, lora=LoraStats(held=full, slots=4, load_s=0.8)))
         h.role(d1, Heartbeat(instance_id=d1, lora=LoraStats(held=full, slots=4, load_s=0.8, host=["A"],

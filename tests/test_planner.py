@@ -381,11 +381,11 @@ def test_live_previews_count_as_decodes_in_the_window():
         d.add(role)
     d.poll()
     d.serve(2, 6)
-    plain = d.router.window_work(d.now).seconds
+    plain = d.router.rebalance.window_work(d.now).seconds
     for _ in range(6):
-        d.router.note_arrival(GenerationParams(prompt="p", width=1024, height=1024, num_inference_steps=2, previews=2),
+        d.router.rebalance.note_arrival(GenerationParams(prompt="p", width=1024, height=1024, num_inference_steps=2, previews=2),
                               d.now)
-    mixed = d.router.window_work(d.now).seconds
+    mixed = d.router.rebalance.window_work(d.now).seconds
     assert abs(mixed["decoder"] - 2 * plain["decoder"]) < 1e-9  # (6 x 1 + 6 x 3 decodes) / 12 requests
     assert abs(mixed["denoiser"] - plain["denoiser"]) < 1e-9
 

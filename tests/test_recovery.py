@@ -161,7 +161,7 @@ def test_a_request_resumed_after_its_denoiser_reads_its_output_not_a_preview_cop
     [result] = [o.msg for o in out if isinstance(o.msg, Result)]
     assert result.ok and result.resolved["steps_computed"] == 5 and result.resolved["cache"] == "first_block threshold=0.3"
     assert releases(out) == [("denoiser-0", 4096)]
-    assert (h.router.previews_sent, h.router.previews_lost) == (1, 0)
+    assert (h.router.previews.sent, h.router.previews.lost) == (1, 0)
 
 
 def test_a_preview_copy_of_a_request_answered_already_is_released_and_counted_lost():

@@ -4,6 +4,7 @@ import msgspec
 import pytest
 
 from disagg.orchestrator.dispatch import MaxFreeSlots, RoundRobin
+from disagg.orchestrator.placement import ConditioningAffinity
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.router import Router, RouterConfig
 from disagg.transport.messages import (
@@ -818,7 +819,7 @@ def test_a_repeated_prompt_goes_to_the_encoder_that_encoded_it_when_it_has_room(
     [(busy_case, _)] = runs(h.submit("r4", prompt="a red fox"))
     assert busy_case != first
     h.role(busy_case, staged(busy_case, "r4", offset=512))
-    assert h.router.conditioning_holders[h.router.requests["r4"].conditioning_key] == busy_case
+    assert h.router.placement.step(ConditioningAffinity).holders[h.router.requests["r4"].conditioning_key] == busy_case
     # an image request has no key: the policy decides
     from disagg.transport.params import conditioning_key
 

@@ -1,4 +1,4 @@
-"""Deadlines and priorities on the orchestrator's side (disagg/orchestrator/slo.py), on a fake clock: queue order,
+"""Deadlines and priorities on the orchestrator's side (disagg/orchestrator/deadlines.py), on a fake clock: queue order,
 admission, shedding, what Run, RequestStates and status carry; and the trace pieces of `disagg bench`."""
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def test_a_queue_in_urgency_order_is_not_ranked_again_and_aging_and_priorities_s
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     ranked = []
-    urgency = h.router.urgency
-    h.router.urgency = lambda req, now: ranked.append(req.id) or urgency(req, now)
+    urgency = h.router.deadlines.urgency
+    h.router.deadlines.urgency = lambda req, now: ranked.append(req.id) or urgency(req, now)
     [(_, run)] = runs(h.submit("r0"))
     for k in range(1, 500):
         h.submit(f"r{k}")

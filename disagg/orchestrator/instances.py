@@ -48,7 +48,7 @@ class InstanceLifecycle:
             self.lose_instance(old, "it registered again (restarted)", now, out)
         inst = self.registry.register(msg, now)
         self.unserved_since.pop(inst.role, None)
-        self._inline_cache.clear()
+        self.instances_changed()
         # work still computing from before: its slots stay taken until it reports
         inst.running = dict(msg.busy)
         inst.inherited = dict(msg.busy)
@@ -95,7 +95,7 @@ class InstanceLifecycle:
         out.append(to_instance(inst.id, Alive(orchestrator_id=self.id, forget_pools=self.gone_pools(msg.peer_pools))))
         if msg.ready and inst.state == "starting":
             inst.state = self.serving_or_standby(inst)
-            self._inline_cache.clear()
+            self.instances_changed()
             log.info("%s %s", inst.id, "ready" if inst.state == "ready" else "ready, as a standby")
 
     def warn_unavailable_engines(self, inst: Instance) -> None:
@@ -137,7 +137,7 @@ class InstanceLifecycle:
         for inst in insts:
             if msg.drain:
                 inst.state = "draining"  # no new work; shut down once idle (tick)
-                self._inline_cache.clear()
+                self.instances_changed()
             else:
                 out.append(to_instance(inst.id, Shutdown()))
                 self.lose_instance(inst, f"its host {msg.host_id} was stopped", now, out)
@@ -205,8 +205,9 @@ class InstanceLifecycle:
         """Draining instances that run and hold nothing any more are told to exit."""
         for inst in self.registry.alive():
             if inst.state == "draining" and not inst.running and not inst.staged:
-                out.append(to_instance(inst.id, Shutdown(move=inst.id in self.moving)))
-                self.lose_instance(inst, "drained", now, out, moving=inst.id in self.moving)
+                moving = inst.id in self.rebalance.moving
+                out.append(to_instance(inst.id, Shutdown(move=moving)))
+                self.lose_instance(inst, "drained", now, out, moving=moving)
 
     def serving_or_standby(self, inst: Instance) -> str:
         """The state of an instance that just became ready: a standby while its role has fewer standbys
@@ -289,12 +290,12 @@ class InstanceLifecycle:
         """Mark an instance dead; every request it held or whose data it held gets a new attempt. `moving`: it
         drained and stopped for a planned move (rebalance), which the log says, not a loss."""
         if moving:
-            move = self.moving[inst.id]
+            move = self.rebalance.moving[inst.id]
             log.info("instance %s drained and stopped to move: its device becomes %s (%s)", inst.id, move.new_id,
                      move.to_role)
         else:
             log.warning("instance %s is dead: %s", inst.id, why)
-        self._inline_cache.clear()
+        self.instances_changed()
         if inst.state == "ready":
             self.promote_standby(inst)
         inst.state, inst.free_slots = "dead", 0

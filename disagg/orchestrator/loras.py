@@ -8,7 +8,7 @@ stem; read again whenever the folder changes, so adapters added later are picked
 Affinity: of the instances the policy may pick from, those that hold every adapter of the request are
 "warm"; a warm one gets the request whenever one is free (`on`). The load rule that keeps a popular
 adapter from making a hotspot is the instance's capacity (a full holder takes nothing more) and the
-patience (disagg/orchestrator/placement.py worth_waiting): a request waits for a busy holder at most as long
+patience (disagg/orchestrator/placement.py LoraPatience): a request waits for a busy holder at most as long
 as a load takes (a restore, where a free instance keeps the adapters in host memory: loras.host_slots),
 then goes cold, so the adapter spreads to a second instance. A cold pick prefers instances that keep the
 adapters in host memory, then those with an adapter slot to spare, so a load evicts nothing where it can. BENCHMARKS.md (LoRA
@@ -30,11 +30,11 @@ import msgspec
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1
 #: The load rules are loras.affinity's own values (LoraAffinity): on (warm whenever one is free; its bound is the
-#: instance's capacity and the patience of disagg/orchestrator/placement.py worth_waiting), cost (the earliest
+#: instance's capacity and the patience of disagg/orchestrator/placement.py LoraPatience), cost (the earliest
 #: expected finish, a load and what it evicts counted: expected_finish), and the alternatives BENCHMARKS.md
 #: measured them against: slack (the rule above), two-choices (the freer of two warm ones drawn at random). off
 #: is no rule (None); auto resolves to cost where a denoiser keeps unloaded adapters in host memory
-#: (loras.host_slots), else on, each where it measured best (Placement.affinity_rule)
+#: (loras.host_slots), else on, each where it measured best (placement.affinity_rule)
 #: the `cost` rule's price of evicting an adapter to load another, in loads: a later request for the evicted one
 #: may have to load it again (BENCHMARKS.md, LoRA affinity: with it, `cost` still loads 0.86x of `off`)
 EVICTION_COST = 0.5
@@ -165,7 +165,7 @@ def pick_by_affinity(ready: list[Instance], names, rule: LoraAffinity, rng=None,
                      cost=None) -> list[Instance] | None:
     """The instances a request with adapters `names` should go to, among `ready` (dispatchable ones), for the
     policy to choose from; None when adapters make no difference (then the policy picks among all). `cost`:
-    the `cost` rule's estimate (instance, warm -> seconds; Placement.lora_cost)."""
+    the `cost` rule's estimate (instance, warm -> seconds; LoraAffinityStep.cost)."""
     if not names or not ready:
         return None
     if rule == LoraAffinity.COST and cost is not None:

@@ -24,11 +24,12 @@ import logging
 import math
 from dataclasses import dataclass
 
+from disagg.orchestrator.deadlines import shape
 from disagg.orchestrator.outbox import to_client
+from disagg.orchestrator.parts import Part
 from disagg.orchestrator.planner import ROLES, Plan, Work, fmt, plan
-from disagg.orchestrator.slo import shape
 from disagg.settings.choices import RebalanceMode
-from disagg.transport.messages import RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
+from disagg.transport.messages import LauncherPoll, RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -52,10 +53,16 @@ class Move:
     ordered_at: float = 0.0
 
 
-class Rebalance:
-    """Methods of Router (a mixin): the window of requests, the plan, and the moves."""
+class Rebalance(Part):
+    """A part of the Router (disagg/orchestrator/parts.py): the window of requests, the plan, and the moves. It owns
+    the launchers' LauncherPoll."""
 
-    def rebalance_init(self) -> None:
+    messages = {LauncherPoll: "handle_launcher_poll"}
+
+    def __init__(self, core):
+        self.core = core
+        self.config = core.config
+        self.registry = core.registry
         #: (bucket start, {shape key: [params, count]}), oldest first
         self.arrivals: collections.deque = collections.deque()
         self.launchers: dict[str, float] = {}
@@ -72,13 +79,16 @@ class Rebalance:
         self.launcher_ids: dict[str, frozenset[str]] = {}
 
     @property
-    def rebalance_mode(self) -> RebalanceMode:
+    def mode(self) -> RebalanceMode:
         return RebalanceMode.OFF if self.config.colocated else self.config.rebalance.mode
 
     # --- inputs ---------------------------------------------------------------------------------
 
+    def submitted(self, req, now: float) -> None:
+        self.note_arrival(req.params, now)
+
     def note_arrival(self, params, now: float) -> None:
-        if self.rebalance_mode == RebalanceMode.OFF:
+        if self.mode == RebalanceMode.OFF:
             return
         start = math.floor(now / BUCKET_S) * BUCKET_S
         if not self.arrivals or self.arrivals[-1][0] != start:
@@ -93,7 +103,7 @@ class Rebalance:
     def handle_launcher_poll(self, identity, msg, frames, now, out) -> None:
         self.launchers[msg.launcher] = now
         self.launcher_ids[msg.launcher] = frozenset(msg.ids)
-        if msg.idle and self.rebalance_mode == RebalanceMode.AUTO and not self.stopping:
+        if msg.idle and self.mode == RebalanceMode.AUTO and not self.core.stopping:
             self.adopt_idle(msg.launcher, msg.idle, now)
         orders = [Rerole(instance_id=m.inst, new_id=m.new_id, role=m.to_role) for m in self.moving.values()
                   if m.launcher == msg.launcher and m.state == "restarting"]
@@ -106,7 +116,7 @@ class Rebalance:
         device: it recommends for the budget, whoever would move it)."""
         if len(inst.devices) > 1:
             return False
-        if self.rebalance_mode != RebalanceMode.AUTO:
+        if self.mode != RebalanceMode.AUTO:
             return True
         return bool(inst.launcher) and now - self.launchers.get(inst.launcher, -math.inf) <= LAUNCHER_SILENCE_S
 
@@ -137,27 +147,27 @@ class Rebalance:
                 entry[1] += count
         fetch, slots = {}, {}
         for role in ROLES:
-            n, total = self.stats.stage_times.get((role, "fetch"), (0, 0.0))
+            n, total = self.core.stats.stage_times.get((role, "fetch"), (0, 0.0))
             fetch[role] = total / n if n else 0.0
             insts = [i for i in self.registry.of_role(role) if i.state != "dead"]
             slots[role] = max((i.capacity for i in insts), default=1)
         # only shapes every role has measured: a shape's first estimate, scaled from others (a video's decode from
         # images'), can be far off, and a split planned on it would be undone a moment later
         def measured(entry) -> bool:
-            return all(self.predictor.predict(r, entry[0], measured_only=True) is not None for r in ROLES)
+            return all(self.core.deadlines.predictor.predict(r, entry[0], measured_only=True) is not None for r in ROLES)
 
         return Work.of([e for e in merged.values() if measured(e)], self.work_of, fetch, slots)
 
     def work_of(self, role: str, params) -> float | None:
         """Predicted device seconds of `role` for a request: a decoder's counts each live preview the request asked
         for as one more decode of its size (previews.py: a preview is decoded on a decoder; videos take none)."""
-        seconds = self.predictor.predict(role, params)
+        seconds = self.core.deadlines.predictor.predict(role, params)
         if seconds is not None and role == "decoder" and params.previews and not params.num_frames:
             seconds *= 1 + params.previews
         return seconds
 
-    def rebalance_tick(self, now: float, out) -> None:
-        mode = self.rebalance_mode
+    def tick(self, now: float, out) -> None:
+        mode = self.mode
         if mode == RebalanceMode.OFF:
             return
         self.follow_moves(now)
@@ -179,7 +189,7 @@ class Rebalance:
         cfg, p = self.config.rebalance, self.plan
         if self.moving:
             return "moves in progress"
-        if self.stopping or self.draining or self.recovery.recovering(now):
+        if self.core.stopping or self.core.draining or self.core.recovering(now):
             return "the orchestrator is stopping or recovering"
         if p.best == p.current:
             return "the current split is the best"
@@ -200,7 +210,7 @@ class Rebalance:
             new_id = self.new_instance_id(to_role, inst.id)
             self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now)
             inst.state = "draining"  # no new work; shut down once idle (shutdown_drained)
-            self._inline_cache.clear()
+            self.core.instances_changed()
             started.append(f"{inst.id} -> {new_id}")
         if not started:
             return "no instance can move (none movable, or the role's footprint does not fit)"
@@ -228,8 +238,8 @@ class Rebalance:
 
     def work_in_hand(self, inst, now: float) -> float:
         """Predicted seconds until what `inst` runs is done (how long it would take to drain)."""
-        return sum(self.stage_left(req, inst.role, now) for rid in inst.running
-                   if (req := self.requests.get(rid)) is not None)
+        return sum(self.core.deadlines.stage_left(req, inst.role, now) for rid in inst.running
+                   if (req := self.core.requests.get(rid)) is not None)
 
     def footprint(self, role: str) -> int:
         """Bytes a device needs for `role`: its instances' largest weights plus pool (0 before any reported)."""
@@ -256,7 +266,7 @@ class Rebalance:
             new_id = self.new_instance_id(to_role, device.instance_id)
             self.moving[device.instance_id] = Move(device.instance_id, new_id, device.role, to_role, launcher, now,
                                                    state="restarting", ordered_at=now)
-            self.warnings.append(f"rebalance: {device.instance_id}'s device was between roles when the orchestrator "
+            self.core.warnings.append(f"rebalance: {device.instance_id}'s device was between roles when the orchestrator "
                                  f"restarted; it serves as {new_id} now")
             log.warning("rebalance: %s's device was left between roles by an orchestrator restart; its launcher starts "
                         "%s there", device.instance_id, new_id)
@@ -286,13 +296,16 @@ class Rebalance:
                 elif now - m.ordered_at > RESTART_TIMEOUT_S:
                     del self.moving[m.inst]
                     self.last_move_end = now
-                    self.warnings.append(f"rebalance: {m.new_id} did not start within {RESTART_TIMEOUT_S:g} s; "
+                    self.core.warnings.append(f"rebalance: {m.new_id} did not start within {RESTART_TIMEOUT_S:g} s; "
                                          f"its device ({m.inst}'s) is left out")
 
     # --- what status shows ------------------------------------------------------------------------
 
-    def rebalance_status(self, now: float) -> RebalanceStatus | None:
-        mode = self.rebalance_mode
+    def status(self, now: float, report) -> None:
+        report.rebalance = self.report(now)
+
+    def report(self, now: float) -> RebalanceStatus | None:
+        mode = self.mode
         if mode == RebalanceMode.OFF:
             return None
         serving, fixed = self.split_now(now, moving=False)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from disagg.orchestrator.parts import Part
 from disagg.orchestrator.outbox import Out, to_instance
 from disagg.orchestrator.requests import MONOLITH, STAGES, Request, next_stage
 from disagg.transport.messages import (
@@ -87,7 +88,7 @@ def cache_steps(report: Held | Staged) -> dict:
             "steps_skipped": report.steps_skipped or 0}
 
 
-class Recovery:
+class Recovery(Part):
     """The Router's memory of what roles hold for requests it does not know, and of the window after a
     restart. `router` is the Router it serves (requests, registry, the state machine's steps)."""
 
@@ -101,7 +102,7 @@ class Recovery:
         self._early_count = 0
         self.kept_bytes = 0
         #: requests this orchestrator ended: a late output of theirs is released at once
-        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.ended_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Submits that came during the recovery window, in order: placed when it closes
         self.parked: list[str] = []
         self.window_from: float | None = None
@@ -146,7 +147,7 @@ class Recovery:
     def unknown(self, rid: str) -> bool:
         """Whether an output for `rid` is to be kept: the request is not (yet) here, or waits to resume."""
         req = self.router.requests.get(rid)
-        return (req is None and rid not in self.ended) or (req is not None and req.state == "parked")
+        return (req is None and rid not in self.ended_ids) or (req is not None and req.state == "parked")
 
     def on_register(self, inst, msg: Register, now: float, out: list[Out]) -> None:
         """An instance (re)registered: what it still computes and holds is kept for its requests' clients,
@@ -161,7 +162,7 @@ class Recovery:
                                                   held.role, held.attempt, now, slot=held.slot, seed=held.seed,
                                                   preview=held.preview, cache_steps=cache_steps(held)))
             elif self.router.is_source(held.request_id, inst.id, held.slot.offset) or (
-                    held.preview is not None and self.router.preview_reads(inst.id, held.slot.offset)):
+                    held.preview is not None and self.router.previews.reads(inst.id, held.slot.offset)):
                 inst.staged[held.slot.offset] = held.slot.nbytes  # told again: still what its request reads
             else:
                 out.append(to_instance(inst.id, Release(request_id=held.request_id, offset=held.slot.offset)))
@@ -238,9 +239,9 @@ class Recovery:
             self._early_count = sum(map(len, self.early.values()))
 
     def ended_request(self, rid: str) -> None:
-        self.ended[rid] = None
-        if len(self.ended) > MAX_ENDED:
-            self.ended.popitem(last=False)
+        self.ended_ids[rid] = None
+        if len(self.ended_ids) > MAX_ENDED:
+            self.ended_ids.popitem(last=False)
 
     # --- resuming ------------------------------------------------------------------------------
 
@@ -315,10 +316,10 @@ class Recovery:
         the order they were staged; those that cannot be (the request is answered already, a copy from an
         earlier attempt, no decoder) are released and counted lost (status: previews_lost)."""
         for r in sorted(previews, key=lambda r: r.preview.index):
-            if answered or r.attempt != req.attempt or not self.router.decode_preview(
+            if answered or r.attempt != req.attempt or not self.router.previews.decode(
                     req, r.instance_id, r.slot, r.preview, [], now, out):
                 self.release(r, out)
-                self.router.previews_lost += 1
+                self.router.previews.lost += 1
                 log.info("request %s: preview %d staged before the restart is lost", req.id, r.preview.index)
 
     def release(self, r: Orphan, out: list[Out]) -> None:
@@ -328,6 +329,14 @@ class Recovery:
                 out.append(to_instance(inst.id, Release(request_id=r.request_id, offset=r.slot.offset)))
         elif r.kind == "done":
             self.kept_bytes -= r.nbytes
+
+    def tick(self, now: float, out: list[Out]) -> None:
+        if self.parked and not self.recovering(now):
+            self.close_window(now, out)
+        self.expire(now, out)
+
+    def ended(self, req, state: str, now: float) -> None:
+        self.ended_request(req.id)
 
     def expire(self, now: float, out: list[Out]) -> None:
         """Release what nobody claimed within the grace period."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.transport.averages import ewma
+from disagg.common.averages import ewma
 from disagg.transport.messages import InstanceStatus, PoolInfo, Register
 from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 

@@ -53,7 +53,7 @@ class Request:
     marks: dict[str, float] = field(default_factory=dict)
     #: where its LoRA adapters lie (name -> source), resolved at Submit; every Run carries it
     lora_sources: dict[str, str] = field(default_factory=dict)
-    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (disagg/orchestrator/slo.py)
+    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (disagg/orchestrator/deadlines.py)
     slo_deadline: float | None = None
     #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
     cache_steps: dict = field(default_factory=dict)

@@ -13,35 +13,46 @@ import uuid
 
 import msgspec
 
+from disagg.orchestrator.admission import Admission
+from disagg.orchestrator.deadlines import Deadlines
 from disagg.orchestrator.dispatch import make_policy
+from disagg.orchestrator.handoff import InlineNeeds
+from disagg.orchestrator.instances import InstanceLifecycle
 from disagg.orchestrator.loras import LoraCatalog
 from disagg.orchestrator.outbox import Out, RouterConfig, to_client, to_instance
-from disagg.orchestrator.instances import InstanceLifecycle
-from disagg.orchestrator.placement import InlineCache, Placement
+from disagg.orchestrator.parts import Listeners
+from disagg.orchestrator.placement import Placement
 from disagg.orchestrator.previews import Previews
+from disagg.orchestrator.queues import make_queue
 from disagg.orchestrator.rebalance import Rebalance
 from disagg.orchestrator.recovery import Recovery, cache_steps
-from disagg.orchestrator.slo import QueueOrder, Slo, SloCounts, StagePredictor
-from disagg.orchestrator.steps import RequestSteps
 from disagg.orchestrator.registry import Registry
 from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
-from disagg.orchestrator.stats import GATEWAY_SILENCE_S, Stats, request_states, snapshot
+from disagg.orchestrator.stats import Stats, request_states, snapshot
+from disagg.orchestrator.steps import RequestSteps
 from disagg.transport.messages import (
-    ErrorCode, Cancel, GatewayBeat, Dead, LauncherPoll, Done, Failed, Fetched, Heartbeat, Preview, Register, Rejected, Release, RequestQuery, Result, Source, Staged, StatusQuery,
-    StatusReport, Stop, StopHost, Submit,
+    Cancel, Dead, Done, ErrorCode, Failed, Fetched, GatewayBeat, Heartbeat, Register, Rejected, Release, RequestQuery,
+    Result, Source, Staged, StatusQuery, StatusReport, Stop, StopHost, Submit,
 )
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Previews):
-    """Instance registry, per-role to-be-assigned queues, request state machine and dispatch."""
+class Router(InstanceLifecycle, RequestSteps):
+    """The request and instance state machine (this file, steps.py, instances.py), composed with its parts: the queue
+    the `schedule` setting chooses (queues.py) with admission beside it (admission.py), the placement chain ending in
+    the dispatch policy (placement.py, dispatch.py), and the parts that hear its events (parts.py): previews,
+    rebalance, recovery. Time comes as `now`; randomness (`rng`, `seed`) and its own id (`new_id`) are injected."""
 
-    def __init__(self, config: RouterConfig | None = None, now: float = 0.0):
+    def __init__(self, config: RouterConfig | None = None, now: float = 0.0, rng: random.Random | None = None,
+                 seed: int = 0, new_id=lambda: uuid.uuid4().hex[:12]):
         self.config = config or RouterConfig()
+        #: draws the seed of a request that names none (a retry of any stage then reproduces the same image)
+        self.rng = rng or random.Random()
+        #: each part's own generator starts from it (rng_for)
+        self.seed = seed
         self.registry = Registry()
         self.policy = make_policy(self.config.dispatch)
         self.policy.index = self.registry.free  # picks look at ready instances with a free slot only
-        self.queues: dict[str, collections.deque[str]] = {r: collections.deque() for r in ROLES}
         self.first_stage = MONOLITH if self.config.colocated else "encoder"
         self.pipeline_roles = (MONOLITH,) if self.config.colocated else ("encoder", "denoiser", "decoder")
         #: role -> since when it has had no instance that serves or will (see note_served)
@@ -51,7 +62,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         self.requests: dict[str, Request] = {}
         self.stats = Stats()
         self.started_at = now
-        self.id = uuid.uuid4().hex[:12]  # a restarted orchestrator is a different one
+        self.id = new_id()  # a restarted orchestrator is a different one
         self.restarts = 0
         self.stopping = False
         self.draining = False
@@ -63,10 +74,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         self._warned_engines: set[tuple[str, str, str]] = set()
         #: what status shows an operator (StatusReport.warnings)
         self.warnings: collections.deque[str] = collections.deque(maxlen=16)
-        #: (consumer role, producer pool kind) -> whether some consumer needs its output inline; and
-        #: role -> its ready consumers' kinds of pool. Both reset when instances change (_inline_cache.clear)
-        self._inline_cache = InlineCache()
-        self._consumer_kinds = self._inline_cache.kinds
+        #: whether a producer's output must travel inline (disagg/orchestrator/handoff.py)
+        self.needs_inline = InlineNeeds(self.registry, self.config.transfer)
         #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
         #: of the first stage report it: larger requests are refused at Submit
         self.limits: dict[str, int] = {}
@@ -76,22 +85,21 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         #: the adapters requests may name (disagg/orchestrator/loras.py)
         self.lora_catalog = LoraCatalog(loras.dir, loras.adapters, any_name=self.config.sim,
                                         max_per_request=loras.max_per_request)
-        self.lora_rng = random.Random(0)  # the two-choices rule's draws
-        #: prompts' conditioning key -> the encoder that encoded them last (disagg/orchestrator/placement.py)
-        self.conditioning_holders: dict[str, str] = {}
-        #: role -> moving average of the seconds its adapter loads took (affinity's patience, worth_waiting)
-        self.lora_load_s: dict[str, float] = {}
-        #: stage times per role and shape, and deadlines met and missed (disagg/orchestrator/slo.py)
-        self.predictor = StagePredictor()
-        self.slo_counts = SloCounts()
-        #: per role, whether its queue is known to be in urgency order already (schedule slo; order_queue)
-        self.queue_order = QueueOrder()
-        #: the lowest priority of any request admitted so far (shed_for: none queued is lower)
-        self.lowest_priority = math.inf
+        #: stage times, slack and urgency, deadlines met and missed (disagg/orchestrator/deadlines.py)
+        self.deadlines = Deadlines(self.config, self.registry, self.requests)
+        #: the requests waiting per role, in the order the `schedule` setting chooses (disagg/orchestrator/queues.py)
+        self.queue = make_queue(self.config, ROLES, self.requests, self.deadlines, self.registry)
+        self.queues = self.queue.by_role
+        self.admission = Admission(self.config, self.queue, self.deadlines, self.first_stage, self.fail)
+        #: which instance takes a queued request (disagg/orchestrator/placement.py)
+        self.placement = Placement(self, self.policy)
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
-        self.rebalance_init()  # the window, plan and moves of `rebalance` (disagg/orchestrator/rebalance.py)
-        self.previews_init()  # live previews' decodes (disagg/orchestrator/previews.py)
+        self.rebalance = Rebalance(self)  # pools that size themselves (disagg/orchestrator/rebalance.py)
+        self.previews = Previews(self)  # live previews' decodes (disagg/orchestrator/previews.py)
+        #: every part that hears the events (disagg/orchestrator/parts.py)
+        self.parts = [*self.placement.parts, self.recovery, self.rebalance, self.previews]
+        self.listeners = Listeners(self.parts)
         self._handlers = {
             Submit: self.handle_submit,
             StatusQuery: self.handle_status_query,
@@ -100,16 +108,28 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
             Cancel: self.handle_cancel,
             RequestQuery: self.handle_request_query,
             GatewayBeat: self.handle_gateway_beat,
-            LauncherPoll: self.handle_launcher_poll,
             Register: self.handle_register,
             Heartbeat: self.handle_heartbeat,
             Staged: self.handle_staged,
-            Preview: self.handle_preview,
             Fetched: self.handle_fetched,
             Done: self.handle_done,
             Failed: self.handle_failed,
             Dead: self.handle_dead,
         }
+        for part in self.parts:
+            self._handlers.update({kind: getattr(part, name) for kind, name in part.messages.items()})
+
+    # --- what parts use (disagg/orchestrator/parts.py Core) ---------------------------------------
+
+    def rng_for(self, name: str) -> random.Random:
+        """A part's own generator (its draws do not depend on the others')."""
+        return random.Random(self.seed)
+
+    def instances_changed(self) -> None:
+        self.needs_inline.clear()
+
+    def recovering(self, now: float) -> bool:
+        return self.recovery.recovering(now)
 
     # --- entry points -----------------------------------------------------------------------
 
@@ -152,11 +172,8 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         self.note_served(now)
         self.fail_unserved(now, out)
         self.shutdown_drained(out, now)
-        if self.recovery.parked and not self.recovery.recovering(now):
-            self.recovery.close_window(now, out)
-        self.recovery.expire(now, out)
-        self.rebalance_tick(now, out)
-        self.expire_previews(now, out)
+        for tick in self.listeners.tick:
+            tick(now, out)
         self.dispatch_queued(now, out)
         if self.draining and not self.requests and not self.stopping:
             log.info("drained; stopping")
@@ -185,7 +202,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         if why:
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, code=ErrorCode.NOT_READY)))
             return
-        if not self.admit(identity, msg, now, out):  # a full queue, or a deadline it cannot meet
+        if not self.admission.admit(identity, msg, now, out):  # a full queue, or a deadline it cannot meet
             return
         too_big = over_limits(self.limits, msg.params)
         if too_big:
@@ -201,12 +218,13 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         params = msg.params
         if params.seed is None:
             # fixed here, so a retry of any stage reproduces the same image
-            params = msgspec.structs.replace(params, seed=random.randrange(2**31))
+            params = msgspec.structs.replace(params, seed=self.rng.randrange(2**31))
         timeout = msg.timeout_s or self.config.request_timeout
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
                       lora_sources=sources, slo_deadline=now - msg.age_s + params.slo_ms / 1000 if params.slo_ms else None)
         self.requests[req.id] = req
-        self.note_arrival(params, now)
+        for submitted in self.listeners.submitted:
+            submitted(req, now)
         if self.recovery.recovering(now):  # roles are still telling what they hold: place it once they did
             req.state = "parked"
             self.recovery.parked.append(req.id)
@@ -261,13 +279,12 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         req.timings[f"compute_{role}"] = msg.compute_s
         if msg.lora_s:
             req.timings[f"lora_{role}"] = msg.lora_s
-            self.note_lora_load(role, msg.lora_s)
-        if role == "encoder":
-            self.note_conditioning(req, inst)
+        for staged in self.listeners.staged:
+            staged(inst, req, msg, now)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = cache_steps(msg)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
-        self.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        self.deadlines.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -294,7 +311,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
         inst = self.registry.get(sender)
-        if self.preview_ended(inst, msg, frames, out):
+        if self.claimed(inst, msg, frames, now, out):
             return
         if msg.fetch_s is not None:
             self.folded_fetch(sender, msg, now, out)
@@ -309,9 +326,10 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
         req.timings[f"compute_{inst.role}"] = msg.compute_s
         if msg.lora_s:
             req.timings[f"lora_{inst.role}"] = msg.lora_s
-            self.note_lora_load(inst.role, msg.lora_s)
+        for done in self.listeners.done:
+            done(inst, req, msg, now)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
-        self.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,
@@ -328,7 +346,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
 
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
         inst = self.registry.get(sender)
-        if self.preview_ended(inst, msg, frames, out):
+        if self.claimed(inst, msg, frames, now, out):
             return
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
@@ -345,6 +363,13 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
             self.release_source(req, out)
             self.fail(req, cause, now, out)
 
+    def claimed(self, inst, msg: Done | Failed, frames, now, out) -> bool:
+        """Whether a part ran what `msg` ends (a preview's decode) and took it."""
+        for claims in self.listeners.claims:
+            if claims(inst, msg, frames, now, out):
+                return True
+        return False
+
     # --- loop phases ------------------------------------------------------------------------
 
     def expire_requests(self, now: float, out: list[Out]) -> None:
@@ -358,4 +383,7 @@ class Router(InstanceLifecycle, Placement, RequestSteps, Slo, Rebalance, Preview
     # --- stats ------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> StatusReport:
-        return snapshot(self, now)
+        report = snapshot(self, now)
+        for status in self.listeners.status:
+            status(now, report)
+        return report

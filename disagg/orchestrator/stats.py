@@ -90,10 +90,6 @@ def snapshot(router, now: float) -> StatusReport:
             "state": "draining" if (router.draining or router.stopping) else "ready",
             "host_id": router.config.host_id,
             "model": router.model.name if router.model is not None else "",
-            #: live previews decoded and sent to clients, and skipped (no free decoder, the request gone)
-            "previews_sent": router.previews_sent,
-            "previews_skipped": router.previews_skipped,
-            "previews_lost": router.previews_lost,
             #: what the model can make, as its first stage reports it (0: no limit, max_frames 0: images only)
             **{key: value for key, value in router.limits.items()},
             #: roles with no instance that serves or will, and for how long (a join may still be coming)
@@ -120,8 +116,7 @@ def snapshot(router, now: float) -> StatusReport:
         loras=sorted(router.lora_catalog.names())[:4096], any_lora=router.lora_catalog.any_name,
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
-        schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.slo_counts.report(),
-        rebalance=router.rebalance_status(now),
+        schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.deadlines.counts.report(),
     )
 
 
@@ -129,7 +124,7 @@ def queue_slack(router, now: float) -> dict[str, float]:
     """Per role, the least slack of the requests waiting in its queue that have a deadline."""
     out = {}
     for role, queue in router.queues.items():
-        slacks = [router.slack(req, now) for rid in queue
+        slacks = [router.deadlines.slack(req, now) for rid in queue
                   if (req := router.requests.get(rid)) is not None and req.slo_deadline is not None]
         if slacks:
             out[role] = round(min(slacks), 3)
@@ -148,9 +143,9 @@ def request_states(router, request_ids: list[str], now: float) -> RequestStates:
         inst = router.registry.get(req.assigned) if req.assigned else None
         if inst is not None and rid in inst.steps:
             step, steps = inst.steps[rid]
-        left = router.predicted_left(req, now) if router.predictor.per_unit else None
+        left = router.deadlines.predicted_left(req, now) if router.deadlines.predictor.per_unit else None
         states[rid] = RequestState(state="running" if req.state == "running" else "queued", stage=req.stage,
                                    step=step, steps=steps, finish_in_s=None if left is None else round(left, 3),
                                    slack_s=None if req.slo_deadline is None else
-                                   round(router.slack(req, now), 3))
+                                   round(router.deadlines.slack(req, now), 3))
     return RequestStates(states=states)

@@ -1,21 +1,109 @@
-"""The Router's request state machine steps: a run's report closing its slot, a source released, a request
-failed, ended or given a new attempt, its Result sent. A mixin of Router (disagg/orchestrator/router.py): it works on
-the Router's requests, registry and queues."""
+"""The Router's request state machine steps: a request queued, placed (the placement chain chooses the instance,
+disagg/orchestrator/placement.py) and assigned, a run's report closing its slot, a source released, a request failed,
+ended or given a new attempt, its Result sent. A mixin of Router (disagg/orchestrator/router.py): it works on the
+Router's requests, registry and queue, and tells its parts (disagg/orchestrator/parts.py) what ended."""
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
+
+from disagg.orchestrator.dispatch import AFFINITY_ROLES
+from disagg.orchestrator.loras import note_assigned
 from disagg.orchestrator.outbox import Out, to_client, to_instance
+from disagg.orchestrator.placement import DEFER, Placing
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import Request
-from disagg.transport.messages import ErrorCode, Release, Result
+from disagg.orchestrator.requests import ROLES, Request
+from disagg.settings.choices import Transfer
+from disagg.transport.messages import ErrorCode, Release, Result, Run
+from disagg.transport.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
+
+#: requests that wait for their instance (DEFER) at most at once per role (the queue behind them moves on)
+MAX_DEFERRED = 256
 
 
 class RequestSteps:
     """Methods of Router; see disagg/orchestrator/router.py for the state they use."""
+
+    def dispatch_queued(self, now: float, out: list[Out]) -> None:
+        """Place what waits in each role's queue, in the queue's order, until none can take the next."""
+        for role in ROLES:
+            if not self.queues[role]:
+                continue
+            queue = self.queue.ordered(role, now)
+            candidates = None
+            chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
+            #: requests a placement step has wait (DEFER); the requests behind them are placed meanwhile, and
+            #: they go back to the queue's front in order
+            deferred: list[str] = []
+            while queue:
+                req = self.requests.get(queue[0])
+                if req is None or req.state != "queued" or req.stage != role:  # (an ended one is not queued)
+                    queue.popleft()  # ended or moved on while waiting
+                    continue
+                if candidates is None:
+                    candidates = self.registry.of_role(role)
+                source = req.source
+                producer = self.registry.by_id.get(source.slot.instance_id) if source is not None and self.config.host_aware else None
+                inst = (adapter_chain if req.params.loras else chain)(Placing(req, role, candidates, candidates,
+                                                    producer.host if producer is not None else None,
+                                                    source.slot.nbytes if source is not None else 0, now))
+                if inst is None:
+                    break
+                if inst is DEFER:
+                    deferred.append(queue.popleft())
+                    if len(deferred) >= MAX_DEFERRED:
+                        break
+                    continue
+                queue.popleft()
+                self.assign(req, inst, now, out)
+            queue.extendleft(reversed(deferred))
+
+    def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
+        """`req` waits for an instance of `role` (at the front: a retry already waited its turn once)."""
+        req.stage, req.state, req.assigned = role, "queued", None
+        mark = f"queued_{role}"
+        fresh = mark not in req.marks
+        req.marks[mark] = now
+        self.queue.push(req, role, now, front, fresh)
+
+    def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
+        source, frames = None, []
+        if req.source is not None:
+            producer = self.registry.get(req.source.slot.instance_id)
+            engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
+            if engine == Transfer.INLINE and not req.source_frames:
+                self.release_source(req, out)
+                self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
+                return
+            if warning and (producer.id, inst.id) not in self._warned_pairs:
+                self._warned_pairs.add((producer.id, inst.id))
+                log.warning("%s", warning)
+                self.warnings.append(warning)
+            inst.engine = engine
+            self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
+            source = msgspec.structs.replace(req.source, engine=engine)
+            frames = req.source_frames if engine == Transfer.INLINE else []
+        if not inst.running:
+            inst.progress_at = now  # an idle instance's progress clock starts with its work
+        inst.alone = req.id if not inst.running else None  # a request that runs alone measures solo_s
+        inst.free_slots -= 1
+        inst.running[req.id] = req.attempt
+        req.state, req.assigned = "running", inst.id
+        req.mark(f"run_{inst.role}", now)
+        req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
+        if req.params.loras and not req.lora_sources:  # resumed by a restarted orchestrator
+            req.lora_sources = self.lora_catalog.resolve(req.params.loras)[0]
+        if req.params.loras and inst.role in AFFINITY_ROLES:
+            note_assigned(inst, [r.name for r in req.params.loras])
+        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
+                  inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
+                  stage_deadline_s=self.deadlines.stage_deadline(req, inst.role, now) if req.slo_deadline is not None else None,
+                  carry=req.cache_steps if inst.role == "decoder" else {})
+        out.append(to_instance(inst.id, run, frames))
 
     def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
         for client in req.clients:
@@ -56,12 +144,13 @@ class RequestSteps:
         self.send_result(req, result, (), out)
 
     def end(self, req: Request, state: str, now: float) -> None:
-        if req.state == "queued":  # its id stays in the queue until dispatch meets it: the queue's order may change
-            self.queue_order.forget(req.stage)
+        if req.state == "queued":  # its id stays in the queue until dispatch meets it
+            self.queue.ended(req)
         req.state = state
-        self.note_slo_end(req, state, now)
+        self.deadlines.ended(req, state, now)
         del self.requests[req.id]
-        self.recovery.ended_request(req.id)
+        for ended in self.listeners.ended:
+            ended(req, state, now)
         self.stats.record(state, now, req.timings)
 
     def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:

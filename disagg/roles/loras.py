@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from disagg.roles.lora_backends import DiffusersLoras, LoraError, SimLoras
 from disagg.roles.pipelines.adapter import LoraSupport
-from disagg.transport.averages import ewma
+from disagg.common.averages import ewma
 from disagg.transport.role_stats import LoraStats
 
 log = logging.getLogger("disagg.role")

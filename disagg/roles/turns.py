@@ -6,12 +6,11 @@ its step boundaries: there `Turns.step` hands the turn to the most urgent waitin
 urgent, and waits to get it back. Its latents stay where they are (the pipeline call's own locals), so
 yielding costs nothing but the switch.
 
-Urgency, most urgent first (`order`): the higher effective priority (its priority, plus one for every `aging_s`
-it has waited without stepping: no request starves); within one priority, earliest deadline first over the
-requests that can all still meet theirs, run back to back from now (steps left x step time each). Where one
-would miss, the longest of those before it (itself included) is set aside: it would miss anyway, or make the
-others miss (Moore-Hodgson: the most deadlines met on one device). Then those without a deadline, by arrival;
-then the ones set aside, least slack first (deadline - now - time left).
+Urgency, most urgent first: the one order of disagg/common/urgency.py (`order`), the same the orchestrator's queues
+use, with the requests sharing one device: effective priority (aging by the time waited without stepping), then,
+within one priority, earliest deadline first over those that can all still meet theirs run back to back from now
+(the longest set aside where one would miss: Moore-Hodgson), then those without a deadline, then the ones set aside,
+least slack first.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from disagg.settings.fields import default
-from disagg.transport.averages import ewma
+from disagg.common.averages import ewma
+from disagg.common.urgency import order
 
 _arrivals = itertools.count()
 
@@ -51,35 +51,6 @@ class Ticket:
     def left_s(self, step_s: float) -> float:
         """Seconds it still needs on the device at `step_s` a step."""
         return max(self.steps - self.done, 0) * step_s
-
-
-def order(items: list, now: float, aging_s: float, ticket_of=lambda t: t, left_s=None) -> list:
-    """`items` most urgent first (see above). `ticket_of(item)`: its Ticket (None: no priority, no deadline);
-    `left_s(item)`: the seconds it still needs on the device."""
-    groups: dict[int, list] = {}
-    for item in items:  # (item, its ticket, its time left), each looked up once
-        t = ticket_of(item)
-        boost = int((now - t.waiting_since) // aging_s) if t is not None and t.waiting_since is not None else 0
-        groups.setdefault(-((t.priority if t is not None else 0) + boost), []).append((item, t, left_s(item)))
-    ranked, clock = [], now
-    for _, group in sorted(groups.items(), key=lambda kv: kv[0]):
-        timed = sorted((e for e in group if e[1] is not None and e[1].deadline is not None),
-                       key=lambda e: (e[1].deadline, e[1].seq))
-        untimed = sorted((e for e in group if e[1] is None or e[1].deadline is None),
-                         key=lambda e: e[1].seq if e[1] is not None else 0)
-        kept, late, at = [], [], clock
-        for e in timed:
-            kept.append(e)
-            at += e[2]
-            if at > e[1].deadline:  # one misses: set the longest so far aside
-                longest = max(kept, key=lambda k: k[2])
-                kept.remove(longest)
-                late.append(longest)
-                at -= longest[2]
-        late.sort(key=lambda e: (e[1].deadline - now - e[2], e[1].seq))
-        ranked += [e[0] for e in kept + untimed + late]
-        clock += sum(e[2] for e in group)
-    return ranked
 
 
 class Turns:
