@@ -27,7 +27,7 @@ SHAPE = {"width": 256, "height": 256, "num_inference_steps": 2}
 
 def run_once(n: int) -> dict:
     from disagg.client import Client
-    from disagg.transport.messages import ErrorCode, GenerationParams
+    from disagg.transport.wire.messages import ErrorCode, GenerationParams
 
     port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"

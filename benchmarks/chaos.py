@@ -42,7 +42,7 @@ import httpx  # noqa: E402
 
 from disagg.client import Client, Unreachable  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
-from disagg.transport.messages import GenerationParams  # noqa: E402
+from disagg.transport.wire.messages import GenerationParams  # noqa: E402
 
 REQUEST = {"width": 64, "height": 64, "num_inference_steps": 4}
 #: --deadlines: requests mix long and short, priorities 0-2 and a deadline each, so that a `schedule: slo`

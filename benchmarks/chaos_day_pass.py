@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import msgspec  # noqa: E402
 
 from disagg.client import Client, Unreachable  # noqa: E402
-from disagg.transport.messages import GenerationParams  # noqa: E402
+from disagg.transport.wire.messages import GenerationParams  # noqa: E402
 from chaos_day_trace import ROLES, SIM_DEVICES, SIM_LORA  # noqa: E402
 
 

@@ -48,10 +48,10 @@ STEP_IMPORTS = (
     "torch", "numpy", "PIL", "zmq", "msgspec", "yaml", "click", "rich", "psutil", "setproctitle", "packaging",
     "safetensors", "huggingface_hub", "transformers", "diffusers", "importlib_metadata", "imageio", "imageio.v3",
     "imageio_ffmpeg", "pytest", "pytest_timeout",
-    "disagg.launcher.cli", "disagg.orchestrator.__main__", "disagg.roles.__main__", "disagg.roles.forks",
-    "disagg.roles.worker", "disagg.roles.compile", "disagg.roles.media", "disagg.roles.pipelines.tiny",
+    "disagg.launcher.cli.main", "disagg.orchestrator.__main__", "disagg.roles.__main__", "disagg.roles.forks",
+    "disagg.roles.worker", "disagg.roles.extensions.compile", "disagg.roles.media", "disagg.roles.pipelines.tiny",
     "disagg.roles.pipelines.flux", "disagg.roles.pipelines.wan", "disagg.roles.pipelines.payload",
-    "disagg.roles.pipelines.random_weights", "disagg.roles.pipelines.checkpoint", "disagg.transport.cuda_ipc",
+    "disagg.roles.pipelines.random_weights", "disagg.roles.pipelines.checkpoint", "disagg.transport.data.cuda_ipc",
     "disagg.client",
     "benchmarks.gpu_e2e", "benchmarks.gpu_models", "tests.checkpoints", "tests.ckpt_wan",
 )

@@ -9,10 +9,10 @@ the rules could reach at all, free of the 200-request runs' noise. 4 denoisers, 
 each; Poisson arrivals at 70% of the devices' capacity; 4 steps of 170 ms; encode 24 ms and decode 85 ms
 added; 32 adapters drawn with Zipf 1.1; a load takes 800 ms beside the device's other work. A device runs a
 request to its end, then the next one ready, drawn at random (as the role's lock hands it over), or (`--order
-admitted`) the earliest admitted. Rules as disagg/orchestrator/loras.py defines them: `off`; `on` (a free holder, else
+admitted`) the earliest admitted. Rules as disagg/orchestrator/scheduling/loras.py defines them: `off`; `on` (a free holder, else
 wait up to a load's time for one); `cost` (the earliest expected finish, EVICTION_COST loads more where a load
 evicts). Eviction: least recently used, or least used over the instance's latest 32 x slots acquires (`lfu`,
-disagg/roles/loras.py). `--host-slots N`: an unloaded adapter waits in host memory (N per instance) and comes back in
+disagg/roles/extensions/loras.py). `--host-slots N`: an unloaded adapter waits in host memory (N per instance) and comes back in
 `--restore-ms` instead of a load; `on`'s cold pick then prefers an instance keeping it there, and `cost` prices a
 restore. It also prints the bound the issue's p95 target meets: the share of requests whose adapter is
 not among the 16 most popular (16 slots cannot hold more), each of which costs at least a load plus its compute.
@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from disagg.launcher.bench_load import adapter_rng
-from disagg.orchestrator.loras import expected_finish, reload_s  # the cost rule's own formulas
-from disagg.roles.loras import USE_WINDOW as WINDOW  # the role's window of uses
+from disagg.launcher.bench.load import adapter_rng
+from disagg.orchestrator.scheduling.loras import expected_finish, reload_s  # the cost rule's own formulas
+from disagg.roles.extensions.loras import USE_WINDOW as WINDOW  # the role's window of uses
 
 STEP_S, STEPS, LOAD_S, ENCODE_S, DECODE_S = 0.17, 4, 0.8, 0.024, 0.085
 DENOISERS, CAPACITY, SLOTS, ADAPTERS, ZIPF = 4, 4, 4, 32, 1.1

@@ -79,8 +79,8 @@ def transfer_by_size(cross: bool, tmp: Path, repeats: int) -> dict[int, float]:
     """Median µs of the denoiser's pull (Run received -> inputs in its own pool, as `disagg bench transfer`
     measures it), by size, with the compute-free `payload` model: the encoder on host 0 stages N bytes,
     the denoiser on host 0 (shm) or, `cross`, on host 1 (Mooncake TCP over the veth link)."""
-    from disagg.launcher.bench_transfer import SIZES, shape_for
-    from disagg.transport.messages import GenerationParams
+    from disagg.launcher.bench.transfer import SIZES, shape_for
+    from disagg.transport.wire.messages import GenerationParams
 
     hosts = netns.Hosts(2 if cross else 1)
     try:

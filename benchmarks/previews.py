@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from disagg.client import Client  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
-from disagg.transport.messages import GenerationParams  # noqa: E402
+from disagg.transport.wire.messages import GenerationParams  # noqa: E402
 
 CONFIG = """model: sim:flux-h200
 encoders: {count: 1, capacity: 4, gpus: [0]}

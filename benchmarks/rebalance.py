@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
-from disagg.orchestrator.planner import splits, fmt  # noqa: E402
+from disagg.orchestrator.parts.planner import splits, fmt  # noqa: E402
 
 PHASES = [
     ("1024x1024, 2 steps", {"width": 1024, "height": 1024, "num_inference_steps": 2}),
@@ -68,7 +68,7 @@ async def drive(endpoint: str, phase_s: float, concurrency: int, alternate_s: fl
         return int(t // alternate_s) % 2 if alternate_s else int(t // phase_s)
 
     from disagg.client.aio import AsyncClient
-    from disagg.transport.messages import params_from_obj
+    from disagg.transport.wire.messages import params_from_obj
 
     client = AsyncClient(endpoint)
     await client.start()

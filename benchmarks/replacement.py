@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from disagg.client import Client, Unreachable  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
-from disagg.transport.messages import GenerationParams  # noqa: E402
+from disagg.transport.wire.messages import GenerationParams  # noqa: E402
 
 CONFIGS = {
     "no spare": ["--spares", "0"],

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.test_router import Harness, staged  # noqa: E402
-from disagg.transport.messages import Done, Fetched, Result, Run  # noqa: E402
+from disagg.transport.wire.messages import Done, Fetched, Result, Run  # noqa: E402
 
 
 def deployment(n: int) -> Harness:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from benchmarks.traces.mixed import generate  # noqa: E402
-from disagg.launcher.bench_trace import TraceLine, run_trace, standalone  # noqa: E402
+from disagg.launcher.bench.trace import TraceLine, run_trace, standalone  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
 
 CONFIG = """model: sim:mixed-h200

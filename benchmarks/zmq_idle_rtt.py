@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/zmq_idle_rtt.py     # median round trip for 0, 1 and 3 ms of idle
 
 A ZeroMQ message crosses four threads (each side's application and I/O thread); the lane
-(disagg/transport/lane.py, a Unix SOCK_SEQPACKET socket polled by the same zmq.Poller the loops use) crosses
+(disagg/transport/wire/lane.py, a Unix SOCK_SEQPACKET socket polled by the same zmq.Poller the loops use) crosses
 two. On this VM every wake of a thread that has been idle costs tens of microseconds, so the gap
 grows with the idle time between messages, which is what a request at concurrency 1 sees at every hop.
 """
@@ -31,7 +31,7 @@ def echo_zmq(endpoint: str) -> None:
 
 
 def echo_lane(path: str) -> None:
-    from disagg.transport.lane import connect
+    from disagg.transport.wire.lane import connect
 
     lane = connect(path, [b"hi"])
     poller = zmq.Poller()
@@ -60,7 +60,7 @@ def rounds(ping, label: str) -> dict[int, float]:
 
 def main() -> None:
     from disagg.launcher.ports import free_port_pair
-    from disagg.transport.lane import LaneListener
+    from disagg.transport.wire.lane import LaneListener
 
     endpoint = f"tcp://127.0.0.1:{free_port_pair()}"
     router = zmq.Context().socket(zmq.ROUTER)

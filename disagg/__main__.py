@@ -1,5 +1,5 @@
 """`python -m disagg` is the `disagg` command."""
 
-from disagg.launcher.entry import main
+from disagg.launcher.cli.entry import main
 
 main()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from disagg.launcher.ports import free_port_pair  # noqa: F401 - tests import it from here
-from disagg.transport.shm import pid_alive  # noqa: F401 - likewise
+from disagg.transport.data.shm import pid_alive  # noqa: F401 - likewise
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the compiled deployments' inductor cache (compile_cache_dir), shared by the tests that compile tiny at 64x64
@@ -317,7 +317,7 @@ def deployment_id(run_dir: Path) -> str:
 def segments_of(dep_id: str) -> list[str]:
     """The shared-memory segments of one deployment (its pools are named disagg-ID-INSTANCE-PID): tests look only
     at their own deployment's, since other tests' deployments may run beside them (pytest-xdist)."""
-    from disagg.transport.shm import SHM_PREFIX, list_segments
+    from disagg.transport.data.shm import SHM_PREFIX, list_segments
 
     assert dep_id
     return list_segments(f"{SHM_PREFIX}{dep_id}-")

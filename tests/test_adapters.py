@@ -13,9 +13,9 @@ from disagg.roles.pipelines.adapter import Capabilities, ModelAdapter, check_ada
 from disagg.roles.pipelines.payload import PayloadAdapter
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.stage import Stage
-from disagg.transport.allocator import PoolFull
-from disagg.transport.engines import TransferError
-from disagg.transport.messages import Dead, ErrorCode, Failed, GenerationParams, Run
+from disagg.transport.data.allocator import PoolFull
+from disagg.transport.data.engines import TransferError
+from disagg.transport.wire.messages import Dead, ErrorCode, Failed, GenerationParams, Run
 
 
 def built_in_adapters():

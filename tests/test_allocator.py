@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from disagg.transport.allocator import ALIGN_BYTES, PoolFull, SlotAllocator
+from disagg.transport.data.allocator import ALIGN_BYTES, PoolFull, SlotAllocator
 
 
 def test_alloc_aligns_and_fills():

@@ -13,8 +13,8 @@ from disagg.launcher.ports import free_port_pair
 from disagg.orchestrator.router import Router
 from disagg.orchestrator.server import OrchestratorServer
 from tests.conftest import Launched, Load, disagg, wait_until
-from disagg.transport.auth import client_curve, generate_keys
-from disagg.transport.messages import GenerationParams, PoolInfo, Register, encode
+from disagg.transport.wire.auth import client_curve, generate_keys
+from disagg.transport.wire.messages import GenerationParams, PoolInfo, Register, encode
 
 pytestmark = pytest.mark.e2e
 

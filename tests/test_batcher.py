@@ -14,7 +14,7 @@ from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.roles.stage import Stage
 from disagg.settings.choices import Schedule
 from tests.conftest import wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 
 class Recorder(SimAdapter):

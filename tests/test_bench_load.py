@@ -11,7 +11,7 @@ from disagg.roles.pipelines import ModelError, model_spec
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.pipelines.sim_profile import load_profile
 from tests.conftest import Launched, disagg
-from disagg.transport.shm import remove_segments
+from disagg.transport.data.shm import remove_segments
 
 pytestmark = pytest.mark.e2e
 

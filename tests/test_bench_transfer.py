@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from disagg.launcher.bench_transfer import shape_for
+from disagg.launcher.bench.transfer import shape_for
 from tests.conftest import disagg
 
 pytestmark = pytest.mark.e2e

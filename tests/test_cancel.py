@@ -15,7 +15,7 @@ import zmq
 
 from disagg.client import Client
 from tests.conftest import launch_with_http, popen_cli, wait_until
-from disagg.transport.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
+from disagg.transport.wire.messages import Cancel, GenerationParams, Result, ServerReply, Submit, decode, encode
 
 pytestmark = pytest.mark.e2e
 

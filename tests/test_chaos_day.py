@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from tests.conftest import ROOT
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ import pytest
 
 from disagg.client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, RequestBook
 from disagg.client.errors import BadRequest, GenerationFailed, RetryLater
-from disagg.transport.messages import (ErrorCode, GenerationParams, RequestCounts, Rejected, Result, StatusQuery,
+from disagg.transport.wire.messages import (ErrorCode, GenerationParams, RequestCounts, Rejected, Result, StatusQuery,
                                 StatusReport, Submit)
 
 P = GenerationParams(prompt="a red circle on the left")

@@ -12,8 +12,8 @@ import zmq
 
 from disagg.client import Client
 from tests.conftest import ROOT, Launched, disagg, free_port_pair, heard_from_all, pid_alive
-from disagg.transport.lane import lane_path
-from disagg.transport.messages import (
+from disagg.transport.wire.lane import lane_path
+from disagg.transport.wire.messages import (
     ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
 )
 

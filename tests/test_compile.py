@@ -1,4 +1,4 @@
-"""Compiled denoisers (compile: true, disagg/roles/compile.py) over real processes: the denoiser shows `compiling` while
+"""Compiled denoisers (compile: true, disagg/roles/extensions/compile.py) over real processes: the denoiser shows `compiling` while
 it warms up, reports its compile time once ready, and its images equal the uncompiled pipeline's within 2/255;
 requests with a step cache report the uncompiled denoiser's step counts, request after request."""
 
@@ -13,7 +13,7 @@ from PIL import Image
 
 from disagg.client import Client, Unreachable
 from tests.conftest import COMPILE_CACHE, Launched, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -73,10 +73,10 @@ def test_a_compiled_tiny_flux_warms_up_before_ready_and_equals_the_uncompiled_pi
 def test_a_compiled_denoiser_counts_cached_steps_as_the_uncompiled_one_request_after_request(compiled):
     """Issue D2 (tester 2026-12-04): the counting hooks were not in the compiled blocks' code, so after the first
     cached request the counts were false (first_block 0 computed / 8 skipped); a cached request now runs the
-    transformer uncompiled (disagg/roles/compile.py eager)."""
+    transformer uncompiled (disagg/roles/extensions/compile.py eager)."""
     from disagg.roles.pipelines.tiny import TinyFluxAdapter
     from disagg.roles.stage import Stage, params_dict
-    from disagg.roles.step_cache import make_caches
+    from disagg.roles.extensions.step_cache import make_caches
 
     first_block = {"type": "first_block", "threshold": 0.3}
     taylorseer = {"type": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}

@@ -1,4 +1,4 @@
-"""A compiled denoiser's warm-up, in this process (disagg/roles/compile.py): every batch size a batching denoiser runs is
+"""A compiled denoiser's warm-up, in this process (disagg/roles/extensions/compile.py): every batch size a batching denoiser runs is
 compiled at boot, so no request compiles (issue 44 M4), with the log telling the compile's progress; a step cache
 beside it compiles nothing either; CUDA-graph modes are refused where torch would crash them (issue 44 H5)."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from disagg.roles.compile import CompileWatch, _Ticker, compile_stage, refuse_cudagraphs, warmup_batches, warmup_inputs
+from disagg.roles.extensions.compile import CompileWatch, _Ticker, compile_stage, refuse_cudagraphs, warmup_batches, warmup_inputs
 from tests.conftest import COMPILE_CACHE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,8 +95,8 @@ def test_a_compiled_batching_denoiser_compiles_every_batch_size_at_boot_and_noth
     """max_batch 2: a batch of 2 compiled inside a request for ~50 s on this CPU (no step's progress meanwhile)."""
     from disagg.roles.pipelines.tiny import TinyFluxAdapter
     from disagg.roles.stage import Stage
-    from disagg.roles.step_cache import make_caches
-    from disagg.transport.messages import GenerationParams
+    from disagg.roles.extensions.step_cache import make_caches
+    from disagg.transport.wire.messages import GenerationParams
 
     den = TinyFluxAdapter("denoiser")
     stage = Stage("denoiser", den, max_batch=2, caches=make_caches(den, "denoiser", None))

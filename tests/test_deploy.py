@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from disagg.client import Client, Unreachable
-from disagg.launcher.cli import cli
+from disagg.launcher.cli.main import cli
 from disagg.launcher.ports import free_port_pair
 from tests import netns
 from tests.conftest import wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 ROOT = Path(__file__).resolve().parent.parent
 

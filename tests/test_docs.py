@@ -10,15 +10,15 @@ DOC = ROOT / "docs" / "architecture.md"
 
 
 def tagged_structs() -> list[type]:
-    import disagg.transport.messages as messages
+    import disagg.transport.wire.messages as messages
 
     return [c for c in vars(messages).values() if isinstance(c, type) and issubclass(c, msgspec.Struct)
             and not c.__name__.startswith("_") and c.__struct_config__.tag is not None]
 
 
 def test_every_message_state_and_code_is_in_the_architecture_document():
-    from disagg.transport.codes import ErrorCode
-    from disagg.transport.messages import STATES
+    from disagg.transport.wire.codes import ErrorCode
+    from disagg.transport.wire.messages import STATES
 
     text = DOC.read_text()
     structs = tagged_structs()
@@ -43,7 +43,7 @@ def test_the_readmes_gpu_quick_start_launches_a_config_that_exists_with_flags_th
 
     import yaml
 
-    from disagg.launcher.cli import cli
+    from disagg.launcher.cli.main import cli
 
     text = (ROOT / "README.md").read_text()
     start = text.index("\n## Serve a real model on a GPU host\n")

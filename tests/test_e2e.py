@@ -20,7 +20,7 @@ from PIL import Image
 
 from disagg.client import Client
 from tests.conftest import Launched, disagg, pid_alive, segments_of
-from disagg.transport.messages import GenerationParams, Heartbeat, Register, encode
+from disagg.transport.wire.messages import GenerationParams, Heartbeat, Register, encode
 
 pytestmark = pytest.mark.e2e
 
@@ -163,7 +163,7 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
     sock.setsockopt(zmq.IDENTITY, b"impostor")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{deployment.port + 1}")
-    from disagg.transport.messages import PoolInfo
+    from disagg.transport.wire.messages import PoolInfo
 
     pool = PoolInfo(host_id="x", engines=["shm"], pool_name="nope", pool_bytes=1)
     sock.send_multipart([encode(Register(role="encoder", instance_id="encoder-0", pid=1, host_id="x", device="cpu", capacity=1, pool=pool))])
@@ -180,10 +180,10 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
 
 def test_garbage_on_the_lane_is_dropped(deployment):
     """The fast lane refuses strangers, drops bad packets and messages, and keeps serving."""
-    from disagg.transport.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
-    from disagg.transport.lane import connect as connect_lane
-    from disagg.transport.bundle import decode_frames
-    from disagg.transport.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
+    from disagg.transport.wire.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
+    from disagg.transport.wire.lane import connect as connect_lane
+    from disagg.transport.wire.bundle import decode_frames
+    from disagg.transport.wire.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
     import msgspec
 
     with Client(deployment.endpoint) as client:

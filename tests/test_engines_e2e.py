@@ -12,7 +12,7 @@ from PIL import Image
 
 from disagg.client import Client
 from tests.conftest import Launched
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -25,7 +25,7 @@ import zmq
 
 from disagg.client import Client
 from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     Bundle,
     GenerationParams,
     Heartbeat,

@@ -17,7 +17,7 @@ from PIL import Image
 from disagg.client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import disagg, free_port_pair, reference_pipeline
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -223,8 +223,8 @@ def test_every_query_of_the_grafana_dashboard_names_a_metric_metrics_exposes(tin
 
 def test_error_statuses_come_from_the_codes_not_the_text():
     from disagg.client import Outcome
-    from disagg.transport.codes import ErrorCode as C
-    from disagg.transport.messages import GenerationParams
+    from disagg.transport.wire.codes import ErrorCode as C
+    from disagg.transport.wire.messages import GenerationParams
 
     def status(code, param=None, text="same words for all"):
         return from_outcome(Outcome("r", GenerationParams(prompt="p"), False, text, code=code, param=param))
@@ -496,7 +496,7 @@ def test_a_step_cache_through_http_and_submit_equals_the_pipeline_and_reports_sk
     import torch
 
     from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
-    from disagg.roles.step_cache import config_of
+    from disagg.roles.extensions.step_cache import config_of
 
     cache = {"type": "first_block", "threshold": 0.3}
     raw = api.images.with_raw_response.generate(prompt="a red cat", size="64x64",
@@ -609,7 +609,7 @@ def test_two_requests_with_other_caches_in_flight_on_one_denoiser_each_equal_the
     import torch
 
     from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
-    from disagg.roles.step_cache import config_of
+    from disagg.roles.extensions.step_cache import config_of
 
     caches = [{"type": "first_block", "threshold": 0.3}, {"type": "mag"}]
     got: list = [None, None]

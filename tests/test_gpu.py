@@ -22,8 +22,8 @@ WAIT_S = 60
 
 PRODUCER = textwrap.dedent("""
     import sys, torch, msgspec
-    from disagg.transport.pool import CudaPool
-    from disagg.transport.engines import make_engine, EngineOptions
+    from disagg.transport.data.pool import CudaPool
+    from disagg.transport.data.engines import make_engine, EngineOptions
     pool = CudaPool(sys.argv[1], 64 << 20, "cuda:0")
     engine = make_engine("cuda-ipc", pool, EngineOptions(visible_gpus=(0,)))
     torch.manual_seed(int(sys.argv[2]))
@@ -50,7 +50,7 @@ class Producer:
     def __init__(self, name: str, seed: int):
         self.proc = subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(seed)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        from disagg.transport.messages import CudaIpcHandle, PoolInfo, SlotRef, Source
+        from disagg.transport.wire.messages import CudaIpcHandle, PoolInfo, SlotRef, Source
 
         doc = msgspec.json.decode(readline(self.proc))
         slot = msgspec.convert(doc["slot"], SlotRef)
@@ -70,15 +70,15 @@ class Producer:
 
 
 def consumer():
-    from disagg.transport.engines import EngineOptions, make_engine
-    from disagg.transport.pool import CudaPool
+    from disagg.transport.data.engines import EngineOptions, make_engine
+    from disagg.transport.data.pool import CudaPool
 
     mine = CudaPool("gpu-consumer", 64 << 20, "cuda:0")
     return mine, make_engine("cuda-ipc", mine, EngineOptions(visible_gpus=(0,)))
 
 
 def test_cuda_ipc_pull_between_processes():
-    from disagg.transport.manifest import unpack
+    from disagg.transport.data.manifest import unpack
 
     producer = Producer("gpu-producer", 0)
     mine, engine = consumer()
@@ -92,7 +92,7 @@ def test_cuda_ipc_pull_between_processes():
 
 
 def test_a_restarted_producer_replaces_its_old_mapping():
-    from disagg.transport.manifest import unpack
+    from disagg.transport.data.manifest import unpack
 
     mine, engine = consumer()
     first = Producer("gpu-producer-a", 1)
@@ -132,7 +132,7 @@ def test_a_stage_and_a_pull_do_not_wait_for_another_requests_queued_compute():
     """A finished request's stage waits for the event of its own compute, not for the compute stream, where
     another request's step is queued by then; a pull does not queue behind another thread's copies, which wait
     for that thread's compute (a preview of latents its step is still making)."""
-    from disagg.transport.manifest import unpack
+    from disagg.transport.data.manifest import unpack
 
     producer = Producer("gpu-producer-d", 4)
     mine, engine = consumer()
@@ -180,8 +180,8 @@ def test_a_stage_and_a_pull_do_not_wait_for_another_requests_queued_compute():
 
 
 def test_gpu_pool_stages_without_host_copy():
-    from disagg.transport.manifest import unpack
-    from disagg.transport.pool import CudaPool
+    from disagg.transport.data.manifest import unpack
+    from disagg.transport.data.pool import CudaPool
 
     pool = CudaPool("gpu-stage", 1 << 20, "cuda:0")
     assert pool.ipc is not None, pool.ipc_error
@@ -194,9 +194,9 @@ def test_gpu_pool_stages_without_host_copy():
 
 def test_inline_copies_out_of_and_into_a_gpu_pool_go_through_pinned_memory():
     from disagg.roles.compute import StageRunner
-    from disagg.transport.engines import make_engine
-    from disagg.transport.messages import PoolInfo, Source
-    from disagg.transport.pool import CudaPool
+    from disagg.transport.data.engines import make_engine
+    from disagg.transport.wire.messages import PoolInfo, Source
+    from disagg.transport.data.pool import CudaPool
 
     pool = CudaPool("gpu-inline", 1 << 20, "cuda:0")
     assert pool.host_buffer(64).is_pinned()
@@ -210,9 +210,9 @@ def test_inline_copies_out_of_and_into_a_gpu_pool_go_through_pinned_memory():
 
 
 def test_mooncake_refuses_a_gpu_pool_without_its_cuda_build():
-    from disagg.transport.engines import EngineUnavailable, make_engine
-    from disagg.transport.mooncake_engine import cuda_build_installed, installed_build
-    from disagg.transport.pool import CudaPool
+    from disagg.transport.data.engines import EngineUnavailable, make_engine
+    from disagg.transport.data.mooncake_engine import cuda_build_installed, installed_build
+    from disagg.transport.data.pool import CudaPool
 
     if not installed_build() or cuda_build_installed():
         pytest.skip(f"needs the non-CUDA Mooncake build (installed: {installed_build() or 'none'})")

@@ -15,10 +15,10 @@ import torch
 
 from disagg.launcher.topology import ConfigError, cuda_env
 from disagg.settings import Settings
-from disagg.transport import cuda_ipc
-from disagg.transport.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
-from disagg.transport.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
-from disagg.transport.pool import CudaPool, Pool
+from disagg.transport.data import cuda_ipc
+from disagg.transport.data.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
+from disagg.transport.wire.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
+from disagg.transport.data.pool import CudaPool, Pool
 
 HANDLE = CudaIpcHandle(0, b"h" * 64, 1 << 20, 0, b"r" * 16, 0, b"e" * 64, True)
 
@@ -56,7 +56,7 @@ def source(instance: str, pool_name: str, nbytes: int = 64, gpu: int | None = 0)
 # --- Mooncake and a GPU pool ---------------------------------------------------------------------------
 
 def test_mooncake_host_build_refuses_a_gpu_pool_and_auto_picks_another_engine():
-    from disagg.transport.mooncake_engine import HOST_BUILD, installed_build
+    from disagg.transport.data.mooncake_engine import HOST_BUILD, installed_build
 
     if not installed_build().startswith(HOST_BUILD):
         pytest.skip(f"needs {HOST_BUILD} (installed: {installed_build() or 'none'})")
@@ -168,7 +168,7 @@ class AsyncDevicePool(HostCudaPool):
 def test_compute_s_counts_until_the_device_has_finished():
     from disagg.roles.compute import StageRunner
     from disagg.roles.stage import StageOutput
-    from disagg.transport.messages import GenerationParams, Staged
+    from disagg.transport.wire.messages import GenerationParams, Staged
 
     pool = AsyncDevicePool()
     reports = []
@@ -271,7 +271,7 @@ def test_an_adapter_offloaded_from_a_gpu_model_is_pinned_in_host_memory(monkeypa
     """Review L2: the LoRA host tier was pageable, so a restore was a synchronous pageable copy."""
     from torch import nn
 
-    from disagg.roles.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
 
     class Layer(nn.Module):  # a peft LoRA layer's tables: adapter name -> its A and B
         def __init__(self):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.test_gpu_paths import HANDLE, source
-from disagg.transport.engines import EngineOptions, make_engine
-from disagg.transport.messages import Run
-from disagg.transport.pool import CudaPool, Pool
+from disagg.transport.data.engines import EngineOptions, make_engine
+from disagg.transport.wire.messages import Run
+from disagg.transport.data.pool import CudaPool, Pool
 
 
 class FakeCuda:
@@ -128,7 +128,7 @@ def fake_cuda(monkeypatch):
 def test_a_finished_requests_stage_waits_for_its_own_compute_not_for_work_queued_after(fake_cuda):
     from disagg.roles.compute import StageRunner
     from disagg.roles.stage import StageOutput
-    from disagg.transport.messages import GenerationParams, Staged
+    from disagg.transport.wire.messages import GenerationParams, Staged
 
     pool = ModelCudaPool()
     reports = []

@@ -17,7 +17,7 @@ from PIL import Image
 
 from disagg.client import Client
 from tests.conftest import disagg
-from disagg.transport.messages import MAX_INPUT_BYTES, GenerationParams
+from disagg.transport.wire.messages import MAX_INPUT_BYTES, GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

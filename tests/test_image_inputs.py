@@ -13,7 +13,7 @@ from PIL import Image
 from disagg.client.inputs import InputError, read_input, resolve_inputs
 from disagg.roles.pipelines import conditioned
 from disagg.roles.pipelines.conditioned import input_images, request_task
-from disagg.transport.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
+from disagg.transport.wire.messages import MAX_INPUT_BYTES, GenerationParams, MessageError, params_from_obj
 
 
 def png(im: Image.Image, fmt: str = "PNG") -> bytes:
@@ -113,7 +113,7 @@ def test_input_errors_reach_http_clients_as_400_naming_the_field(error, code, pa
     """By the code and field the role reported (issue 23: the gateway parses no text)."""
     from disagg.client import Outcome
     from disagg.gateway.errors import from_outcome
-    from disagg.transport.codes import ErrorCode
+    from disagg.transport.wire.codes import ErrorCode
 
     err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, error, code=ErrorCode(code), param=param))
     assert err.status == status and err.param == param

@@ -22,7 +22,7 @@ from PIL import Image
 from disagg.client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, reference_pipeline
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 

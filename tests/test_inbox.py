@@ -1,7 +1,7 @@
 """The orchestrator's client inbox (disagg/orchestrator/inbox.py): a budget per turn, round robin, bounded per client."""
 
 from disagg.orchestrator.inbox import PEER_MAX_ITEMS, PEER_TURN_BUDGET, ClientInbox
-from disagg.transport.messages import Cancel, ErrorCode, StatusQuery
+from disagg.transport.wire.messages import Cancel, ErrorCode, StatusQuery
 
 
 def test_clients_take_turns_within_the_budget_and_each_keeps_its_order():

@@ -37,7 +37,7 @@ def default_sigint() -> None:
 
 
 @pytest.mark.parametrize("module", [
-    "disagg.launcher.cli_bench",  # the CLI's own imports, before click runs
+    "disagg.launcher.bench.cli",  # the CLI's own imports, before click runs
     "disagg.launcher.run",  # inside `launch`, before any process is started
 ])
 def test_ctrl_c_in_the_first_second_exits_quietly_with_130(tmp_path, module):

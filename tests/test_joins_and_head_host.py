@@ -16,7 +16,7 @@ import pytest
 
 from disagg.client import Client
 from tests.conftest import Launched, disagg, launch_with_http, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
@@ -139,7 +139,7 @@ def test_stop_host_of_the_heads_own_host_asks_for_yes_then_the_head_ends(head):
 
 def test_seed_minus_one_means_a_random_seed():
     """L13: `seed: -1`, the usual "random", was a 400."""
-    from disagg.transport.messages import params_from_obj
+    from disagg.transport.wire.messages import params_from_obj
 
     assert params_from_obj({"prompt": "x", "seed": -1}).seed is None
     with pytest.raises(Exception, match="seed"):

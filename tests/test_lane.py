@@ -1,4 +1,4 @@
-"""The same-host fast lane (disagg/transport/lane.py) and message bundles (disagg/transport/messages.py), piece by piece.
+"""The same-host fast lane (disagg/transport/wire/lane.py) and message bundles (disagg/transport/wire/messages.py), piece by piece.
 
 The lane between real orchestrator, role and client processes is exercised by every end-to-end
 test (tests/test_e2e.py checks that each instance uses it, and that a deployment without it works).
@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-from disagg.transport.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
-from disagg.transport.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
-from disagg.transport.messages import (
+from disagg.transport.wire.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
+from disagg.transport.wire.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
+from disagg.transport.wire.messages import (
     Bundle,
     Done,
     MessageError,
@@ -89,7 +89,7 @@ def test_a_closed_peer_is_reported_and_sends_fail():
 
 
 def test_a_peer_that_stops_reading_loses_its_lane(monkeypatch):
-    monkeypatch.setattr("disagg.transport.lane.LANE_SEND_WAIT_S", 0.01)
+    monkeypatch.setattr("disagg.transport.wire.lane.LANE_SEND_WAIT_S", 0.01)
     a, _b = pair()
     sent = 0
     while a.send([b"x" * 4096]):

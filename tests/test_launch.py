@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from disagg.launcher.dashboard import events_between, status_view
+from disagg.launcher.cli.dashboard import events_between, status_view
 from tests.conftest import ROOT, Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of
 
 pytestmark = pytest.mark.e2e
@@ -127,7 +127,7 @@ def test_bad_config_file(tmp_path):
 
 
 def test_dashboard_renders_every_instance_and_events():
-    from disagg.transport.messages import InstanceStatus, RequestCounts, StatusReport
+    from disagg.transport.wire.messages import InstanceStatus, RequestCounts, StatusReport
 
     def inst(i, role, state):
         return InstanceStatus(id=f"{role}-{i}", role=role, pid=100 + i, host="h", device="cpu", state=state,
@@ -151,7 +151,7 @@ def test_dashboard_renders_every_instance_and_events():
     assert "denoiser-0 (denoiser, pid 100, cpu) is dead" in events
     assert any("4 completed, 1 failed" in e for e in events)
     # issue 44 (newcomer D12): an instance that stops to move (rebalance auto) is not announced as dead
-    from disagg.transport.messages import RebalanceStatus, RoleMove
+    from disagg.transport.wire.messages import RebalanceStatus, RoleMove
 
     move = RoleMove(instance_id="denoiser-0", new_id="decoder-1", from_role="denoiser", to_role="decoder",
                     state="draining")

@@ -12,7 +12,7 @@ import pytest
 
 from disagg.launcher.leftovers import RunRecord, remove_leftovers
 from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
-from disagg.transport.lane import lane_in_use, lane_path
+from disagg.transport.wire.lane import lane_in_use, lane_path
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""LoRA adapters in one role's model, in this process (disagg/roles/lora_backends.py DiffusersLoras, with LoraBank): an
+"""LoRA adapters in one role's model, in this process (disagg/roles/extensions/lora_backends.py DiffusersLoras, with LoraBank): an
 adapter's alpha, however its file carries it, applied as diffusers' own load of the file applies it; a compiled
 denoiser's in-place scales, with no recompile for another scale, no adapter or a hotswap, and a hotswapped adapter at
 its own scaling. The tiny Flux and SDXL, against diffusers' pipeline loading the same files."""
@@ -12,7 +12,7 @@ import torch
 from tests.checkpoints import save_tiny
 from tests.loras import make_lora
 from tests.test_loras import CASES, PROMPT, expected, flux_files  # noqa: F401 - flux_files: the same adapters' files
-from disagg.transport.messages import LoraRef
+from disagg.transport.wire.messages import LoraRef
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
@@ -25,7 +25,7 @@ def test_an_adapter_trained_with_another_alpha_applies_at_its_own_strength(flux_
     import diffusers
     import safetensors.torch
 
-    from disagg.roles.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
 
     folder, lora_dir, _ = flux_files
     where = module_tmp / f"alpha-{form.replace(' ', '-')}"
@@ -55,7 +55,7 @@ def test_a_kohya_sdxl_adapter_with_alphas_loads_at_diffusers_strength_on_the_den
     import safetensors.torch
     from peft.tuners.lora import LoraLayer
 
-    from disagg.roles.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
 
     folder = module_tmp / "sdxl-kohya"
     save_tiny("sdxl", folder)
@@ -92,7 +92,7 @@ def test_a_hotswapped_adapter_takes_its_own_scaling_on_a_compiled_denoiser(flux_
     import diffusers
     from peft.tuners.lora import LoraLayer
 
-    from disagg.roles.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
 
     folder, lora_dir, _ = flux_files
 
@@ -124,8 +124,8 @@ def test_a_compiled_denoiser_takes_other_scales_no_adapter_and_a_hotswap_without
     import diffusers
     import torch._dynamo.utils as dynamo_utils
 
-    from disagg.roles.lora_backends import DiffusersLoras
-    from disagg.roles.loras import LoraBank
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.loras import LoraBank
 
     folder, lora_dir, refs = flux_files
     make_lora(folder, module_tmp / "compiled-extra" / "C", seed=3)

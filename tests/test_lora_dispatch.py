@@ -8,15 +8,15 @@ import random
 import pytest
 
 from disagg.client import Outcome
-from disagg.launcher.bench_load import run_load, zipf_names
-from disagg.orchestrator.placement import LoraPatience, affinity_rule
-from disagg.orchestrator.loras import LoraCatalog, scan
-from disagg.roles.lora_backends import SimLoras
-from disagg.roles.loras import USE_WINDOW, LoraBank
+from disagg.launcher.bench.load import run_load, zipf_names
+from disagg.orchestrator.scheduling.placement import LoraPatience, affinity_rule
+from disagg.orchestrator.scheduling.loras import LoraCatalog, scan
+from disagg.roles.extensions.lora_backends import SimLoras
+from disagg.roles.extensions.loras import USE_WINDOW, LoraBank
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.settings.schema import LoraSettings
 from tests.test_router import Harness, runs, staged
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     ErrorCode,
     GenerationParams,
     Heartbeat,
@@ -233,7 +233,7 @@ def test_bench_sends_requests_with_adapters_at_the_times_it_sends_them_without()
 
 
 def test_bench_over_http_sends_the_adapters():
-    from disagg.launcher.bench_http import image_body
+    from disagg.launcher.bench.http import image_body
 
     body = image_body(GenerationParams(prompt="x", loras=[LoraRef(name="sim-lora-3", scale=0.5)]))
     assert body["loras"] == [{"name": "sim-lora-3", "scale": 0.5}]

@@ -19,7 +19,7 @@ from disagg.client import Client
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, disagg, launch_with_http, wait_http, wait_until
 from tests.loras import make_lora, reference
-from disagg.transport.messages import GenerationParams, LoraRef
+from disagg.transport.wire.messages import GenerationParams, LoraRef
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
@@ -227,8 +227,8 @@ def test_with_one_slot_the_next_adapter_is_hotswapped_into_the_last_ones_place(f
 def test_an_adapter_file_rewritten_in_place_does_not_fault_the_instance_that_loaded_it(flux_files, module_tmp):
     import diffusers
 
-    from disagg.roles.lora_backends import DiffusersLoras
-    from disagg.roles.loras import LoraBank
+    from disagg.roles.extensions.lora_backends import DiffusersLoras
+    from disagg.roles.extensions.loras import LoraBank
 
     folder, lora_dir, refs = flux_files
     shutil.copytree(lora_dir / "A", module_tmp / "rewritten" / "A")

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from disagg.transport.manifest import ManifestError, pack, plan, unpack
-from disagg.transport.messages import TensorSpec
+from disagg.transport.data.manifest import ManifestError, pack, plan, unpack
+from disagg.transport.wire.messages import TensorSpec
 
 
 def test_pack_unpack_all_dtypes():

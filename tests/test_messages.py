@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from disagg.transport import messages as m
+from disagg.transport.wire import messages as m
 
 POOL = m.PoolInfo(host_id="h", engines=["shm", "inline"], pool_name="disagg-x-encoder-0", pool_bytes=1 << 20)
 SLOT = m.SlotRef(instance_id="encoder-0", offset=256, nbytes=128, tensors=[m.TensorSpec("x", "bfloat16", [2, 32], 0, 128)])
@@ -107,7 +107,7 @@ def test_unset_request_fields_stay_off_the_wire():
     """An older orchestrator (without newer optional fields) still reads requests that do not use them."""
     import msgspec
 
-    from disagg.transport.messages import GenerationParams, Submit, encode
+    from disagg.transport.wire.messages import GenerationParams, Submit, encode
 
     raw = msgspec.msgpack.decode(encode(Submit(request_id="r1", params=GenerationParams(prompt="a cat", seed=3))))
     assert raw["params"] == {"prompt": "a cat", "seed": 3}
@@ -120,7 +120,7 @@ def test_client_ends_pending_requests_when_the_orchestrator_cannot_read_them():
 
     from disagg.client import Client
     from disagg.launcher.ports import free_port_pair
-    from disagg.transport.messages import (ClientMessage, GenerationParams, Rejected, RequestCounts, StatusQuery, StatusReport,
+    from disagg.transport.wire.messages import (ClientMessage, GenerationParams, Rejected, RequestCounts, StatusQuery, StatusReport,
                                     decode, encode)
 
     port = free_port_pair()

@@ -13,16 +13,16 @@ import torch
 
 pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda is not installed")
 
-from disagg.transport.engines import EngineOptions, TransferError, make_engine  # noqa: E402
-from disagg.transport.manifest import unpack  # noqa: E402
-from disagg.transport.messages import PoolInfo, SlotRef, Source  # noqa: E402
-from disagg.transport.pool import ShmPool  # noqa: E402
-from disagg.transport.shm import remove_segments  # noqa: E402
+from disagg.transport.data.engines import EngineOptions, TransferError, make_engine  # noqa: E402
+from disagg.transport.data.manifest import unpack  # noqa: E402
+from disagg.transport.wire.messages import PoolInfo, SlotRef, Source  # noqa: E402
+from disagg.transport.data.pool import ShmPool  # noqa: E402
+from disagg.transport.data.shm import remove_segments  # noqa: E402
 
 PRODUCER = textwrap.dedent("""
     import sys, torch, msgspec
-    from disagg.transport.pool import ShmPool
-    from disagg.transport.engines import make_engine
+    from disagg.transport.data.pool import ShmPool
+    from disagg.transport.data.engines import make_engine
     name = sys.argv[1]
     pool = ShmPool(name, 64 << 20)
     engine = make_engine("mooncake", pool)

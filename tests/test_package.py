@@ -21,4 +21,4 @@ def test_the_wheel_installs_only_the_disagg_package(tmp_path):
     assert "disagg/roles/pipelines/demo/transformer.safetensors" in names
     assert "disagg/gateway/static/index.html" in names
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "disagg = disagg.launcher.entry:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "disagg = disagg.launcher.cli.entry:main" in zipfile.ZipFile(wheel).read(entry).decode()

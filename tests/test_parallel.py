@@ -20,7 +20,7 @@ from disagg.launcher.topology import ConfigError, place, validate
 from disagg.settings import RolePool, Settings
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, Load, disagg, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +148,7 @@ def test_ulysses_2_on_the_tiny_flux_equals_one_rank(ulysses):
 def test_status_and_the_live_table_show_the_ranks_devices_and_layout(ulysses):
     from rich.console import Console
 
-    from disagg.launcher.dashboard import status_view
+    from disagg.launcher.cli.dashboard import status_view
 
     report = ulysses.status()
     [den] = [i for i in report.instances if i.role == "denoiser"]

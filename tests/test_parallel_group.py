@@ -13,7 +13,7 @@ import torch
 from disagg.launcher.ports import free_port_pair
 from disagg.roles import parallel
 from disagg.roles.parallel import RING_BACKEND, Group, ring_backend
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 # --- ring attention's backend (H3) ----------------------------------------------------------------------------
 

@@ -1,12 +1,12 @@
-"""The throughput model (disagg/orchestrator/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
+"""The throughput model (disagg/orchestrator/parts/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
 
 import msgspec
 
-from disagg.orchestrator.planner import Work, fmt, plan, splits, throughput
-from disagg.orchestrator.rebalance import LAUNCHER_SILENCE_S
+from disagg.orchestrator.parts.planner import Work, fmt, plan, splits, throughput
+from disagg.orchestrator.parts.rebalance import LAUNCHER_SILENCE_S
 from disagg.orchestrator.router import Router, RouterConfig
 from disagg.settings.schema import RebalanceSettings
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     Done,
     GenerationParams,
     Heartbeat,
@@ -315,7 +315,7 @@ def test_the_live_table_and_metrics_show_the_recommendation():
     from rich.console import Console
 
     from disagg.gateway.metrics import StatusCollector
-    from disagg.launcher.dashboard import events_between, status_view
+    from disagg.launcher.cli.dashboard import events_between, status_view
 
     d = Deployment(mode="advise")
     for role in ("encoder", "encoder", "encoder", "denoiser", "decoder"):

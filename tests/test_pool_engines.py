@@ -9,13 +9,13 @@ import uuid
 import pytest
 import torch
 
-from disagg.transport.allocator import PoolFull
-from disagg.transport.engines import EngineOptions, InlineEngine, ShmEngine, TransferError, make_engine
-from disagg.transport.manifest import unpack
-from disagg.transport.messages import PoolInfo, Source
-from disagg.transport.pool import ShmPool as Pool
-from disagg.transport.selection import choose_engine
-from disagg.transport.shm import list_segments, remove_segments, shm_path
+from disagg.transport.data.allocator import PoolFull
+from disagg.transport.data.engines import EngineOptions, InlineEngine, ShmEngine, TransferError, make_engine
+from disagg.transport.data.manifest import unpack
+from disagg.transport.wire.messages import PoolInfo, Source
+from disagg.transport.data.pool import ShmPool as Pool
+from disagg.transport.data.selection import choose_engine
+from disagg.transport.data.shm import list_segments, remove_segments, shm_path
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_pull_from_another_process(pool_name):
     """A producer process stages tensors; this process pulls them through shm."""
     code = textwrap.dedent(f"""
         import sys, torch, msgspec
-        from disagg.transport.pool import ShmPool
+        from disagg.transport.data.pool import ShmPool
         torch.manual_seed(0)
         pool = ShmPool({pool_name!r}, 1 << 20)
         slot = pool.stage("encoder-0", {{"a": torch.randn(64, 32), "b": torch.arange(10)}})
@@ -101,7 +101,7 @@ def test_pull_from_another_process(pool_name):
     try:
         import msgspec
 
-        from disagg.transport.messages import SlotRef
+        from disagg.transport.wire.messages import SlotRef
 
         slot = msgspec.json.decode(proc.stdout.readline(), type=SlotRef)
         src = Source(slot=slot, pool=PoolInfo(host_id="h", engines=["shm"], pool_name=pool_name, pool_bytes=1 << 20), engine="shm")

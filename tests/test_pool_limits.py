@@ -8,7 +8,7 @@ import pytest
 
 from disagg.client import Client
 from tests.conftest import Launched
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

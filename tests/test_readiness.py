@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from disagg.launcher.dashboard import _cells, events_between
+from disagg.launcher.cli.dashboard import _cells, events_between
 from disagg.launcher.readiness import StallWatch, stall_error
 from disagg.roles.boot import BootMeter, BootProgress
 from tests.conftest import Launched, wait_until
-from disagg.transport.messages import GenerationParams
-from disagg.transport.messages import BootStats, InstanceStatus, RequestCounts, StatusReport
+from disagg.transport.wire.messages import GenerationParams
+from disagg.transport.wire.messages import BootStats, InstanceStatus, RequestCounts, StatusReport
 
 #: small, so the tests are quick: every hold below lasts several times longer
 READY_TIMEOUT_S = 3.0
@@ -73,7 +73,7 @@ def test_a_download_into_the_hub_cache_is_progress(tmp_path, monkeypatch):
 
 
 def test_a_compile_that_writes_kernels_or_calls_the_phase_hook_is_progress(tmp_path):
-    """What disagg/roles/compile.py has for the launcher: `phase("compiling", ...)` / `tick(...)` from its thread, and the
+    """What disagg/roles/extensions/compile.py has for the launcher: `phase("compiling", ...)` / `tick(...)` from its thread, and the
     inductor cache growing meanwhile."""
     import threading
 

@@ -1,9 +1,9 @@
 """A restarted orchestrator (a Router driven by scripted messages) resumes each request from the furthest
 stage its roles hold, answers results that came back, and releases what nobody claims."""
 
-from disagg.orchestrator.recovery import GRACE_S, WINDOW_MAX_S
+from disagg.orchestrator.parts.recovery import GRACE_S, WINDOW_MAX_S
 from tests.test_router import CLIENT, Harness, runs, staged
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     Done, GenerationParams, Heartbeat, Held, HeldPreview, Partial, PoolInfo, Preview, Register, Registered, Release, Result, StatusQuery, Submit,
 )
 
@@ -103,7 +103,7 @@ def test_outputs_of_requests_known_to_have_moved_on_are_released_at_once():
     out = register(h, enc, "encoder", held=[held(enc, "r1", "encoder", 0)], pid=2)
     assert releases(out) == [(enc, 0)]
     # and an output of a request that ended here is released at once too, not kept
-    h.router.handle_client(CLIENT, __import__("disagg.transport.messages", fromlist=["Cancel"]).Cancel(request_id="r1"), [], h.now)
+    h.router.handle_client(CLIENT, __import__("disagg.transport.wire.messages", fromlist=["Cancel"]).Cancel(request_id="r1"), [], h.now)
     out = h.role("denoiser-0", staged("denoiser-0", "r1", offset=64))
     assert releases(out) == [("denoiser-0", 64)]
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import Launched, Load, disagg, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -1,11 +1,11 @@
-"""Typed reports (issue 45): what a role measures about itself travels as nested structs (disagg/transport/role_stats.py)
+"""Typed reports (issue 45): what a role measures about itself travels as nested structs (disagg/transport/wire/role_stats.py)
 from its Heartbeat to the registry's Instance to `status` and metrics, as they are, no field copied on the way."""
 
 import msgspec
 import pytest
 
-from disagg.transport import messages as m
-from disagg.transport.messages import BootStats, CacheStats, CompileStats, Heartbeat, LoraStats, MemoryStats, StatusQuery
+from disagg.transport.wire import messages as m
+from disagg.transport.wire.messages import BootStats, CacheStats, CompileStats, Heartbeat, LoraStats, MemoryStats, StatusQuery
 from tests.test_router import CLIENT, Harness
 
 
@@ -69,7 +69,7 @@ def test_the_conditioning_caches_bytes_reach_metrics_from_the_struct_the_cache_m
     import torch
 
     from disagg.gateway.metrics import conditioning_metrics
-    from disagg.roles.conditioning import ConditioningCache
+    from disagg.roles.extensions.conditioning import ConditioningCache
 
     cache = ConditioningCache(max_bytes=1 << 20)
     cache.put("k", {"prompt_embeds": torch.zeros(4, 8)})

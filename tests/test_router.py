@@ -3,11 +3,11 @@
 import msgspec
 import pytest
 
-from disagg.orchestrator.dispatch import MaxFreeSlots, RoundRobin
-from disagg.orchestrator.placement import ConditioningAffinity
+from disagg.orchestrator.scheduling.dispatch import MaxFreeSlots, RoundRobin
+from disagg.orchestrator.scheduling.placement import ConditioningAffinity
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.router import Router, RouterConfig
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     Alive,
     Cancel,
     Dead,
@@ -473,7 +473,7 @@ def test_an_input_too_big_for_the_pool_does_not_block_the_consumer():
 
 
 def test_least_work_avoids_the_slow_instance():
-    from disagg.orchestrator.dispatch import LeastWork
+    from disagg.orchestrator.scheduling.dispatch import LeastWork
 
     fast = Instance("d-fast", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=3)
     slow = Instance("d-slow", "denoiser", 1, "h", "cpu", 4, POOL1, 1, 0.0, state="ready", free_slots=4)
@@ -678,18 +678,18 @@ def test_stop_host_stops_only_that_hosts_instances_and_their_work_moves():
     h.submit("r1")
     h.role(enc, staged(enc, "r1"))
     held_by = h.router.requests["r1"].assigned
-    out = h.router.handle_client(CLIENT, __import__("disagg.transport.messages", fromlist=["StopHost"]).StopHost(host_id="c"), [], h.now)
+    out = h.router.handle_client(CLIENT, __import__("disagg.transport.wire.messages", fromlist=["StopHost"]).StopHost(host_id="c"), [], h.now)
     assert any(isinstance(o.msg, Stopping) for o in out)
     assert [o.to_instance for o in out if isinstance(o.msg, Shutdown)] == [d_c]
     assert h.router.registry.get(d_c).state == "dead" and h.router.registry.get(d_a).state == "ready"
     assert h.router.requests["r1"].assigned == d_a  # the work it held moved (or stayed) on host a
     del held_by
-    out = h.router.handle_client(CLIENT, __import__("disagg.transport.messages", fromlist=["StopHost"]).StopHost(host_id="zz"), [], h.now)
+    out = h.router.handle_client(CLIENT, __import__("disagg.transport.wire.messages", fromlist=["StopHost"]).StopHost(host_id="zz"), [], h.now)
     assert isinstance(out[0].msg, Rejected) and "hosts: a" in out[0].msg.reason
 
 
 def test_a_draining_host_gets_no_new_work_and_is_shut_down_once_idle():
-    from disagg.transport.messages import StopHost
+    from disagg.transport.wire.messages import StopHost
 
     h = Harness()
     [enc] = h.add("encoder", host="a", engines=MC)
@@ -761,7 +761,7 @@ def test_a_report_from_a_role_declared_dead_is_handled_once_it_registers_again()
 
 def test_the_requests_of_a_gateway_gone_silent_are_cancelled():
     """Issue 22 L15: a killed gateway's requests kept computing, so the ones its clients retried ran twice."""
-    from disagg.transport.messages import GatewayBeat
+    from disagg.transport.wire.messages import GatewayBeat
 
     h = Harness()
     [enc] = h.add("encoder")
@@ -787,7 +787,7 @@ def test_the_requests_of_a_gateway_gone_silent_are_cancelled():
 def test_an_inline_transfer_between_hosts_is_a_warning_status_shows():
     """Issue 22 L12: the warning that tensors go inline through the orchestrator was only in its log; status
     carries it now, and the launcher prints each new one on its console (events_between)."""
-    from disagg.launcher.dashboard import events_between
+    from disagg.launcher.cli.dashboard import events_between
 
     h = Harness()
     [enc] = h.add("encoder", host="h1")
@@ -821,7 +821,7 @@ def test_a_repeated_prompt_goes_to_the_encoder_that_encoded_it_when_it_has_room(
     h.role(busy_case, staged(busy_case, "r4", offset=512))
     assert h.router.placement.step(ConditioningAffinity).holders[h.router.requests["r4"].conditioning_key] == busy_case
     # an image request has no key: the policy decides
-    from disagg.transport.params import conditioning_key
+    from disagg.transport.wire.params import conditioning_key
 
     assert conditioning_key(GenerationParams(prompt="a red fox", image=b"1")) is None
     assert conditioning_key(GenerationParams(prompt="a red fox", guidance_scale=5)) != h.router.requests["r1"].conditioning_key

@@ -157,8 +157,8 @@ def test_a_cancelled_request_is_not_reported_as_a_failed_generation():
     """F3: a request cancelled by someone else was a 500 generation_failed."""
     from disagg.client import Outcome
     from disagg.gateway.errors import from_outcome
-    from disagg.transport.codes import ErrorCode
-    from disagg.transport.messages import GenerationParams
+    from disagg.transport.wire.codes import ErrorCode
+    from disagg.transport.wire.messages import GenerationParams
 
     err = from_outcome(Outcome("r", GenerationParams(prompt="p"), False, "cancelled", code=ErrorCode.CANCELLED))
     assert err.status == 409 and err.code == "cancelled" and err.headers["x-should-retry"] == "false"
@@ -442,8 +442,8 @@ def test_no_server_paths_in_errors_or_model_info(video_app, monkeypatch):
     from disagg.client import Outcome
     from disagg.gateway.errors import from_outcome
     from disagg.gateway.state import Gateway
-    from disagg.transport.codes import ErrorCode
-    from disagg.transport.messages import GenerationParams
+    from disagg.transport.wire.codes import ErrorCode
+    from disagg.transport.wire.messages import GenerationParams
 
     async def served(self):
         return "/srv/models/FLUX.1-dev/"

@@ -56,9 +56,9 @@ def test_every_setting_is_in_launch_help_and_the_readme():
 
 
 def test_the_schema_names_what_the_code_implements():
-    from disagg.orchestrator.dispatch import POLICIES
+    from disagg.orchestrator.scheduling.dispatch import POLICIES
     from disagg.settings.schema import DISPATCH_POLICIES, TRANSFERS
-    from disagg.transport.selection import CHOICES
+    from disagg.transport.data.selection import CHOICES
 
     assert sorted(DISPATCH_POLICIES) == sorted(POLICIES)
     assert sorted(TRANSFERS) == sorted(CHOICES)
@@ -161,7 +161,7 @@ def test_a_process_refuses_settings_with_an_unknown_key():
     spec = json.loads(encode(RoleSettings(role="encoder", instance_id="encoder-0", endpoint="tcp://127.0.0.1:1")))
     res = subprocess.run([sys.executable, "-m", "disagg.roles", json.dumps({**spec, "colour": "red"})], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
-    from disagg.transport.messages import BOOT_ERROR_EXIT
+    from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
     assert res.returncode == BOOT_ERROR_EXIT and "unknown field `colour`" in res.stderr, res.stderr
     with pytest.raises(msgspec.ValidationError, match="bogus"):

@@ -15,7 +15,7 @@ from disagg.settings.fields import leaves
 from disagg.settings.process import OrchestratorSettings, RoleSettings, decode, encode
 from disagg.settings.schema import Settings
 from disagg.settings.sources import resolve
-from disagg.transport.choice import Choice
+from disagg.transport.wire.choice import Choice
 from tests.conftest import ROOT
 
 
@@ -71,7 +71,7 @@ def test_constructors_that_take_a_setting_default_to_the_schemas_value():
         assert params["schedule"].default == s.schedule, fn.__qualname__
         assert params["aging_s"].default == s.schedule_aging_s, fn.__qualname__
     assert inspect.signature(Turns.__init__).parameters["aging_s"].default == s.schedule_aging_s
-    from disagg.orchestrator.loras import pick_by_affinity  # the rule is the caller's setting, no default of its own
+    from disagg.orchestrator.scheduling.loras import pick_by_affinity  # the rule is the caller's setting, no default of its own
 
     assert inspect.signature(pick_by_affinity).parameters["rule"].default is inspect.Parameter.empty
 

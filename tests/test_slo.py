@@ -1,4 +1,4 @@
-"""Deadlines and priorities on the orchestrator's side (disagg/orchestrator/deadlines.py), on a fake clock: queue order,
+"""Deadlines and priorities on the orchestrator's side (disagg/orchestrator/scheduling/deadlines.py), on a fake clock: queue order,
 admission, shedding, what Run, RequestStates and status carry; and the trace pieces of `disagg bench`."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from benchmarks.traces.mixed import generate
-from disagg.launcher.bench_trace import TraceError, label, load_trace
+from disagg.launcher.bench.trace import TraceError, label, load_trace
 from disagg.roles.pipelines.sim_profile import load_profile
 from tests.test_router import Harness, runs, staged
-from disagg.transport.messages import Done, ErrorCode, Rejected, RequestQuery, StatusQuery
+from disagg.transport.wire.messages import Done, ErrorCode, Rejected, RequestQuery, StatusQuery
 
 
 def measured(h, rid="m", steps=10, width=512, height=512, device_s=(0.02, 1.0, 0.05)):
@@ -93,7 +93,7 @@ def test_a_resumed_request_keeps_the_deadline_of_its_first_arrival():
     """A restarted orchestrator hears of a request again from its client, with its age: the deadline still
     counts from the first Submit."""
     from tests.test_router import CLIENT
-    from disagg.transport.messages import GenerationParams, Submit
+    from disagg.transport.wire.messages import GenerationParams, Submit
 
     h = Harness(schedule="slo")
     h.add("encoder"), h.add("denoiser"), h.add("decoder")

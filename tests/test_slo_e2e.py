@@ -12,7 +12,7 @@ import pytest
 
 from disagg.client import Client
 from tests.conftest import disagg, launch_with_http, wait_http
-from disagg.transport.messages import ErrorCode, GenerationParams
+from disagg.transport.wire.messages import ErrorCode, GenerationParams
 
 pytestmark = pytest.mark.e2e
 

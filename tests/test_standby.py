@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 
 from disagg.client import Client
-from disagg.launcher.dashboard import status_view
+from disagg.launcher.cli.dashboard import status_view
 from tests.conftest import Launched, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Step caches (disagg/roles/step_cache.py): each type a family takes, run through a denoiser Stage, equals diffusers'
+"""Step caches (disagg/roles/extensions/step_cache.py): each type a family takes, run through a denoiser Stage, equals diffusers'
 own pipeline run in one process with the same cache config, within 1/255, and skips steps at the thresholds
 README documents; requests with other cache settings held by one denoiser keep their own."""
 
@@ -12,8 +12,8 @@ import torch
 
 from disagg.roles.errors import RequestError
 from disagg.roles.stage import Stage
-from disagg.roles.step_cache import TYPES, UNSUPPORTED, config_of, make_caches
-from disagg.transport.messages import GenerationParams
+from disagg.roles.extensions.step_cache import TYPES, UNSUPPORTED, config_of, make_caches
+from disagg.transport.wire.messages import GenerationParams
 
 #: the tiny models' documented thresholds (README "Step caches"): each skips steps there
 FLUX_CACHES = {

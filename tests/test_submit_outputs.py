@@ -17,7 +17,7 @@ from PIL import Image
 
 from disagg.client import Client
 from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, popen_cli, wait_until
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ import torch
 from disagg.roles.pipelines import ModelError, load_adapter
 from disagg.roles.pipelines.tiny import TinyFluxAdapter, build_component
 from disagg.roles.stage import Stage
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 import pytest
 

@@ -10,10 +10,10 @@ import torch
 
 from disagg.roles.spec import WorkerSpec
 from disagg.roles.worker import Worker
-from disagg.transport.bundle import decode_frames
-from disagg.transport.messages import Done, Held, Register, Registered, RoleMessage
-from disagg.transport.pool import make_pool
-from disagg.transport.shm import list_segments, remove_segments
+from disagg.transport.wire.bundle import decode_frames
+from disagg.transport.wire.messages import Done, Held, Register, Registered, RoleMessage
+from disagg.transport.data.pool import make_pool
+from disagg.transport.data.shm import list_segments, remove_segments
 
 
 def sent(worker) -> list:
@@ -62,7 +62,7 @@ def test_a_run_handed_over_before_a_register_and_not_started_by_then_is_not_run(
     from disagg.roles.stage import Stage
     from disagg.roles.pipelines.payload import PayloadAdapter
     from disagg.roles.worker import REGISTER_AGAIN_S
-    from disagg.transport.messages import ErrorCode, GenerationParams, Rejected, Run
+    from disagg.transport.wire.messages import ErrorCode, GenerationParams, Rejected, Run
 
     name = f"disagg-test-{uuid.uuid4().hex[:8]}"
     pool = make_pool(name, 1 << 20, "cpu")

@@ -14,9 +14,9 @@ import zmq.asyncio
 
 from disagg.client.core import SUSPECT_PROBE_S, Outcome, RequestBook
 from disagg.client.sync import SEND_TIMEOUT_S, Unreachable
-from disagg.transport.auth import apply_client_curve
-from disagg.transport.bundle import decode_frames
-from disagg.transport.messages import (
+from disagg.transport.wire.auth import apply_client_curve
+from disagg.transport.wire.bundle import decode_frames
+from disagg.transport.wire.messages import (
     ErrorCode,
     Cancel,
     GatewayBeat,

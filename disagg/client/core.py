@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     ErrorCode,
     GenerationParams,
     MessageError,
@@ -50,7 +50,7 @@ class Outcome:
     attempts: int = 1
     #: the parameters the model ran with, its defaults filled in (Result.resolved)
     resolved: dict = field(default_factory=dict)
-    #: why it did not succeed, for programs (disagg/transport/codes.py), and the request field at fault
+    #: why it did not succeed, for programs (disagg/transport/wire/codes.py), and the request field at fault
     code: ErrorCode | None = None
     param: str | None = None
 

@@ -3,7 +3,7 @@ transport.codes.ErrorCode, so a caller tells "try again later" from "fix the req
 
 from __future__ import annotations
 
-from disagg.transport.codes import CLIENT_FAULT, RETRY_LATER, ErrorCode
+from disagg.transport.wire.codes import CLIENT_FAULT, RETRY_LATER, ErrorCode
 
 
 class RequestFailed(RuntimeError):

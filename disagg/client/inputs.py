@@ -11,7 +11,7 @@ import binascii
 import re
 from pathlib import Path
 
-from disagg.transport.messages import MAX_INPUT_BYTES
+from disagg.transport.wire.messages import MAX_INPUT_BYTES
 
 #: the request fields that name an input image
 IMAGE_FIELDS = ("image", "mask")

@@ -14,11 +14,11 @@ import zmq
 from disagg.client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SUSPECT_PROBE_S  # noqa: F401
 from disagg.client.core import Outcome, RequestBook, outcome_of  # noqa: F401 - the clients' API
 from disagg.client.errors import error_for
-from disagg.transport.auth import apply_client_curve
-from disagg.transport.lane import LaneClosed, LaneError, LaneLink
+from disagg.transport.wire.auth import apply_client_curve
+from disagg.transport.wire.lane import LaneClosed, LaneError, LaneLink
 
-from disagg.transport.bundle import Outbox, decode_frames
-from disagg.transport.messages import (
+from disagg.transport.wire.bundle import Outbox, decode_frames
+from disagg.transport.wire.messages import (
     ErrorCode,
     Cancel,
     GenerationParams,
@@ -72,7 +72,7 @@ class Client:
         self.secured = curve is not None
         self.sock.connect(self.endpoint)
         self._probed = False
-        #: the orchestrator's same-host fast lane, when it has one here (disagg/transport/lane.py)
+        #: the orchestrator's same-host fast lane, when it has one here (disagg/transport/wire/lane.py)
         self.lane: LaneLink | None = None
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)

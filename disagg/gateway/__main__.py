@@ -11,7 +11,7 @@ import sys
 import msgspec
 import yaml
 
-from disagg.transport.messages import BOOT_ERROR_EXIT
+from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from disagg.gateway.routes import images, operations, videos
 from disagg.gateway.state import Gateway
 from disagg.gateway.tenants import NOBODY, Keys
 from disagg.settings.process import GatewaySettings
-from disagg.transport.parent import LauncherWatch
+from disagg.common.parent import LauncherWatch
 
 log = logging.getLogger("disagg.gateway")
 
@@ -71,7 +71,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         curve = None
         if settings.keys:
-            from disagg.transport.auth import client_curve
+            from disagg.transport.wire.auth import client_curve
 
             curve = client_curve(Path(settings.keys))
         gw.client = AsyncClient(settings.endpoint, curve=curve)

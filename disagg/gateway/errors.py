@@ -6,7 +6,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from disagg.transport.codes import ErrorCode
+from disagg.transport.wire.codes import ErrorCode
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

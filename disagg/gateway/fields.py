@@ -8,7 +8,7 @@ import msgspec
 
 from disagg.client.inputs import InputError, check_size, from_data_url
 from disagg.gateway.errors import ApiError
-from disagg.transport.messages import MAX_INPUT_BYTES
+from disagg.transport.wire.messages import MAX_INPUT_BYTES
 
 
 def input_error(exc: InputError, field: str) -> ApiError:
@@ -66,7 +66,7 @@ def extensions(req, names: tuple[str, ...]) -> dict:
     return {name: value for name in names if (value := extra.get(name, getattr(req, name))) is not None}
 
 
-#: what a Result's resolved parameters say of the denoiser's step cache (disagg/roles/step_cache.py)
+#: what a Result's resolved parameters say of the denoiser's step cache (disagg/roles/extensions/step_cache.py)
 CACHE_KEYS = ("cache", "steps_computed", "steps_skipped")
 
 

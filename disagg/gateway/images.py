@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from disagg.gateway.errors import ApiError, from_outcome
 from disagg.gateway.fields import decode_json, extensions, field_error, parse_size, upload
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     MAX_INPUT_BYTES,
     GenerationParams,
     MessageError,
@@ -48,7 +48,7 @@ class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
     priority: int | None = None
     slo_ms: float | None = None
-    #: a step cache for the denoiser: {"type": "first_block", "threshold": 0.2} (disagg/roles/step_cache.py)
+    #: a step cache for the denoiser: {"type": "first_block", "threshold": 0.2} (disagg/roles/extensions/step_cache.py)
     cache: dict | None = None
     #: OpenAI's streaming: server-sent events, with this many partial images (live previews) before the image
     stream: bool | None = None

@@ -14,8 +14,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
-from disagg.transport.codes import CLIENT_FAULT, ErrorCode
-from disagg.transport.messages import SLACK_BUCKETS_S, STATES, StatusReport
+from disagg.transport.wire.codes import CLIENT_FAULT, ErrorCode
+from disagg.transport.wire.messages import SLACK_BUCKETS_S, STATES, StatusReport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 PHASES = {"queue": "queue", "compute": "compute", "fetch": "transfer"}

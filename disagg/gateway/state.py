@@ -17,7 +17,7 @@ from disagg.gateway.metrics import Metrics
 from disagg.gateway.store import BoundedCache
 from disagg.gateway.tenants import NOBODY, Caller, Keys
 from disagg.settings.process import GatewaySettings
-from disagg.transport.params import LoraRef
+from disagg.transport.wire.params import LoraRef
 
 MIB = 1024 * 1024
 #: how often a waiting request checks that its HTTP client is still there

@@ -13,7 +13,7 @@ from disagg.settings.schema import ApiKey, HttpSettings
 
 #: hex digits of a key's hash that name its tenant (also the prefix of its requests' ids at the orchestrator)
 TENANT_HEX = 12
-#: the orchestrator's request ids: at most this long (disagg/transport/descriptors.py Id)
+#: the orchestrator's request ids: at most this long (disagg/transport/wire/descriptors.py Id)
 MAX_ID = 128
 
 

@@ -15,7 +15,7 @@ from msgspec import Meta
 from disagg.client.inputs import InputError, check_size, from_data_url
 from disagg.gateway.errors import ApiError
 from disagg.gateway.fields import decode_json, extensions, field_error, input_error, parse_size
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     MAX_INPUT_BYTES,
     GenerationParams,
     MessageError,
@@ -58,7 +58,7 @@ class VideoRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: scheduling: higher first (default 0), and a deadline in ms from arrival (schedule / admission slo)
     priority: int | None = None
     slo_ms: float | None = None
-    #: a step cache for the denoiser (disagg/roles/step_cache.py)
+    #: a step cache for the denoiser (disagg/roles/extensions/step_cache.py)
     cache: dict | None = None
     extra_body: dict | None = None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from disagg.client import Client, Unreachable
-from disagg.transport.auth import client_curve
+from disagg.transport.wire.auth import client_curve
 from disagg.launcher.hosts import host_id, route_address
 from disagg.launcher.leftovers import RunRecord, remove_leftovers
 from disagg.launcher.readiness import BootError, Startup, StoppedDuringStartup  # noqa: F401 - importers take them from here
@@ -25,9 +25,9 @@ from disagg.settings import Settings
 from disagg.roles.pipelines import model_identity
 from disagg.settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from disagg.settings.process import RoleSettings as WorkerSpec
-from disagg.transport.messages import IdleDevice, ModelIdentity, StatusReport
-from disagg.transport.lane import lane_in_use, lane_path
-from disagg.transport.shm import SHM_PREFIX, remove_segments
+from disagg.transport.wire.messages import IdleDevice, ModelIdentity, StatusReport
+from disagg.transport.wire.lane import lane_in_use, lane_path
+from disagg.transport.data.shm import SHM_PREFIX, remove_segments
 
 log = logging.getLogger("disagg.launcher")
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from disagg.launcher.supervisor import open_log
-from disagg.transport.shm import pid_alive
+from disagg.transport.data.shm import pid_alive
 
 log = logging.getLogger("disagg.launcher")
 

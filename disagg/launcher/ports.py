@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-from disagg.transport.lane import lane_in_use
+from disagg.transport.wire.lane import lane_in_use
 
 # below Linux's ephemeral range (32768+), where outgoing connections would race us for the port,
 # and above Mooncake's RPC ports

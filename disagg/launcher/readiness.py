@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from disagg.client import Unreachable
-from disagg.transport.messages import StatusReport
+from disagg.transport.wire.messages import StatusReport
 
 #: how often the launcher asks the orchestrator while it waits
 POLL_S = 0.2

@@ -9,11 +9,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from disagg.launcher.batch import run_prompts
-from disagg.launcher.dashboard import events_between, status_view
+from disagg.launcher.cli.batch import run_prompts
+from disagg.launcher.cli.dashboard import events_between, status_view
 from disagg.launcher.deployment import BootError, Deployment, StoppedDuringStartup
 from disagg.settings import Settings
-from disagg.transport.messages import GenerationParams, StatusReport
+from disagg.transport.wire.messages import GenerationParams, StatusReport
 
 REFRESH_S = 0.5
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from disagg.transport.messages import BOOT_ERROR_EXIT, MOVE_EXIT
-from disagg.transport.parent import LAUNCHER_PID_ENV
+from disagg.transport.wire.messages import BOOT_ERROR_EXIT, MOVE_EXIT
+from disagg.common.parent import LAUNCHER_PID_ENV
 
 log = logging.getLogger("disagg.launcher")
 

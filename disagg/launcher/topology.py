@@ -13,7 +13,7 @@ from disagg.launcher.parallel import ParallelLayout, group_gpus, resolve_layouts
 from disagg.roles.pipelines import ModelError, ModelSpec, model_spec
 from disagg.settings import ROLE_SECTIONS, Resolved, Settings, SettingsError, resolve
 from disagg.settings.choices import RebalanceMode, Transfer, TransferProtocol
-from disagg.transport.messages import HEARTBEAT_INTERVAL_S
+from disagg.transport.wire.messages import HEARTBEAT_INTERVAL_S
 
 ROLE_KEYS = ROLE_SECTIONS
 ConfigError = SettingsError

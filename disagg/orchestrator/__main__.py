@@ -12,8 +12,8 @@ import msgspec
 from disagg.orchestrator.router import Router, RouterConfig
 from disagg.orchestrator.server import OrchestratorServer
 from disagg.settings.process import decode, encode
-from disagg.transport.messages import BOOT_ERROR_EXIT
-from disagg.transport.shm import SHM_PREFIX
+from disagg.transport.wire.messages import BOOT_ERROR_EXIT
+from disagg.transport.data.shm import SHM_PREFIX
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("disagg.orchestrator").info("settings: %s", encode(config))
     try:
         router = Router(config, now=time.monotonic())
-        # a restart: clients resubmit and roles re-register; it resumes their requests (disagg/orchestrator/recovery.py)
+        # a restart: clients resubmit and roles re-register; it resumes their requests (disagg/orchestrator/parts/recovery.py)
         router.restarted(int(os.environ.get("DISAGG_RESTARTS", "0")), time.monotonic())
         server = OrchestratorServer(router, config.host, config.port, config.keys, lane=config.lane)
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     run_id = os.environ.get("DISAGG_RUN_ID")
     if run_id:  # what killed roles of this run left: the launcher removes it too, unless it is killed meanwhile
-        from disagg.transport.shm import remove_segments
+        from disagg.transport.data.shm import remove_segments
 
         remove_segments(f"{SHM_PREFIX}{run_id}-", only_dead=True)
     return 0

@@ -1,11 +1,11 @@
 """Whether a stage's output must travel inline (inside the orchestrator's messages) because some consumer cannot
-pull it from the producer's pool with any transfer engine (disagg/transport/selection.py)."""
+pull it from the producer's pool with any transfer engine (disagg/transport/data/selection.py)."""
 
 from __future__ import annotations
 
 from disagg.orchestrator.requests import next_stage
 from disagg.settings.choices import Transfer
-from disagg.transport.selection import choose_engine
+from disagg.transport.data.selection import choose_engine
 
 
 class InlineNeeds:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import collections
 
-from disagg.transport.bundle import BUNDLE_MAX_MESSAGES
-from disagg.transport.messages import ErrorCode, Rejected, StatusQuery
+from disagg.transport.wire.bundle import BUNDLE_MAX_MESSAGES
+from disagg.transport.wire.messages import ErrorCode, Rejected, StatusQuery
 
 #: the most messages one client bundle may carry
 CLIENT_BUNDLE_MAX = BUNDLE_MAX_MESSAGES

@@ -10,7 +10,7 @@ import logging
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.stats import GATEWAY_SILENCE_S
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, ErrorCode, Heartbeat, Register, Registered, Rejected, Shutdown, Stop,
     StopHost, Stopping,
 )
@@ -231,7 +231,7 @@ class InstanceLifecycle:
     def settle_inherited(self, inst: Instance, running: set[str], now: float, out: list[Out]) -> None:
         """Work it ran when it registered (Register.busy) and runs no more, one heartbeat later: had its
         report come, it would have closed the run. The slot comes back; a request resumed as running there
-        (disagg/orchestrator/recovery.py) whose report never came gets a new attempt."""
+        (disagg/orchestrator/parts/recovery.py) whose report never came gets a new attempt."""
         for rid in set(inst.inherited) - running:
             attempt = inst.inherited[rid]
             if inst.running.get(rid) != attempt:  # reported, or a new attempt was sent here since

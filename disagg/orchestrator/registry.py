@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.common.averages import ewma
-from disagg.transport.messages import InstanceStatus, PoolInfo, Register
-from disagg.transport.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
+from disagg.transport.wire.messages import InstanceStatus, PoolInfo, Register
+from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Instance:
     #: moving average of its stage time (the least-work policy's estimate)
     stage_s_avg: float = 0.0
     #: moving average of the stage time of requests it ran alone (nothing else assigned to it meanwhile): what
-    #: one request costs its device, the LoRA cost rule's unit (disagg/orchestrator/loras.py); `alone` is the request
+    #: one request costs its device, the LoRA cost rule's unit (disagg/orchestrator/scheduling/loras.py); `alone` is the request
     #: it runs alone now, if any
     solo_s: float = 0.0
     alone: str | None = None
@@ -66,9 +66,9 @@ class Instance:
     vanished: dict[str, float] = field(default_factory=dict)
     #: stages the process finished since it started, by its own count (Heartbeat.computed)
     computed: int = 0
-    #: what it measures about itself (disagg/transport/role_stats.py): the latest of each its Register and heartbeats
+    #: what it measures about itself (disagg/transport/wire/role_stats.py): the latest of each its Register and heartbeats
     #: sent, kept as it came (a heartbeat without one keeps the last). `lora.held` and `lora.host` also take what was
-    #: just sent to it (disagg/orchestrator/loras.py note_assigned) until its next heartbeat says
+    #: just sent to it (disagg/orchestrator/scheduling/loras.py note_assigned) until its next heartbeat says
     lora: LoraStats = field(default_factory=LoraStats)
     conditioning: CacheStats = field(default_factory=CacheStats)
     boot: BootStats = field(default_factory=BootStats)

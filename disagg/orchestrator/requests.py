@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from disagg.transport.messages import GenerationParams, Source
-from disagg.transport.params import conditioning_key
+from disagg.transport.wire.messages import GenerationParams, Source
+from disagg.transport.wire.params import conditioning_key
 
 STAGES = ("encoder", "denoiser", "decoder")
 #: a colocated instance runs all three stages of a request in one process
@@ -43,7 +43,7 @@ class Request:
     attempt: int = 1
     stage: str = "encoder"
     #: queued | running | done | failed, or parked: sent during a restarted orchestrator's recovery window,
-    #: placed when it closes (disagg/orchestrator/recovery.py)
+    #: placed when it closes (disagg/orchestrator/parts/recovery.py)
     state: str = "queued"
     assigned: str | None = None
     #: the previous stage's output, staged in its producer's pool, until the consumer fetched it
@@ -53,7 +53,7 @@ class Request:
     marks: dict[str, float] = field(default_factory=dict)
     #: where its LoRA adapters lie (name -> source), resolved at Submit; every Run carries it
     lora_sources: dict[str, str] = field(default_factory=dict)
-    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (disagg/orchestrator/deadlines.py)
+    #: when it should be done (submitted_at + params.slo_ms), None without slo_ms (disagg/orchestrator/scheduling/deadlines.py)
     slo_deadline: float | None = None
     #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
     cache_steps: dict = field(default_factory=dict)

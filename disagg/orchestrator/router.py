@@ -13,24 +13,24 @@ import uuid
 
 import msgspec
 
-from disagg.orchestrator.admission import Admission
-from disagg.orchestrator.deadlines import Deadlines
-from disagg.orchestrator.dispatch import make_policy
+from disagg.orchestrator.scheduling.admission import Admission
+from disagg.orchestrator.scheduling.deadlines import Deadlines
+from disagg.orchestrator.scheduling.dispatch import make_policy
 from disagg.orchestrator.handoff import InlineNeeds
 from disagg.orchestrator.instances import InstanceLifecycle
-from disagg.orchestrator.loras import LoraCatalog
+from disagg.orchestrator.scheduling.loras import LoraCatalog
 from disagg.orchestrator.outbox import Out, RouterConfig, to_client, to_instance
-from disagg.orchestrator.parts import Listeners
-from disagg.orchestrator.placement import Placement
-from disagg.orchestrator.previews import Previews
-from disagg.orchestrator.queues import make_queue
-from disagg.orchestrator.rebalance import Rebalance
-from disagg.orchestrator.recovery import Recovery, cache_steps
+from disagg.orchestrator.parts.base import Listeners
+from disagg.orchestrator.scheduling.placement import Placement
+from disagg.orchestrator.parts.previews import Previews
+from disagg.orchestrator.scheduling.queues import make_queue
+from disagg.orchestrator.parts.rebalance import Rebalance
+from disagg.orchestrator.parts.recovery import Recovery, cache_steps
 from disagg.orchestrator.registry import Registry
 from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
 from disagg.orchestrator.stats import Stats, request_states, snapshot
 from disagg.orchestrator.steps import RequestSteps
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     Cancel, Dead, Done, ErrorCode, Failed, Fetched, GatewayBeat, Heartbeat, Register, Rejected, Release, RequestQuery,
     Result, Source, Staged, StatusQuery, StatusReport, Stop, StopHost, Submit,
 )
@@ -82,22 +82,22 @@ class Router(InstanceLifecycle, RequestSteps):
         #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
         self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
         loras = self.config.loras
-        #: the adapters requests may name (disagg/orchestrator/loras.py)
+        #: the adapters requests may name (disagg/orchestrator/scheduling/loras.py)
         self.lora_catalog = LoraCatalog(loras.dir, loras.adapters, any_name=self.config.sim,
                                         max_per_request=loras.max_per_request)
-        #: stage times, slack and urgency, deadlines met and missed (disagg/orchestrator/deadlines.py)
+        #: stage times, slack and urgency, deadlines met and missed (disagg/orchestrator/scheduling/deadlines.py)
         self.deadlines = Deadlines(self.config, self.registry, self.requests)
-        #: the requests waiting per role, in the order the `schedule` setting chooses (disagg/orchestrator/queues.py)
+        #: the requests waiting per role, in the order the `schedule` setting chooses (disagg/orchestrator/scheduling/queues.py)
         self.queue = make_queue(self.config, ROLES, self.requests, self.deadlines, self.registry)
         self.queues = self.queue.by_role
         self.admission = Admission(self.config, self.queue, self.deadlines, self.first_stage, self.fail)
-        #: which instance takes a queued request (disagg/orchestrator/placement.py)
+        #: which instance takes a queued request (disagg/orchestrator/scheduling/placement.py)
         self.placement = Placement(self, self.policy)
         #: what roles hold for requests not known here (yet): how a restarted orchestrator resumes them
         self.recovery = Recovery(self)
-        self.rebalance = Rebalance(self)  # pools that size themselves (disagg/orchestrator/rebalance.py)
-        self.previews = Previews(self)  # live previews' decodes (disagg/orchestrator/previews.py)
-        #: every part that hears the events (disagg/orchestrator/parts.py)
+        self.rebalance = Rebalance(self)  # pools that size themselves (disagg/orchestrator/parts/rebalance.py)
+        self.previews = Previews(self)  # live previews' decodes (disagg/orchestrator/parts/previews.py)
+        #: every part that hears the events (disagg/orchestrator/parts/base.py)
         self.parts = [*self.placement.parts, self.recovery, self.rebalance, self.previews]
         self.listeners = Listeners(self.parts)
         self._handlers = {
@@ -119,7 +119,7 @@ class Router(InstanceLifecycle, RequestSteps):
         for part in self.parts:
             self._handlers.update({kind: getattr(part, name) for kind, name in part.messages.items()})
 
-    # --- what parts use (disagg/orchestrator/parts.py Core) ---------------------------------------
+    # --- what parts use (disagg/orchestrator/parts/base.py Core) ---------------------------------------
 
     def rng_for(self, name: str) -> random.Random:
         """A part's own generator (its draws do not depend on the others')."""
@@ -266,7 +266,7 @@ class Router(InstanceLifecycle, RequestSteps):
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             if self.is_source(msg.request_id, inst.id, msg.slot.offset):
-                return  # a late copy of the report a resumed request already reads from (disagg/orchestrator/recovery.py)
+                return  # a late copy of the report a resumed request already reads from (disagg/orchestrator/parts/recovery.py)
             if not self.recovery.keep_output(inst, msg, frames, now):
                 out.append(to_instance(inst.id, Release(request_id=msg.request_id, offset=msg.slot.offset)))
                 inst.staged.pop(msg.slot.offset, None)

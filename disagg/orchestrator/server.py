@@ -1,4 +1,4 @@
-"""The orchestrator's IO shell: two ROUTER sockets and the fast lane's listener (disagg/transport/lane.py),
+"""The orchestrator's IO shell: two ROUTER sockets and the fast lane's listener (disagg/transport/wire/lane.py),
 one poll loop; the Router does the thinking. Replies gathered in a turn leave at its end, one
 message (or Bundle) per peer."""
 
@@ -15,12 +15,12 @@ import zmq
 
 from disagg.orchestrator.inbox import CLIENT_BUNDLE_MAX, ClientInbox
 from disagg.orchestrator.router import Out, Router
-from disagg.transport.auth import secure_server
-from disagg.transport.parent import LauncherWatch
-from disagg.transport.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
-from disagg.transport.bundle import Outbox, decode_frames
-from disagg.transport.shm import pid_alive
-from disagg.transport.messages import (
+from disagg.transport.wire.auth import secure_server
+from disagg.common.parent import LauncherWatch
+from disagg.transport.wire.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
+from disagg.transport.wire.bundle import Outbox, decode_frames
+from disagg.transport.data.shm import pid_alive
+from disagg.transport.wire.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
     ErrorCode,
@@ -78,7 +78,7 @@ class OrchestratorServer:
         self.backend.bind(f"tcp://{host}:{port + 1}")
         self.endpoint = f"tcp://{host}:{port}"
         router.endpoint = self.endpoint
-        # the same-host fast lane (disagg/transport/lane.py): roles and clients here connect after their handshake
+        # the same-host fast lane (disagg/transport/wire/lane.py): roles and clients here connect after their handshake
         self.lane_listener = None
         if lane:
             try:

@@ -6,7 +6,7 @@ import collections
 import os
 
 from disagg.orchestrator.requests import ROLES, STAGES
-from disagg.transport.messages import (
+from disagg.transport.wire.messages import (
     GatewayStatus, PairEngine, RequestCounts, RequestState, RequestStates, StageTime, StatusReport, TransferCount,
 )
 

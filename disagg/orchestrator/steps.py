@@ -1,7 +1,7 @@
 """The Router's request state machine steps: a request queued, placed (the placement chain chooses the instance,
-disagg/orchestrator/placement.py) and assigned, a run's report closing its slot, a source released, a request failed,
+disagg/orchestrator/scheduling/placement.py) and assigned, a run's report closing its slot, a source released, a request failed,
 ended or given a new attempt, its Result sent. A mixin of Router (disagg/orchestrator/router.py): it works on the
-Router's requests, registry and queue, and tells its parts (disagg/orchestrator/parts.py) what ended."""
+Router's requests, registry and queue, and tells its parts (disagg/orchestrator/parts/base.py) what ended."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import logging
 
 import msgspec
 
-from disagg.orchestrator.dispatch import AFFINITY_ROLES
-from disagg.orchestrator.loras import note_assigned
+from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
+from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.outbox import Out, to_client, to_instance
-from disagg.orchestrator.placement import DEFER, Placing
+from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.requests import ROLES, Request
 from disagg.settings.choices import Transfer
-from disagg.transport.messages import ErrorCode, Release, Result, Run
-from disagg.transport.selection import choose_engine
+from disagg.transport.wire.messages import ErrorCode, Release, Result, Run
+from disagg.transport.data.selection import choose_engine
 
 log = logging.getLogger("disagg.orchestrator")
 

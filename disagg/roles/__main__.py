@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from disagg.transport.messages import BOOT_ERROR_EXIT
+from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
 
 def wait_as_spare() -> list[str] | None:
@@ -87,17 +87,17 @@ def main(argv: list[str] | None = None) -> int:
 
             group.apply(denoising_model(adapter))
         fit = PoolFit(model_spec(spec.model), spec.pool_limits) if spec.pool_limits and spec.rank == 0 else None
-        from disagg.roles.loras import make_bank
+        from disagg.roles.extensions.loras import make_bank
 
         # an instance over several ranks applies no adapters (each rank would have to load them in lockstep)
         loras = make_bank(adapter, spec.role, spec.loras.slots, spec.loras.max_mib, spec.sim_slowdown,
                           compiled=spec.compile.enabled, host_slots=spec.loras.host_slots) if group is None else None
-        from disagg.roles.step_cache import make_caches
+        from disagg.roles.extensions.step_cache import make_caches
 
         caches = make_caches(adapter, spec.role, spec.cache or None) if group is None else None
         conditioning = None
         if spec.role == "encoder" and spec.conditioning_cache_mib:
-            from disagg.roles.conditioning import ConditioningCache
+            from disagg.roles.extensions.conditioning import ConditioningCache
 
             conditioning = ConditioningCache(spec.conditioning_cache_mib * 2**20)
         return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         # at once: gloo's threads abort an interpreter that finalises around them ("terminate called ...")
         os._exit(code)
     try:
-        from disagg.transport.pool import make_pool
+        from disagg.transport.data.pool import make_pool
 
         # the pid in the name: a restarted instance never reuses a name a peer may still have mapped
         spec.pool_name = f"{spec.pool_name}-{os.getpid()}"
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot create the %d-byte pool %s: %s", spec.pool_bytes, spec.pool_name, exc)
         return BOOT_ERROR_EXIT
 
-    from disagg.transport.engines import EngineUnavailable
+    from disagg.transport.data.engines import EngineUnavailable
 
     try:
         worker = Worker(spec, load_stage, pool)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             group.close()
     run_id = os.environ.get("DISAGG_RUN_ID")
     if worker.orphaned and run_id:  # as the orphaned orchestrator does: the last one out removes what
-        from disagg.transport.shm import SHM_PREFIX, remove_segments  # killed peers of this run left behind
+        from disagg.transport.data.shm import SHM_PREFIX, remove_segments  # killed peers of this run left behind
 
         remove_segments(f"{SHM_PREFIX}{run_id}-", only_dead=True)
     return worker.exit_code

@@ -26,7 +26,7 @@ from disagg.settings.choices import Schedule
 from disagg.settings.fields import default
 from disagg.common.averages import ewma
 from disagg.common.urgency import order as urgency_order
-from disagg.transport.params import lora_key
+from disagg.transport.wire.params import lora_key
 
 
 @dataclass(eq=False)  # compared by identity: its fields hold tensors
@@ -41,7 +41,7 @@ class _Entry:
     device_s: float = 0.0
     #: schedule slo: its priority, deadline and steps (disagg/roles/turns.py); None under fifo
     ticket: object = None
-    #: its step cache (disagg/roles/step_cache.py): the spec, its step count while it runs, and the hooks' exit
+    #: its step cache (disagg/roles/extensions/step_cache.py): the spec, its step count while it runs, and the hooks' exit
     cache: dict | None = None
     count: object = None
     cache_exit: object = None
@@ -55,7 +55,7 @@ class StepBatcher:
         self.adapter = adapter
         #: the transformer's step caches: a request with one runs alone, its steps back to back
         self.caches = caches
-        #: the instance's LoRA adapters (disagg/roles/loras.py): each step's forward applies its batch's own
+        #: the instance's LoRA adapters (disagg/roles/extensions/loras.py): each step's forward applies its batch's own
         self.loras = loras
         #: waits for the device to finish what a step queued (a GPU's kernels are asynchronous), so each
         #: step's time, and every request's share of it, is the device's time and not the launch time
@@ -90,7 +90,7 @@ class StepBatcher:
         result = entry.future.result()
         counted = {}
         if entry.count is not None:
-            from disagg.transport.params import cache_label
+            from disagg.transport.wire.params import cache_label
 
             counted = {"cache": cache_label(cache), **entry.count.as_dict()}
         return result, entry.device_s, counted

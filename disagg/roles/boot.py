@@ -5,14 +5,14 @@ The launcher gives up on an instance only when that count stands still for `read
 a first launch that downloads tens of GB per role, or a compile on a busy CPU, goes on for as long as it
 progresses. Progress comes from two places:
 
-- the boot itself: `phase("compiling", "size 1024x1024")` from anywhere in the role process (disagg/roles/compile.py
+- the boot itself: `phase("compiling", "size 1024x1024")` from anywhere in the role process (disagg/roles/extensions/compile.py
   calls it per size and batch); every call counts as progress, as does `tick(detail)`;
 - a meter thread (`BootMeter`) that looks, every METER_S, at what grows while a boot gets on: the checkpoint's
   folder in the Hugging Face cache (a download: phase "downloading" with the bytes so far), the process's memory
   (host RSS plus CUDA memory: weights being loaded) and, while compiling, the inductor cache folder and the CPU
   time of the process and its compile workers (a compile burns CPU all along; one blocked for good does not).
 
-Heartbeats carry the snapshot (a BootStats, disagg/transport/role_stats.py: Heartbeat.boot) to the
+Heartbeats carry the snapshot (a BootStats, disagg/transport/wire/role_stats.py: Heartbeat.boot) to the
 orchestrator; `disagg status` and the launcher's table show it.
 
 Test hook: DISAGG_TEST_BOOT_HOLD="INSTANCE:MODE:PATH" makes role INSTANCE hold its boot, once its model is loaded,
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from disagg.transport.role_stats import BootStats
+from disagg.transport.wire.role_stats import BootStats
 
 log = logging.getLogger("disagg.role")
 

@@ -13,13 +13,13 @@ import time
 from typing import Callable
 
 from disagg.roles.errors import GroupBroken, RequestError
-from disagg.roles.lora_backends import LoraError
+from disagg.roles.extensions.lora_backends import LoraError
 from disagg.roles.stage import Stage, StageOutput
-from disagg.transport.allocator import PoolFull
-from disagg.transport.engines import TransferEngine, TransferError
-from disagg.transport.manifest import unpack
-from disagg.transport.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, HeldPreview, Preview, Run, Staged
-from disagg.transport.pool import Pool
+from disagg.transport.data.allocator import PoolFull
+from disagg.transport.data.engines import TransferEngine, TransferError
+from disagg.transport.data.manifest import unpack
+from disagg.transport.wire.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, HeldPreview, Preview, Run, Staged
+from disagg.transport.data.pool import Pool
 
 log = logging.getLogger("disagg.role")
 
@@ -28,7 +28,7 @@ FOLD_FETCHED_BELOW_S = 0.002
 #: when each of the last 32 computes took less than this, a role runs the next ones on its loop thread
 RUN_INLINE_BELOW_S = 0.005
 #: a decoder keeps its Done messages this long (and at most this many bytes): one its orchestrator took
-#: and died with before the Result left is sent again to the next one (disagg/orchestrator/recovery.py)
+#: and died with before the Result left is sent again to the next one (disagg/orchestrator/parts/recovery.py)
 KEEP_RESULTS_S = 10.0
 KEEP_RESULTS_BYTES = 64 * 2**20
 

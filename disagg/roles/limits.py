@@ -5,7 +5,7 @@ from __future__ import annotations
 from disagg.roles.errors import RequestError
 from disagg.roles.pipelines import ROLES, ModelSpec, model_spec
 from disagg.settings.choices import Dtype
-from disagg.transport.role_stats import MemoryStats
+from disagg.transport.wire.role_stats import MemoryStats
 
 MIB = 1024 * 1024
 
@@ -27,7 +27,7 @@ def served_model(model: str, dtype: str):
     """The ModelIdentity an instance of `model` registers with (None if the model cannot be read here: its
     load then fails and says why)."""
     from disagg.roles.pipelines import model_identity
-    from disagg.transport.messages import ModelIdentity
+    from disagg.transport.wire.messages import ModelIdentity
 
     try:
         return ModelIdentity(**model_identity(model, dtype))

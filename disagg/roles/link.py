@@ -1,4 +1,4 @@
-"""A role's link to the orchestrator: its DEALER socket, the same-host fast lane (disagg/transport/lane.py) once
+"""A role's link to the orchestrator: its DEALER socket, the same-host fast lane (disagg/transport/wire/lane.py) once
 the orchestrator welcomes it there, and the DEALER of each compute thread. A mixin of Worker
 (disagg/roles/worker.py), on whose loop thread all but `_thread_dealer` run."""
 
@@ -8,10 +8,10 @@ import threading
 
 import zmq
 
-from disagg.transport.auth import apply_client_curve
-from disagg.transport.bundle import Outbox
-from disagg.transport.lane import LaneClosed, LaneError, LaneLink
-from disagg.transport.messages import MAX_FRAMES_BYTES
+from disagg.transport.wire.auth import apply_client_curve
+from disagg.transport.wire.bundle import Outbox
+from disagg.transport.wire.lane import LaneClosed, LaneError, LaneLink
+from disagg.transport.wire.messages import MAX_FRAMES_BYTES
 
 
 class Link:

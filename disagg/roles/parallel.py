@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from disagg.roles.errors import GroupBroken
 from disagg.roles.layout import KINDS, describe_layout, world_of
-from disagg.transport.manifest import dtype_name, dtype_of
-from disagg.transport.messages import GenerationParams
+from disagg.transport.data.manifest import dtype_name, dtype_of
+from disagg.transport.wire.messages import GenerationParams
 
 log = logging.getLogger("disagg.role")
 

@@ -10,8 +10,8 @@ import time
 from disagg.roles.boot import PROGRESS as BOOT
 from disagg.roles.layout import describe_layout
 from disagg.roles.limits import device_memory, memory_stats
-from disagg.transport.messages import Heartbeat, PoolInfo, Register
-from disagg.transport.role_stats import CacheStats, LoraStats
+from disagg.transport.wire.messages import Heartbeat, PoolInfo, Register
+from disagg.transport.wire.role_stats import CacheStats, LoraStats
 
 
 class SelfReport:

@@ -18,8 +18,8 @@ from disagg.roles.pipelines.adapter import ModelAdapter, check_adapter
 from disagg.roles.pipelines.conditioned import LAYOUT, InputError
 from disagg.settings.choices import Schedule
 from disagg.settings.fields import default
-from disagg.transport.messages import GenerationParams
-from disagg.transport.params import conditioning_key, lora_label
+from disagg.transport.wire.messages import GenerationParams
+from disagg.transport.wire.params import conditioning_key, lora_label
 
 
 def one_forward_at_a_time(model) -> None:
@@ -111,11 +111,11 @@ class Stage:
         self._compute_role = {"encoder": self._encoder, "denoiser": self._denoiser, "decoder": self._decoder,
                               "monolith": self._monolith}[role]
         self.model = model
-        #: the step caches of a denoiser's transformer (disagg/roles/step_cache.py); None: it runs none
+        #: the step caches of a denoiser's transformer (disagg/roles/extensions/step_cache.py); None: it runs none
         self.caches = caches
-        #: an encoder's recent encodings (disagg/roles/conditioning.py); None: off
+        #: an encoder's recent encodings (disagg/roles/extensions/conditioning.py); None: off
         self.conditioning = conditioning if role == "encoder" else None
-        #: the LoRA adapters this instance holds (disagg/roles/loras.py); None: it applies none
+        #: the LoRA adapters this instance holds (disagg/roles/extensions/loras.py); None: it applies none
         self.loras = loras
         #: the first stage checks that a request's tensors fit every pool (disagg/roles/limits.py PoolFit)
         self.fit = fit if role in ("encoder",) else None
@@ -219,11 +219,11 @@ class Stage:
                 raise stopped or Stopped("rank 0 stopped this request")
         return step
 
-    # --- step caches (disagg/roles/step_cache.py) ------------------------------------------------------------------
+    # --- step caches (disagg/roles/extensions/step_cache.py) ------------------------------------------------------------------
 
     def _cache_spec(self, p: dict, given: dict) -> dict | None:
         """The step cache this request runs with (its own, else the deployment's), checked; None for none."""
-        from disagg.roles.step_cache import request_spec
+        from disagg.roles.extensions.step_cache import request_spec
 
         default = self.caches.default if self.caches is not None else None
         spec = request_spec(given.get("cache"), default)
@@ -257,7 +257,7 @@ class Stage:
     def _counted(spec: dict | None, count) -> dict:
         if spec is None or count is None:
             return {}
-        from disagg.transport.params import cache_label
+        from disagg.transport.wire.params import cache_label
 
         return {"cache": cache_label(spec), **count.as_dict()}
 

@@ -28,12 +28,12 @@ from disagg.roles.limits import model_limits, served_model
 from disagg.roles.link import Link
 from disagg.roles.reports import SelfReport
 from disagg.roles.spec import WorkerSpec
-from disagg.transport.auth import client_curve
-from disagg.transport.parent import LauncherWatch
-from disagg.transport.bundle import Outbox, decode_frames
-from disagg.transport.engines import EngineOptions, TransferEngine, make_engines
-from disagg.transport.lane import LaneLink
-from disagg.transport.messages import (
+from disagg.transport.wire.auth import client_curve
+from disagg.common.parent import LauncherWatch
+from disagg.transport.wire.bundle import Outbox, decode_frames
+from disagg.transport.data.engines import EngineOptions, TransferEngine, make_engines
+from disagg.transport.wire.lane import LaneLink
+from disagg.transport.wire.messages import (
     BOOT_ERROR_EXIT,
     MOVE_EXIT,
     Cancel,
@@ -51,8 +51,8 @@ from disagg.transport.messages import (
     Shutdown,
     encode,
 )
-from disagg.transport.pool import Pool
-from disagg.transport.role_stats import CompileStats
+from disagg.transport.data.pool import Pool
+from disagg.transport.wire.role_stats import CompileStats
 
 RECONNECT_MAX_BACKOFF_S = 5.0
 #: a refusal as "not registered" within this long of a Register is answered by it, not by another Register
@@ -88,7 +88,7 @@ class Worker(Link, SelfReport):
         self.sock: zmq.Socket | None = None
         #: messages from the loop thread, sent together at the end of each loop turn
         self.outbox = Outbox()
-        #: the orchestrator's same-host fast lane, once connected (disagg/transport/lane.py)
+        #: the orchestrator's same-host fast lane, once connected (disagg/transport/wire/lane.py)
         self.lane: LaneLink | None = None
         self.poller: zmq.Poller | None = None
         self.curve = client_curve(Path(spec.keys)) if spec.keys else None
@@ -127,7 +127,7 @@ class Worker(Link, SelfReport):
         meter = BootMeter(self.spec.model, self.spec.compile.cache_dir).start()
         try:
             if self.spec.compile.enabled:  # before the load: a mode that cannot serve here fails the boot at once
-                from disagg.roles.compile import refuse_cudagraphs
+                from disagg.roles.extensions.compile import refuse_cudagraphs
 
                 refuse_cudagraphs(self.spec.compile.mode, self.spec.device)
             boot_phase("loading", f"model {self.spec.model}")
@@ -136,7 +136,7 @@ class Worker(Link, SelfReport):
             test_hold(self.spec.instance_id)
             if self.spec.compile.enabled and stage.role in ("denoiser", "monolith"):
                 from disagg.roles.boot import tick as boot_tick
-                from disagg.roles.compile import CompileWatch, compile_stage
+                from disagg.roles.extensions.compile import CompileWatch, compile_stage
 
                 boot_phase("compiling", f"torch.compile {self.spec.compile.mode}, warm-up at "
                            f"{', '.join(self.spec.compile.sizes) or 'the default size'}")

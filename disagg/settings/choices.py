@@ -4,8 +4,8 @@ which is what config files, DISAGG_ variables, flags and the settings JSON a pro
 
 from __future__ import annotations
 
-from disagg.transport.choice import Choice
-from disagg.transport.selection import Transfer  # noqa: F401 - the transfer engines are the wire's vocabulary
+from disagg.transport.wire.choice import Choice
+from disagg.transport.data.selection import Transfer  # noqa: F401 - the transfer engines are the wire's vocabulary
 
 
 class Dtype(Choice):
@@ -22,7 +22,7 @@ class TransferProtocol(Choice):
 
 
 class Dispatch(Choice):
-    """disagg/orchestrator/dispatch.py's POLICIES implements each."""
+    """disagg/orchestrator/scheduling/dispatch.py's POLICIES implements each."""
 
     MAX_FREE_SLOTS = "max-free-slots"
     ROUND_ROBIN = "round-robin"
@@ -57,7 +57,7 @@ class CompileScope(Choice):
 
 
 class LoraAffinity(Choice):
-    """loras.affinity, and the load rule it resolves to (disagg/orchestrator/loras.py): auto is never a rule."""
+    """loras.affinity, and the load rule it resolves to (disagg/orchestrator/scheduling/loras.py): auto is never a rule."""
 
     AUTO = "auto"
     ON = "on"

@@ -16,7 +16,7 @@ import msgspec
 
 from disagg.settings.fields import sections_for, top_level_for
 from disagg.settings.schema import Settings, world_of
-from disagg.transport.descriptors import ModelIdentity
+from disagg.transport.wire.descriptors import ModelIdentity
 
 
 @cache

@@ -3,7 +3,7 @@
 Each field's `Meta(description=...)` is its help text (the first paragraph is `--help`'s; the whole text is the
 comment above it in configs/tiny.yaml); `extra=use(...)` names the processes that read it, its flag where that
 is not `--NAME`, and the older key names a config file may still use. Everything else is derived from this
-module: the launch flags (disagg/launcher/options.py), config-file keys, DISAGG_<NAME> environment variables
+module: the launch flags (disagg/launcher/cli/options.py), config-file keys, DISAGG_<NAME> environment variables
 (disagg/settings/sources.py), each process's own settings object (disagg/settings/process.py), configs/tiny.yaml and the
 README's settings table (disagg/settings/render.py).
 """
@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from disagg.transport.params import CacheSpec  # one cache rule: requests' and the settings'
+from disagg.transport.wire.params import CacheSpec  # one cache rule: requests' and the settings'
 from disagg.settings.choices import Admission, Dispatch, Dtype, Schedule, Transfer, TransferProtocol
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,

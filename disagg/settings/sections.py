@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from disagg.settings.choices import CompileMode, CompileScope, Dispatch, LoraAffinity, RebalanceMode, Role, Transfer
-from disagg.transport.params import (
+from disagg.transport.wire.params import (
     LoraName,  # one adapter-name rule: requests' and the registry's
 )
 
@@ -18,9 +18,9 @@ from disagg.transport.params import (
 PROCESSES = ("launcher", "orchestrator", "role", "gateway")
 #: how one instance may span devices, in mesh order (disagg/roles/layout.py re-exports it)
 PARALLEL_KINDS = ("cfg", "ring", "ulysses")
-#: dispatch policies (disagg/orchestrator/dispatch.py implements each; a test checks the two agree)
+#: dispatch policies (disagg/orchestrator/scheduling/dispatch.py implements each; a test checks the two agree)
 DISPATCH_POLICIES = Dispatch.values()
-#: transfer engines (disagg/transport/selection.py's CHOICES; a test checks the two agree)
+#: transfer engines (disagg/transport/data/selection.py's CHOICES; a test checks the two agree)
 TRANSFERS = Transfer.values()
 #: `disagg serve-http` serves here when http.port is 0 (launch then starts no gateway)
 SERVE_HTTP_PORT = 8000
@@ -204,7 +204,7 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CompileSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Compiled denoisers (disagg/roles/compile.py): torch.compile on the transformer, warmed up at boot. Before this
+    """Compiled denoisers (disagg/roles/extensions/compile.py): torch.compile on the transformer, warmed up at boot. Before this
     section these were the top-level compile, compile_mode, compile_scope, compile_sizes and compile_cache_dir
     (still read from a config file and DISAGG_COMPILE, with a warning)."""
 
@@ -250,7 +250,7 @@ class BusyPollSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Pools that size themselves: the orchestrator works out which split of the devices between the roles serves
-    the recent traffic best (disagg/orchestrator/planner.py), shows it, and with mode auto moves devices to it."""
+    the recent traffic best (disagg/orchestrator/parts/planner.py), shows it, and with mode auto moves devices to it."""
 
     mode: Annotated[RebalanceMode, Meta(description=(
         "advise: every interval_s, from the last window_s of requests (their mix) and the measured stage times, "

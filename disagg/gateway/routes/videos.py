@@ -26,7 +26,7 @@ from disagg.gateway.videos import (
     refuse_what_cannot_be_made,
     to_params,
 )
-from disagg.transport.messages import GenerationParams
+from disagg.transport.wire.messages import GenerationParams
 
 router = APIRouter()
 

@@ -19,11 +19,11 @@ Progress = Callable[..., None] | None
 
 
 class LoraSupport(enum.Enum):
-    """How an adapter applies LoRA adapters (disagg/roles/loras.py make_bank)."""
+    """How an adapter applies LoRA adapters (disagg/roles/extensions/loras.py make_bank)."""
 
     #: it takes none: a request that names one fails, naming the model
     NONE = "none"
-    #: diffusers' own LoRA support (peft) on its pipeline's components (disagg/roles/lora_backends.py)
+    #: diffusers' own LoRA support (peft) on its pipeline's components (disagg/roles/extensions/lora_backends.py)
     DIFFUSERS = "diffusers"
     #: a simulated model: loads and restores cost its profile's times (SimLoras)
     SIM = "sim"
@@ -55,7 +55,7 @@ class Capabilities:
     decode_yields: bool = False
     #: `EncodedOutput.decode_encoded`: decode returns the encoded images itself (a simulated model keeps them)
     encoded_output: bool = False
-    #: what an encoding depends on besides the prompt (the conditioning cache's key: disagg/roles/conditioning.py)
+    #: what an encoding depends on besides the prompt (the conditioning cache's key: disagg/roles/extensions/conditioning.py)
     conditioning_depends: tuple[str, ...] = ()
     #: how it applies LoRA adapters
     loras: LoraSupport = LoraSupport.NONE

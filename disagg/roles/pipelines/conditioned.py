@@ -32,7 +32,7 @@ from disagg.roles.pipelines.replay import (  # noqa: F401 - LAYOUT, TASK, task_c
     task_class, unpixel,
 )
 from disagg.roles.pipelines.split import step_callback
-from disagg.transport.manifest import dtype_of
+from disagg.transport.data.manifest import dtype_of
 from disagg.roles.errors import RequestError
 
 #: what a request's inputs ask for: none, an image, an image and a mask

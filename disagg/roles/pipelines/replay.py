@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from disagg.transport.manifest import dtype_name
+from disagg.transport.data.manifest import dtype_name
 
 #: recorded and replayed methods of the pipeline (vae.encode is handled by Recorder / ReplayVAE)
 METHODS = ("encode_prompt", "encode_image")

@@ -49,7 +49,7 @@ def _loras(p: dict) -> tuple:
 
 
 def encoder_value(p: dict) -> float:
-    """What the encoder's tensor holds: from what the conditioning cache keys on (disagg/transport/params.py
+    """What the encoder's tensor holds: from what the conditioning cache keys on (disagg/transport/wire/params.py
     conditioning_key) plus the input image, so a cache hit holds what a compute would."""
     image = p.get("image")
     image = hashlib.blake2b(image, digest_size=8).hexdigest() if image is not None else None
@@ -82,7 +82,7 @@ def expected_pixels(params: dict, steps_done: int | None = None, index: int = 0)
     for its preview after `steps_done` steps: what a benchmark checks a sim image against, computing nothing."""
     import msgspec
 
-    from disagg.transport.params import GenerationParams
+    from disagg.transport.wire.params import GenerationParams
 
     given = {k: v for k, v in msgspec.structs.asdict(msgspec.convert(params, GenerationParams)).items() if v is not None}
     p = {**SimAdapter.defaults(), **given}
@@ -140,7 +140,7 @@ class SimAdapter:
             # a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
             decode_yields=True,
             encoded_output=True,
-            # its payload's size follows the request's (the conditioning cache's key: disagg/roles/conditioning.py)
+            # its payload's size follows the request's (the conditioning cache's key: disagg/roles/extensions/conditioning.py)
             conditioning_depends=("width", "height", "num_frames"),
             # its adapters are the denoiser's weights, loaded and restored in its profile's times
             loras=LoraSupport.SIM)
