@@ -17,6 +17,7 @@ from disagg.client.errors import error_for
 from disagg.transport.wire.auth import apply_client_curve
 from disagg.transport.wire.lane import LaneClosed, LaneError, LaneLink
 
+from disagg.transport.environment import DISAGG_ENDPOINT
 from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.wire.messages import (
     ErrorCode,
@@ -46,7 +47,7 @@ SEND_TIMEOUT_S = 5.0
 
 
 def default_endpoint() -> str:
-    return os.environ.get("DISAGG_ENDPOINT") or DEFAULT_ENDPOINT
+    return os.environ.get(DISAGG_ENDPOINT) or DEFAULT_ENDPOINT
 
 
 class Unreachable(ConnectionError):

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import os
 
-LAUNCHER_PID_ENV = "DISAGG_LAUNCHER_PID"
-#: a role forked by the launcher's fork server (disagg/roles/forks.py) has that server as its parent: the server
-#: ends as soon as the launcher does (EOF on its stdin), so the role's parent changes then too
-FORK_SERVER_PID_ENV = "DISAGG_FORK_SERVER_PID"
+from disagg.transport.environment import DISAGG_FORK_SERVER_PID, DISAGG_LAUNCHER_PID
 
 
 class LauncherWatch:
     def __init__(self) -> None:
-        given = os.environ.get(LAUNCHER_PID_ENV, "")
+        given = os.environ.get(DISAGG_LAUNCHER_PID, "")
         #: the launcher's pid; without the variable (started by hand), the parent at start
         self.pid = int(given) if given.isdigit() else os.getppid()
-        server = os.environ.get(FORK_SERVER_PID_ENV, "")
+        # a role forked by the launcher's fork server (disagg/roles/forks.py) has that server as its parent: the server
+        # ends as soon as the launcher does (EOF on its stdin), so the role's parent changes then too
+        server = os.environ.get(DISAGG_FORK_SERVER_PID, "")
         self.parents = {self.pid, int(server)} if server.isdigit() else {self.pid}
 
     def gone(self) -> bool:

@@ -11,12 +11,13 @@ import sys
 import msgspec
 import yaml
 
+from disagg.transport.environment import DISAGG_HTTP_API_KEY, DISAGG_HTTP_API_KEYS, DISAGG_LOG_LEVEL
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get(DISAGG_LOG_LEVEL, "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s [gateway] %(levelname)s %(message)s")
     log = logging.getLogger("disagg.gateway")
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
@@ -31,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad settings: %s", exc)
         return BOOT_ERROR_EXIT
     log.info("settings: %s", encode(settings))  # the API key is not in it: it comes from the environment
-    settings.http.api_key = settings.http.api_key or os.environ.get("DISAGG_HTTP_API_KEY", "")
+    settings.http.api_key = settings.http.api_key or os.environ.get(DISAGG_HTTP_API_KEY, "")
     try:  # the keys with a priority come the same way (JSON from the launcher; YAML or JSON by hand)
-        keys = yaml.safe_load(os.environ.get("DISAGG_HTTP_API_KEYS") or "{}") or {}
+        keys = yaml.safe_load(os.environ.get(DISAGG_HTTP_API_KEYS) or "{}") or {}
         settings.http.api_keys = settings.http.api_keys or msgspec.convert({"api_keys": keys}, HttpSettings).api_keys
     except (yaml.YAMLError, msgspec.ValidationError) as exc:
         log.error("bad DISAGG_HTTP_API_KEYS (a mapping of API key -> priority or {priority, admin}): %s", exc)

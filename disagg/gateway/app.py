@@ -22,6 +22,7 @@ from disagg.gateway.routes import images, operations, videos
 from disagg.gateway.state import Gateway
 from disagg.gateway.tenants import NOBODY, Keys
 from disagg.settings.process import GatewaySettings
+from disagg.transport.environment import DISAGG_RESTARTS, DISAGG_RUN_ID
 from disagg.common.parent import LauncherWatch
 
 log = logging.getLogger("disagg.gateway")
@@ -42,7 +43,7 @@ def is_open(path: str) -> bool:
 
 async def _beat(client: AsyncClient, url: str) -> None:
     """Once a second: `disagg status` and the live table list this gateway."""
-    restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
+    restarts = int(os.environ.get(DISAGG_RESTARTS, "0"))
     while True:
         try:
             await client.beat(url, os.getpid(), restarts)
@@ -77,7 +78,7 @@ def make_app(settings: GatewaySettings) -> FastAPI:
         gw.client = AsyncClient(settings.endpoint, curve=curve)
         await gw.client.start()
         tasks = [asyncio.create_task(_beat(gw.client, f"http://{h.host}:{h.port}"))]
-        if os.environ.get("DISAGG_RUN_ID"):
+        if os.environ.get(DISAGG_RUN_ID):
             tasks.append(asyncio.create_task(_exit_with_launcher()))
         log.info("gateway for %s", settings.endpoint)
         yield

@@ -25,6 +25,10 @@ from disagg.settings import Settings
 from disagg.roles.pipelines import model_identity
 from disagg.settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from disagg.settings.process import RoleSettings as WorkerSpec
+from disagg.transport.environment import (
+    DISAGG_HTTP_API_KEY, DISAGG_HTTP_API_KEYS, DISAGG_RUN_ID, HF_HUB_OFFLINE, MC_LOG_LEVEL, OMP_NUM_THREADS, PYTHONPATH,
+    PYTHONUNBUFFERED,
+)
 from disagg.transport.wire.messages import IdleDevice, ModelIdentity, StatusReport
 from disagg.transport.wire.lane import lane_in_use, lane_path
 from disagg.transport.data.shm import SHM_PREFIX, remove_segments
@@ -150,8 +154,8 @@ class Deployment(Startup):
         """The HTTP gateway: a client of our orchestrator, supervised like a role. Its API key travels in the
         environment, not on the command line (where `ps` shows it)."""
         env = self._env()
-        env["DISAGG_HTTP_API_KEY"] = self.config.http.api_key
-        env["DISAGG_HTTP_API_KEYS"] = msgspec.json.encode(self.config.http.api_keys).decode()
+        env[DISAGG_HTTP_API_KEY] = self.config.http.api_key
+        env[DISAGG_HTTP_API_KEYS] = msgspec.json.encode(self.config.http.api_keys).decode()
         fields = schema_part(self.config, "gateway")
         fields["http"] = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
         fields["keys"] = self.keys_dir
@@ -215,7 +219,7 @@ class Deployment(Startup):
             return self._spawn_group(p, spec)
         env = self._env()
         env.update(cuda_env(spec.visible_gpus, dict(os.environ)))
-        env["OMP_NUM_THREADS"] = str(p.threads)
+        env[OMP_NUM_THREADS] = str(p.threads)
         return self.supervisor.spawn(
             p.instance_id, self.supervisor.python("disagg.roles", encode(spec)), env=env, cpus=p.cpus,
             spare_ok=True, fork_ok=self.forkable(p), take_spare=take_spare,
@@ -233,7 +237,7 @@ class Deployment(Startup):
                                                 visible_gpus=visible, device="cuda:0" if gpu is not None else "cpu")
             env = self._env()
             env.update(cuda_env(visible, dict(os.environ)))
-            env["OMP_NUM_THREADS"] = str(p.threads)
+            env[OMP_NUM_THREADS] = str(p.threads)
             name = p.instance_id if rank == 0 else f"{p.instance_id}.r{rank}"
             child = self.supervisor.spawn(name, self.supervisor.python("disagg.roles", encode(rank_spec)),
                                           env=env, cpus=p.cpus, spare_ok=True, group=p.instance_id,
@@ -255,15 +259,15 @@ class Deployment(Startup):
         return [p.gpu] + [g for g in self.config.all_gpus() if g != p.gpu]
 
     def _env(self) -> dict[str, str]:
-        path = os.environ.get("PYTHONPATH")
+        path = os.environ.get(PYTHONPATH)
         return {
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": PROJECT_ROOT + (os.pathsep + path if path else ""),
+            PYTHONUNBUFFERED: "1",
+            PYTHONPATH: PROJECT_ROOT + (os.pathsep + path if path else ""),
             # a Hugging Face id: each role downloads its own weights (as the launcher fetched the configs), unless
             # the launcher's environment says offline; anything else never needs the hub
-            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0" if _hub_id(self.config.model) else "1"),
-            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
-            "DISAGG_RUN_ID": self.run_id,
+            HF_HUB_OFFLINE: os.environ.get(HF_HUB_OFFLINE, "0" if _hub_id(self.config.model) else "1"),
+            MC_LOG_LEVEL: os.environ.get(MC_LOG_LEVEL, "ERROR"),
+            DISAGG_RUN_ID: self.run_id,
         }
 
     def supervise(self, spares: bool = True) -> None:

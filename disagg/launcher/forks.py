@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from disagg.launcher.supervisor import open_log
+from disagg.transport.environment import DISAGG_TITLE_ROOM
 from disagg.transport.data.shm import pid_alive
 
 log = logging.getLogger("disagg.launcher")
@@ -56,7 +57,7 @@ class ForkServer:
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
         # a forked role's title (what ps shows: its `python -m disagg.roles SPEC`) is written over the server's own
         # command line and environment: this keeps room for a whole settings object there
-        env = {**env, "DISAGG_TITLE_ROOM": " " * TITLE_ROOM}
+        env = {**env, DISAGG_TITLE_ROOM: " " * TITLE_ROOM}
         with open_log(log_path) as logf:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
                                          start_new_session=True, close_fds=True)

@@ -7,6 +7,8 @@ import os
 import re
 import socket
 
+from disagg.transport.environment import DISAGG_HOST_ID
+
 #: the longest host id kept in an instance id (role-i@HOST)
 HOST_LABEL_MAX = 40
 
@@ -16,7 +18,7 @@ def host_id() -> str:
     network namespaces on one machine: the boot id and the network and mount namespaces. Two
     processes with the same id can share memory (/dev/shm) and a Unix socket; two with different ids
     talk over the network."""
-    given = os.environ.get("DISAGG_HOST_ID", "").strip()
+    given = os.environ.get(DISAGG_HOST_ID, "").strip()
     if given:
         return label(given)
     parts = [socket.gethostname()]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
+from disagg.transport.environment import DISAGG_DIST_INIT, DISAGG_LAUNCHER_PID, DISAGG_RESTARTS
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT, MOVE_EXIT
-from disagg.common.parent import LAUNCHER_PID_ENV
 
 log = logging.getLogger("disagg.launcher")
 
@@ -180,10 +180,10 @@ class Supervisor:
 
     def _start(self, child: Child) -> bool:
         """Start (again) `child`; True if a spare interpreter became it."""
-        child.env["DISAGG_RESTARTS"] = str(child.restarts)
-        child.env[LAUNCHER_PID_ENV] = str(os.getpid())  # so it notices our death even before it looks
+        child.env[DISAGG_RESTARTS] = str(child.restarts)
+        child.env[DISAGG_LAUNCHER_PID] = str(os.getpid())  # so it notices our death even before it looks
         if child.group:
-            child.env["DISAGG_DIST_INIT"] = self._rendezvous(child)
+            child.env[DISAGG_DIST_INIT] = self._rendezvous(child)
         child.returncode = None
         child.started_at = time.monotonic()
         # a moved device's new role is forked where it may be: the fork server has every import done (a spare may not yet)

@@ -13,6 +13,7 @@ from disagg.launcher.parallel import ParallelLayout, group_gpus, resolve_layouts
 from disagg.roles.pipelines import ModelError, ModelSpec, model_spec
 from disagg.settings import ROLE_SECTIONS, Resolved, Settings, SettingsError, resolve
 from disagg.settings.choices import RebalanceMode, Transfer, TransferProtocol
+from disagg.transport.environment import CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES
 from disagg.transport.wire.messages import HEARTBEAT_INTERVAL_S
 
 ROLE_KEYS = ROLE_SECTIONS
@@ -96,20 +97,20 @@ def cuda_env(gpus: list[int], parent: dict[str, str]) -> dict[str, str]:
     or Kubernetes' CUDA_VISIBLE_DEVICES=4,5, or GPU UUIDs), index i is the parent list's i-th entry,
     so the child's list is made of those entries. Devices are numbered in PCI bus order unless the
     parent chose an order: the default (fastest first) can differ between processes' views."""
-    env = {"CUDA_DEVICE_ORDER": parent.get("CUDA_DEVICE_ORDER") or "PCI_BUS_ID"}
+    env = {CUDA_DEVICE_ORDER: parent.get(CUDA_DEVICE_ORDER) or "PCI_BUS_ID"}
     if not gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        env[CUDA_VISIBLE_DEVICES] = ""
         return env
-    listed = parent.get("CUDA_VISIBLE_DEVICES")
+    listed = parent.get(CUDA_VISIBLE_DEVICES)
     if listed is None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        env[CUDA_VISIBLE_DEVICES] = ",".join(map(str, gpus))
         return env
     entries = [e.strip() for e in listed.split(",") if e.strip()]
     missing = [g for g in gpus if g >= len(entries)]
     if missing:
         raise ConfigError(f"GPU {', '.join(map(str, missing))} not found: CUDA_VISIBLE_DEVICES={listed!r} "
                           f"leaves this launcher {len(entries)} device(s), and --gpus counts those")
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(entries[g] for g in gpus)
+    env[CUDA_VISIBLE_DEVICES] = ",".join(entries[g] for g in gpus)
     return env
 
 

@@ -12,6 +12,7 @@ import msgspec
 from disagg.orchestrator.router import Router, RouterConfig
 from disagg.orchestrator.server import OrchestratorServer
 from disagg.settings.process import decode, encode
+from disagg.transport.environment import DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 from disagg.transport.data.shm import SHM_PREFIX
 
@@ -19,7 +20,7 @@ from disagg.transport.data.shm import SHM_PREFIX
 def main(argv: list[str] | None = None) -> int:
     """`python -m disagg.orchestrator SETTINGS_JSON` (settings.process.OrchestratorSettings, encoded by the launcher)."""
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get(DISAGG_LOG_LEVEL, "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s [orchestrator] %(levelname)s %(message)s")
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\nusage: python -m disagg.orchestrator SETTINGS_JSON", file=sys.stderr)
@@ -33,13 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         router = Router(config, now=time.monotonic())
         # a restart: clients resubmit and roles re-register; it resumes their requests (disagg/orchestrator/parts/recovery.py)
-        router.restarted(int(os.environ.get("DISAGG_RESTARTS", "0")), time.monotonic())
+        router.restarted(int(os.environ.get(DISAGG_RESTARTS, "0")), time.monotonic())
         server = OrchestratorServer(router, config.host, config.port, config.keys, lane=config.lane)
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
         return BOOT_ERROR_EXIT
     server.run()
-    run_id = os.environ.get("DISAGG_RUN_ID")
+    run_id = os.environ.get(DISAGG_RUN_ID)
     if run_id:  # what killed roles of this run left: the launcher removes it too, unless it is killed meanwhile
         from disagg.transport.data.shm import remove_segments
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from disagg.transport.environment import DISAGG_DIST_INIT, DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
 
@@ -54,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bad role settings: {exc}", file=sys.stderr)
         return BOOT_ERROR_EXIT
     from disagg.roles.worker import Worker, install_signal_handlers
-    spec.restarts = int(os.environ.get("DISAGG_RESTARTS", "0"))
-    spec.dist_init = os.environ.get("DISAGG_DIST_INIT", spec.dist_init)  # a parallel instance's rendezvous
+    spec.restarts = int(os.environ.get(DISAGG_RESTARTS, "0"))
+    spec.dist_init = os.environ.get(DISAGG_DIST_INIT, spec.dist_init)  # a parallel instance's rendezvous
     logging.basicConfig(
-        level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
+        level=os.environ.get(DISAGG_LOG_LEVEL, "INFO").upper(),
         stream=sys.stderr,
         format=f"%(asctime)s [{spec.instance_id}] %(levelname)s %(message)s",
     )
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in group_box:  # the other ranks stop with us
             group.stop()
             group.close()
-    run_id = os.environ.get("DISAGG_RUN_ID")
+    run_id = os.environ.get(DISAGG_RUN_ID)
     if worker.orphaned and run_id:  # as the orphaned orchestrator does: the last one out removes what
         from disagg.transport.data.shm import SHM_PREFIX, remove_segments  # killed peers of this run left behind
 

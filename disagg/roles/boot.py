@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from disagg.transport.environment import DISAGG_TEST_BOOT_HOLD
 from disagg.transport.wire.role_stats import BootStats
 
 log = logging.getLogger("disagg.role")
@@ -39,7 +40,6 @@ MIN_GROWTH = 1 << 20
 #: CPU seconds a compile must burn (the process and its compile workers) from one look to the next (METER_S) to
 #: count as progress: 5 % of a core, which a compile starved on a busy machine still gets; an idle process, far less
 WORK_S = 0.025
-HOLD_ENV = "DISAGG_TEST_BOOT_HOLD"
 #: how often the test hook's slow load ticks
 HOLD_TICK_S = 0.2
 
@@ -217,14 +217,14 @@ class BootMeter:
 
 def test_hold(instance_id: str) -> None:
     """The test hook (DISAGG_TEST_BOOT_HOLD, module docstring): hold this instance's boot until a file exists."""
-    value = os.environ.get(HOLD_ENV, "")
+    value = os.environ.get(DISAGG_TEST_BOOT_HOLD, "")
     who, _, rest = value.partition(":")
     mode, _, path = rest.partition(":")
     if not value or who != instance_id:
         return
     if mode not in ("progress", "hang") or not path:
-        raise ValueError(f"{HOLD_ENV}={value!r}: expected INSTANCE:progress:PATH or INSTANCE:hang:PATH")
-    log.warning("test hook %s: holding the boot until %s exists (%s)", HOLD_ENV, path, mode)
+        raise ValueError(f"{DISAGG_TEST_BOOT_HOLD}={value!r}: expected INSTANCE:progress:PATH or INSTANCE:hang:PATH")
+    log.warning("test hook %s: holding the boot until %s exists (%s)", DISAGG_TEST_BOOT_HOLD, path, mode)
     phase("loading", f"test hook: waiting for {path}")
     n = 0
     while not os.path.exists(path):

@@ -21,7 +21,7 @@ import signal
 import sys
 import traceback
 
-from disagg.common.parent import FORK_SERVER_PID_ENV
+from disagg.transport.environment import DISAGG_FORK_SERVER_PID
 
 
 def _say(obj: dict) -> None:
@@ -46,7 +46,7 @@ def _become(order: dict) -> int:
     os.close(fd)
     os.environ.clear()  # DISAGG_TITLE_ROOM too: it only kept room for the title
     os.environ.update(order["env"])
-    os.environ[FORK_SERVER_PID_ENV] = str(os.getppid())  # our parent, the server, while the launcher lives
+    os.environ[DISAGG_FORK_SERVER_PID] = str(os.getppid())  # our parent, the server, while the launcher lives
     sys.argv = [sys.argv[0], order["spec"]]
     from disagg.roles.__main__ import main
 

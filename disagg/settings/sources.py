@@ -21,6 +21,7 @@ import yaml
 
 from disagg.settings.fields import ENV_PREFIX, by_path, leaves, sections
 from disagg.settings.schema import Settings
+from disagg.transport.environment import DISAGG_API_KEY, DISAGG_HTTP_API_KEY, NOT_SETTINGS
 
 
 class SettingsError(ValueError):
@@ -28,25 +29,8 @@ class SettingsError(ValueError):
 
 
 #: DISAGG_ variables that are not settings: what a process's launcher tells it, what clients and recipes read
-OTHER_VARIABLES = {
-    "DISAGG_ENDPOINT": "the orchestrator's client endpoint `disagg status/submit/stop/serve-http` use",
-    "DISAGG_API_KEY": "older name of DISAGG_HTTP_API_KEY (still read, with a warning)",
-    "DISAGG_HOST_ID": "this host's id, as launchers and `status --ready-here` name hosts (default: the machine's)",
-    "DISAGG_LOG_LEVEL": "log level of the orchestrator and role processes (default INFO)",
-    "DISAGG_HEAD_ROLES": "deploy/slurm/disagg.sbatch: the instances on the head node",
-    "DISAGG_HEAD_ADDR": "deploy/slurm/disagg.sbatch: the address the other nodes reach the head at",
-    "DISAGG_HEAD_WAIT": "deploy/slurm/disagg.sbatch: seconds the head's orchestrator has to answer",
-    "DISAGG_RUN_DIR": "deploy/slurm/disagg.sbatch: the job's run folder",
-    "DISAGG_BIN": "deploy/slurm/disagg.sbatch: the disagg command to run",
-    "DISAGG_RUN_ID": "set by the launcher for its processes: the run's id",
-    "DISAGG_RESTARTS": "set by the launcher: how often this process was restarted",
-    "DISAGG_DIST_INIT": "set by the launcher: a parallel instance's rendezvous",
-    "DISAGG_LAUNCHER_PID": "set by the launcher: its pid (its processes exit when it is gone)",
-    "DISAGG_FORK_SERVER_PID": "set by the fork server for a role it forked: its pid (the role's parent)",
-    "DISAGG_TITLE_ROOM": "set by the launcher for its fork server: room for the forked roles' process titles",
-    "DISAGG_TEST_BOOT_HOLD": "a test hook (disagg/roles/boot.py): INSTANCE:progress|hang:PATH holds that role's boot until PATH exists",
-    "DISAGG_SAVE_SHOT": "tests/test_demo.py (the web page): keep the page's screenshot in benchmarks/results/",
-}
+#: (declared in disagg/transport/environment.py)
+OTHER_VARIABLES = NOT_SETTINGS
 
 ORIGINS = ("default", "file", "env", "flag")
 
@@ -154,8 +138,8 @@ def from_environment(environ: Mapping[str, str], notes: list[str]) -> dict[str, 
             if leaf.env not in environ:  # the new name wins
                 notes.append(f"{name} is now {leaf.env}")
                 out[leaf.path] = _env_value(leaf, raw)
-        elif name == "DISAGG_API_KEY":
-            if "DISAGG_HTTP_API_KEY" not in environ:
+        elif name == DISAGG_API_KEY:
+            if DISAGG_HTTP_API_KEY not in environ:
                 notes.append("DISAGG_API_KEY is now DISAGG_HTTP_API_KEY")
                 out["http.api_key"] = raw
     return out

@@ -11,6 +11,7 @@ import click
 from disagg.client import Unreachable
 from disagg.launcher.cli.common import EXIT_FAILED, endpoint_option, exit_unreachable, int_list, keys_option, make_client, make_console
 from disagg.launcher.cli.prompts import PromptError, load_prompts
+from disagg.transport.environment import DISAGG_API_KEY
 from disagg.transport.data.selection import CHOICES as TRANSFER_CHOICES, Transfer
 
 
@@ -33,7 +34,7 @@ from disagg.transport.data.selection import CHOICES as TRANSFER_CHOICES, Transfe
 @click.option("--rate-scale", type=click.FloatRange(0.0, min_open=True), default=1.0, show_default=True, help="With --trace: divide every arrival time by this (2: twice the rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--http", "http_url", metavar="URL", help="Drive the HTTP gateway at URL (e.g. http://127.0.0.1:8000) instead of the ZeroMQ endpoint.")
-@click.option("--api-key", default=lambda: os.environ.get("DISAGG_API_KEY", ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
+@click.option("--api-key", default=lambda: os.environ.get(DISAGG_API_KEY, ""), help="With --http: the gateway's API key. [default: $DISAGG_API_KEY]")
 @click.pass_context
 def bench(ctx, endpoint, keys, concurrency, request_rate, num_requests, warmup, width, height, steps, prompts_path, slo_factor, loras, lora_zipf, seed, trace_path, rate_scale, as_json, http_url, api_key) -> None:
     """Load a running deployment and report throughput, latency, stage times, utilization.

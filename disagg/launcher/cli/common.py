@@ -10,11 +10,12 @@ import click
 from rich.console import Console
 
 from disagg.client import Client, default_endpoint
+from disagg.transport.environment import DISAGG_KEYS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 keys_option = click.option(
-    "--keys", type=click.Path(file_okay=False), default=lambda: os.environ.get("DISAGG_KEYS"),
+    "--keys", type=click.Path(file_okay=False), default=lambda: os.environ.get(DISAGG_KEYS),
     help="CurveZMQ keys directory (from `disagg keys generate`), when the deployment uses them. [default: $DISAGG_KEYS]",
 )
 

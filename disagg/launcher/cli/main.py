@@ -33,6 +33,7 @@ from disagg.launcher.cli.entry import run_click
 from disagg.launcher.cli.prompts import PromptError, load_prompts
 from disagg.launcher.cli.options import file_only_epilog, flags_from, settings_options
 from disagg.launcher.topology import ConfigError
+from disagg.transport.environment import DISAGG_HTTP_API_KEY, DISAGG_HTTP_API_KEYS
 
 #: how long `disagg stop` waits for the orchestrator to let go of its port
 STOP_WAIT_S = 10.0
@@ -331,8 +332,8 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
             exit_unreachable(exc)
     from disagg.gateway.__main__ import main as gateway_main
 
-    os.environ["DISAGG_HTTP_API_KEY"] = http.api_key
-    os.environ["DISAGG_HTTP_API_KEYS"] = msgspec.json.encode(http.api_keys).decode()
+    os.environ[DISAGG_HTTP_API_KEY] = http.api_key
+    os.environ[DISAGG_HTTP_API_KEYS] = msgspec.json.encode(http.api_keys).decode()
     http.api_key, http.api_keys = "", {}
     click.echo(f"serving http://{http.host}:{http.port}/v1 for {endpoint}")
     sys.exit(gateway_main([encode(GatewaySettings(endpoint=endpoint, keys=keys or "", http=http))]))

@@ -28,6 +28,7 @@ from PIL import Image
 from disagg.roles.media import encode_image
 from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
+from disagg.transport.environment import DISAGG_RUN_ID
 
 
 #: the payload values are integers below 2**23: a float32 holds them exactly
@@ -125,7 +126,7 @@ class SimAdapter:
         self._lock_fd = None
         self._thread_turn = threading.Lock()
         if device.startswith("sim:"):
-            run = os.environ.get("DISAGG_RUN_ID", "local")
+            run = os.environ.get(DISAGG_RUN_ID, "local")
             path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
             self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         self.capabilities = Capabilities(
