@@ -40,7 +40,7 @@ DISAGG_RESTARTS = _declare(
     "DISAGG_RESTARTS", "how often this child was restarted: roles copy it into `Register.restarts`, the "
     "orchestrator starts recovery when > 0, the gateway reports it in `GatewayBeat`")
 DISAGG_LAUNCHER_PID = _declare(
-    "DISAGG_LAUNCHER_PID", "the launcher's pid: its processes exit when it is gone (disagg/transport/parent.py)")
+    "DISAGG_LAUNCHER_PID", "the launcher's pid: its processes exit when it is gone")
 DISAGG_DIST_INIT = _declare(
     "DISAGG_DIST_INIT", "a parallel group's rendezvous, `file://RUN_DIR/dist/GROUP.GEN` (a fresh one each time the "
     "group starts again)")
