@@ -1,0 +1,212 @@
+"""docs/architecture.md's copies of code are current (issue 45): its generated blocks equal what disagg/docs_gen.py
+makes from the code now, §1's table of folders matches the tree (read from the disk, so a folder moved is seen),
+the code names environment variables only through disagg/transport/environment.py, and §1's import rules hold.
+Nothing here starts a process."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+from disagg import docs_gen
+from disagg.settings.fields import by_path
+from disagg.transport import environment
+from tests.conftest import ROOT
+
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def test_every_generated_block_is_what_the_code_makes_now():
+    problems = docs_gen.problems(DOC.read_text())
+    assert not problems, "docs/architecture.md:\n\n" + "\n\n".join(problems)
+
+
+# --- §1: folders ----------------------------------------------------------------------------------------------------
+
+#: what §1 does not ask to name: packages' __init__.py, and tests (tests/'s row describes them as a whole)
+UNNAMED_FILES = ("__init__.py", "test_*.py")
+#: a span that names a file or a folder (the others are prose: `Router`, `python -m ...`)
+PATHLIKE = re.compile(r"\S+(/|\.(py|sh|txt|yaml|yml|json|html|md|sbatch))")
+
+
+@cache
+def _ignore_patterns() -> tuple[tuple[bool, str], ...]:
+    """.gitignore's patterns as (anchored at the top, name or glob): all this repository's are of that kind."""
+    lines = (line.strip() for line in (ROOT / ".gitignore").read_text().splitlines())
+    return tuple((p.startswith("/"), p.strip("/")) for p in lines if p and not p.startswith("#"))
+
+
+def ignored(rel: Path) -> bool:
+    """Whether git ignores `rel` (a path under the repository), or it is .git itself."""
+    return rel.parts[0] == ".git" or any(
+        fnmatch.fnmatchcase(part, pattern) for anchored, pattern in _ignore_patterns()
+        for part in (rel.parts[:1] if anchored else rel.parts))
+
+
+def tree() -> tuple[list[Path], list[Path]]:
+    """(folders, files) of the repository below its top, relative to it, without what git ignores. A folder is one
+    that holds a file somewhere below it: git keeps no empty folder (.benchmarks/, which a pytest plugin makes)."""
+    files = []
+    for top, dirs, names in os.walk(ROOT):
+        here = Path(top).relative_to(ROOT)
+        dirs[:] = sorted(d for d in dirs if not ignored(here / d))
+        files += [here / n for n in sorted(names) if not ignored(here / n)]
+    folders = sorted({parent for f in files for parent in f.parents if parent != Path(".")})
+    return folders, files
+
+
+def rows() -> dict[str, list[str]]:
+    """§1's table: folder ("disagg/roles/") -> the backticked spans of its row's description."""
+    section = DOC.read_text().split("\n## 1. ", 1)[1].split("\n## 2. ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([^`]+/)` \| (.*) \|$", line)
+        if m:
+            out[m.group(1)] = re.findall(r"`([^`]+)`", m.group(2))
+    assert len(out) >= 10, "§1's table of folders not found"
+    return out
+
+
+def nearest_row(rel: Path, table: dict[str, list[str]]) -> tuple[str, str] | None:
+    """The row of `rel`'s closest folder that has one, and `rel`'s path relative to that folder."""
+    for parent in rel.parents:
+        key = parent.as_posix() + "/"
+        if key in table:
+            return key, rel.relative_to(parent).as_posix()
+    return None
+
+
+def names_folder(spans: list[str], sub: str) -> bool:
+    """A row names its subfolder `sub` ("routes") with a span into it (`routes/`, `static/index.html`,
+    `models/*.yaml`) or a span for a folder above it (`results/` names results/2024/)."""
+    return any(s.startswith(sub + "/") or (s.endswith("/") and (sub + "/").startswith(s)) for s in spans)
+
+
+def names_file(spans: list[str], rel: str) -> bool:
+    """A row names a file by its name, by its stem (a script: `router_bench`) when it lies in the row's own
+    folder, by a path or glob from the row's folder (`traces/mixed.py`, `ckpt_*.py`), or by a folder above it."""
+    name = rel.rpartition("/")[2]
+    direct = "/" not in rel
+    return any((direct and s in (name, name.rpartition(".")[0] or name)) or fnmatch.fnmatchcase(rel, s)
+               or (s.endswith("/") and rel.startswith(s)) for s in spans)
+
+
+def test_section_1_names_every_folder_and_file_of_the_tree():
+    """Every top-level folder of the repository and every part of disagg/ (disagg/roles/) has a row in §1; every
+    other folder has one or is named in the row of the closest folder above it that has one; and every file
+    below a row's folder is named in its row."""
+    table = rows()
+    folders, files = tree()
+    missing = []
+    for rel in folders:
+        key = rel.as_posix() + "/"
+        if key in table:
+            continue
+        if len(rel.parts) == 1 or (len(rel.parts) == 2 and rel.parts[0] == "disagg"):
+            missing.append(f"folder {key}: a row of its own")
+            continue
+        row = nearest_row(rel, table)
+        if row is None or not names_folder(table[row[0]], row[1]):
+            missing.append(f"folder {key}: in the row of {row[0] if row else 'its top folder'}")
+    for rel in files:
+        row = nearest_row(rel, table)
+        if row is None or any(fnmatch.fnmatchcase(rel.name, p) for p in UNNAMED_FILES):
+            continue
+        if not names_file(table[row[0]], row[1]):
+            missing.append(f"file {rel}: in the row of {row[0]}")
+    assert not missing, "docs/architecture.md §1 does not name:\n" + "\n".join(missing)
+
+
+def test_every_folder_and_file_section_1_names_exists():
+    table = rows()
+    wrong = []
+    for folder, spans in table.items():
+        base = ROOT / folder
+        if not base.is_dir():
+            wrong.append(f"row {folder}: no such folder")
+            continue
+        for span in spans:
+            if not PATHLIKE.fullmatch(span):
+                continue
+            pattern = span.rstrip("/")  # a folder (`routes/`), a file or a glob, below the row's folder or the top
+            found = [p for top in (base, ROOT) for p in top.glob(pattern)] + list(base.rglob(pattern))
+            if not [p for p in found if p.is_dir() or not span.endswith("/")]:
+                wrong.append(f"row {folder}: `{span}` is not there")
+    assert not wrong, "docs/architecture.md §1 names what is not in the tree:\n" + "\n".join(wrong)
+
+
+# --- environment variables ------------------------------------------------------------------------------------------
+
+def _sources() -> list[Path]:
+    return sorted(p for p in (ROOT / "disagg").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_code_names_environment_variables_only_through_their_module():
+    """A "DISAGG_..." string, or the name of a variable declared in disagg/transport/environment.py, written out
+    anywhere else in disagg/ would be a variable §2's table cannot see."""
+    declared = {v.name for v in environment.VARIABLES}
+    home = Path(environment.__file__).resolve()
+    spelled = []
+    for path in _sources():
+        if path.resolve() == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    re.fullmatch(r"DISAGG_[A-Z0-9_]+", node.value) or node.value in declared):
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not spelled, ("declare these in disagg/transport/environment.py and use its constants:\n"
+                         + "\n".join(spelled))
+
+
+def test_every_declared_variable_is_used_and_a_settings_is_that_settings():
+    uses = docs_gen.variable_uses()
+    elsewhere = "\n".join(p.read_text(errors="replace") for top in ("tests", "deploy", "benchmarks")
+                          for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".py", ".sh", ".sbatch", ".yaml"))
+    for v in environment.VARIABLES:
+        assert uses[v.name]["sets"] or uses[v.name]["reads"] or v.name in elsewhere, f"{v.name} is used nowhere"
+        if v.setting:
+            assert by_path()[v.setting].env == v.name, (v.name, v.setting)
+    assert len({v.name for v in environment.VARIABLES}) == len(environment.VARIABLES)
+
+
+# --- §1: import rules -----------------------------------------------------------------------------------------------
+
+#: §1's import rules: what each part of disagg/ may import of ours besides itself (None: anything)
+MAY_IMPORT = {
+    "transport": (), "settings": ("transport",), "client": ("transport",),
+    "orchestrator": ("transport", "settings"), "roles": ("transport", "settings"),
+    "gateway": ("client", "transport", "settings"), "launcher": None,
+    "__init__.py": (), "__main__.py": ("launcher",), "docs_gen.py": ("settings", "transport"),
+}
+
+
+def _ours(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import of ours in a module, indented ones included."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "disagg" else [f"disagg.{a.name}" for a in node.names]
+            out += [(node.lineno, n) for n in names if n.startswith("disagg.")]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("disagg.")]
+    return out
+
+
+def test_the_import_rules_of_section_1_hold():
+    broken = []
+    for path in _sources():
+        part = path.relative_to(ROOT / "disagg").parts[0]
+        assert part in MAY_IMPORT, f"disagg/{part}: a part of disagg/ §1's import rules (and MAY_IMPORT) do not cover"
+        allowed = MAY_IMPORT[part]
+        for line, module in _ours(ast.parse(path.read_text())):
+            target = module.split(".")[1]
+            if allowed is not None and target != part and target not in allowed and f"{target}.py" not in allowed:
+                broken.append(f"{path.relative_to(ROOT)}:{line}: imports {module}")
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        broken += [f"{path.relative_to(ROOT)}:{line}: imports {module}" for line, module in _ours(ast.parse(path.read_text()))
+                   if not module.startswith("disagg.roles.pipelines")]
+    assert not broken, "against docs/architecture.md §1's import rules:\n" + "\n".join(broken)
