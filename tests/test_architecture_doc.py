@@ -162,6 +162,48 @@ def test_the_code_names_environment_variables_only_through_their_module():
                          + "\n".join(spelled))
 
 
+def _env_names(tree: ast.AST):
+    """The expressions a module uses as an environment variable's name: the key of a dict display that is an
+    environment (assigned to, returned by or passed as something named *env*, or an env's update), the index into
+    an env, and the first argument of an env's get / setdefault / pop or of getenv / putenv."""
+    def env(node) -> bool:
+        return "env" in ast.unparse(node).lower()
+
+    for node in ast.walk(tree):
+        dicts = []
+        if isinstance(node, ast.Assign) and any(env(t) for t in node.targets) or \
+                isinstance(node, (ast.AnnAssign, ast.AugAssign)) and env(node.target):
+            dicts.append(node.value)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "env" in node.name.lower():
+            dicts += [r.value for r in ast.walk(node) if isinstance(r, ast.Return)]
+        elif isinstance(node, ast.Subscript) and env(node.value):
+            yield node.slice
+        elif isinstance(node, ast.Call):
+            dicts += [k.value for k in node.keywords if k.arg and "env" in k.arg]
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("getenv", "putenv") or isinstance(func, ast.Attribute) and env(func.value) and \
+                    name in ("get", "setdefault", "pop"):
+                yield from node.args[:1]
+            elif isinstance(func, ast.Attribute) and env(func.value) and name == "update":
+                dicts += node.args[:1]
+        for d in dicts:
+            if isinstance(d, ast.Dict):
+                yield from (k for k in d.keys if k is not None)
+
+
+def test_every_environment_variable_the_code_names_is_declared():
+    """A variable set or read under a name written out (env["NCCL_DEBUG"] = ...) would be missing from §2's table:
+    every name the code uses as one is a constant of disagg/transport/environment.py."""
+    undeclared = []
+    for path in _sources():
+        for node in _env_names(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                undeclared.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not undeclared, ("declare these in disagg/transport/environment.py and use its constants:\n"
+                            + "\n".join(undeclared))
+
+
 def test_every_declared_variable_is_used_and_a_settings_is_that_settings():
     uses = docs_gen.variable_uses()
     elsewhere = "\n".join(p.read_text(errors="replace") for top in ("tests", "deploy", "benchmarks")

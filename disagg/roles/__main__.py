@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 
-from disagg.transport.environment import DISAGG_DIST_INIT, DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID
+from disagg.transport.environment import (
+    DISAGG_DIST_INIT, DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID, PYTORCH_NVML_BASED_CUDA_CHECK,
+)
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
 
@@ -18,7 +20,7 @@ def wait_as_spare() -> list[str] | None:
     environment and its log file. Empty stdin (the launcher went away): None, exit."""
     # an is_available() during the imports must not initialise CUDA: CUDA_VISIBLE_DEVICES and
     # CUDA_DEVICE_ORDER, which come with the order below, are read when it is
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ.setdefault(PYTORCH_NVML_BASED_CUDA_CHECK, "1")
     import torch  # noqa: F401 - the point: imported before anyone waits for it
     import disagg.roles.worker  # noqa: F401
     from disagg.roles.pipelines import preload

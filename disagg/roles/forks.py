@@ -21,7 +21,7 @@ import signal
 import sys
 import traceback
 
-from disagg.transport.environment import DISAGG_FORK_SERVER_PID
+from disagg.transport.environment import DISAGG_FORK_SERVER_PID, PYTORCH_NVML_BASED_CUDA_CHECK
 
 
 def _say(obj: dict) -> None:
@@ -91,7 +91,7 @@ def _reap() -> None:
 
 
 def serve(model: str) -> int:
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # an is_available() must not initialise CUDA
+    os.environ.setdefault(PYTORCH_NVML_BASED_CUDA_CHECK, "1")  # an is_available() must not initialise CUDA
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends us (EOF), not a terminal's Ctrl-C
     import setproctitle  # noqa: F401 - first: it takes over the memory of argv and the environment
     import torch  # noqa: F401 - the point: imported once, before any fork

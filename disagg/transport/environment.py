@@ -1,5 +1,6 @@
-"""Every environment variable the launcher sets for the processes it starts, and every DISAGG_ variable any of our
-code reads that is not a setting's, declared once.
+"""Every environment variable our code sets or reads by name, declared once: what the launcher sets for the
+processes it starts, what they set for their libraries or read of theirs, and every DISAGG_ variable that is not
+a setting's.
 
 Each constant's value is its own name (`DISAGG_RUN_ID = "DISAGG_RUN_ID"`), so grepping a variable's name finds
 every use; the code names a variable only through these (tests/test_architecture_doc.py refuses a `"DISAGG_..."`
@@ -90,6 +91,16 @@ CUDA_VISIBLE_DEVICES = _declare("CUDA_VISIBLE_DEVICES", "a role's GPUs, its own 
                                 "of the launcher's own list when it has one; empty on the CPU")
 CUDA_DEVICE_ORDER = _declare("CUDA_DEVICE_ORDER", "a role's: the launcher's, else PCI_BUS_ID")
 OMP_NUM_THREADS = _declare("OMP_NUM_THREADS", "a role's: the CPUs it is pinned to")
+
+# --- not ours: what our processes set for their libraries, or read of theirs --------------------------------------
+PYTORCH_NVML_BASED_CUDA_CHECK = _declare(
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "1 in a spare interpreter and the fork server before they import torch: an "
+    "`is_available()` must not initialise CUDA before the role's CUDA_VISIBLE_DEVICES comes")
+TORCHINDUCTOR_CACHE_DIR = _declare("TORCHINDUCTOR_CACHE_DIR", "a compiled denoiser's inductor caches: "
+                                   "`compile.cache_dir`")
+PYTORCH_ALLOC_CONF = _declare("PYTORCH_ALLOC_CONF", "torch's allocator settings: expandable segments or "
+                              "cudaMallocAsync keep a GPU pool from being shared over CUDA IPC")
+PYTORCH_CUDA_ALLOC_CONF = _declare("PYTORCH_CUDA_ALLOC_CONF", "the same, under its older CUDA name")
 
 #: DISAGG_ variables that are not settings (disagg/settings/sources.py refuses any other unknown one)
 NOT_SETTINGS = {v.name: v.what for v in VARIABLES if v.name.startswith("DISAGG_") and not v.setting}

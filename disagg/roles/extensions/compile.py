@@ -26,6 +26,7 @@ import time
 import torch
 
 from disagg.settings.choices import CompileMode, CompileScope
+from disagg.transport.environment import TORCHINDUCTOR_CACHE_DIR
 from disagg.transport.wire.role_stats import CompileStats
 
 log = logging.getLogger("disagg.role")
@@ -185,7 +186,7 @@ def compile_stage(stage, mode: str, sizes: list[str], cache_dir: str, scope: str
     blocks) or model (the whole transformer). `hook(what, seconds_so_far)`: told at each warm-up and every TICK_S."""
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        os.environ[TORCHINDUCTOR_CACHE_DIR] = cache_dir
     adapter = stage.adapter
     pipe = adapter.pipe if stage.caps.family else None  # only a diffusers pipeline's transformer compiles
     models = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")] if pipe is not None else []

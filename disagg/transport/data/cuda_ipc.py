@@ -11,6 +11,7 @@ import torch
 from disagg.transport.data.engines import (
     EngineOptions, EngineUnavailable, NotApplicable, TransferEngine, TransferError, check_bounds,
 )
+from disagg.transport.environment import PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF
 from disagg.transport.wire.messages import Source
 from disagg.transport.data.pool import CudaPool, Pool
 
@@ -21,10 +22,10 @@ MAX_PEERS = 64
 
 
 #: where torch reads its allocator settings: the generic name (torch >= 2.9) and the older CUDA one
-ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+ALLOC_CONF_VARIABLES = (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF)
 
 
-def alloc_conf_problem(conf: str, variable: str = "PYTORCH_CUDA_ALLOC_CONF") -> str:
+def alloc_conf_problem(conf: str, variable: str = PYTORCH_CUDA_ALLOC_CONF) -> str:
     """Why allocator settings `conf` (from `variable`) keep a pool from being shared over CUDA IPC ('' if not)."""
     settings = conf.replace(" ", "").lower().split(",")
     bad = [s for s in UNSHAREABLE_ALLOC_CONF if s in settings]
