@@ -1,6 +1,7 @@
 """docs/architecture.md's copies of code are current (issue 45): its generated blocks equal what disagg/docs_gen.py
 makes from the code now, §1's table of folders matches the tree (read from the disk, so a folder moved is seen),
-the code names environment variables only through disagg/transport/environment.py, and §1's import rules hold.
+the code names environment variables only through disagg/transport/environment.py, §11's usage block names the
+CLI's commands and options, and §1's import rules hold.
 Nothing here starts a process."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import re
 from functools import cache
 from pathlib import Path
 
+import click
+
 from disagg import docs_gen
-from disagg.settings.fields import by_path
+from disagg.settings.fields import by_path, leaves
 from disagg.transport import environment
 from tests.conftest import ROOT
 
@@ -213,6 +216,58 @@ def test_every_declared_variable_is_used_and_a_settings_is_that_settings():
         if v.setting:
             assert by_path()[v.setting].env == v.name, (v.name, v.setting)
     assert len({v.name for v in environment.VARIABLES}) == len(environment.VARIABLES)
+
+
+# --- §11: the CLI's usage ---------------------------------------------------------------------------------------------
+
+def usage() -> dict[tuple[str, ...], set[str]]:
+    """§11's usage block: command path (("bench", "transfer")) -> the options its lines name."""
+    from disagg.launcher.cli import cli
+
+    block = DOC.read_text().split("\n## 11. ", 1)[1].split("```")[1]
+    out: dict[tuple[str, ...], set[str]] = {}
+    current = None
+    for line in block.splitlines():
+        if line.startswith("disagg "):  # a command's first line; indented ones go on with it
+            path, group = [], cli
+            for word in line.split()[1:]:
+                if not isinstance(group, click.Group) or word not in group.commands:
+                    break
+                path.append(word)
+                group = group.commands[word]
+            current = tuple(path) or None  # `disagg [-v] COMMAND ...`: every command's
+        if current:
+            out.setdefault(current, set()).update(re.findall(r"(?<![\w-])--?[a-z][\w-]*", line))
+    return out
+
+
+def _commands(group, path=()):
+    for name, cmd in group.commands.items():
+        if any(isinstance(p, click.Option) for p in cmd.params) or not isinstance(cmd, click.Group):
+            yield (*path, name), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+
+
+def test_section_11_names_every_command_and_option_and_no_other():
+    """Every command has a usage line naming each of its options (launch: those that are not a setting's flag,
+    which it sums up as [every schema flag]); no line names an option its command does not take."""
+    from disagg.launcher.cli import cli
+
+    schema = {f for leaf in leaves() if leaf.flag for f in leaf.flag.split("/")}
+    lines = usage()
+    wrong = []
+    for path, cmd in _commands(cli):
+        options = {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+        named = lines.get(path)
+        if named is None:
+            wrong.append(f"disagg {' '.join(path)}: no usage line")
+            continue
+        wrong += [f"disagg {' '.join(path)}: no option {o}" for o in sorted(named - options - {"--help"})]
+        if path == ("launch",):
+            options = {o for o in options if o not in schema and not o.startswith("--gpus-per-")}
+        wrong += [f"disagg {' '.join(path)}: {o} is not named" for o in sorted(options - named - {"--help"})]
+    assert not wrong, "docs/architecture.md §11's usage block against the CLI:\n" + "\n".join(wrong)
 
 
 # --- §1: import rules -----------------------------------------------------------------------------------------------
