@@ -23,7 +23,7 @@ from disagg.gateway.state import Gateway
 from disagg.gateway.tenants import NOBODY, Keys
 from disagg.settings.process import GatewaySettings
 from disagg.transport.environment import DISAGG_RESTARTS, DISAGG_RUN_ID
-from disagg.common.parent import LauncherWatch
+from disagg.transport.parent import LauncherWatch
 
 log = logging.getLogger("disagg.gateway")
 

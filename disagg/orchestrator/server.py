@@ -16,7 +16,7 @@ import zmq
 from disagg.orchestrator.inbox import CLIENT_BUNDLE_MAX, ClientInbox
 from disagg.orchestrator.router import Out, Router
 from disagg.transport.wire.auth import secure_server
-from disagg.common.parent import LauncherWatch
+from disagg.transport.parent import LauncherWatch
 from disagg.transport.wire.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
 from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.data.shm import pid_alive

@@ -7,7 +7,7 @@ The protocol is JSON lines (no pickle): the launcher writes one order per line o
 and we answer on stdout `{"ready": true}` once imported, `{"name": ..., "pid": PID}` per fork, and
 `{"exited": PID, "rc": CODE}` when a forked role ends (it is our child: we reap it and pass its status on).
 EOF on stdin ends us at once (os._exit: no interpreter finalisation); the forked roles go on (each watches its
-launcher itself, disagg/common/parent.py).
+launcher itself, disagg/transport/parent.py).
 
 The server stays single-threaded (a fork copies only the calling thread) and never initialises CUDA:
 only roles without a GPU are forked."""

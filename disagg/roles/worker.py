@@ -29,7 +29,7 @@ from disagg.roles.link import Link
 from disagg.roles.reports import SelfReport
 from disagg.roles.spec import WorkerSpec
 from disagg.transport.wire.auth import client_curve
-from disagg.common.parent import LauncherWatch
+from disagg.transport.parent import LauncherWatch
 from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.data.engines import EngineOptions, TransferEngine, make_engines
 from disagg.transport.wire.lane import LaneLink
