@@ -35,8 +35,8 @@ _BLOCK = re.compile(r"<!-- generated: (\S+)[^>]*-->\n(.*?)" + re.escape(END), re
 
 #: the settings §10 lists the defaults of (the rest are in configs/tiny.yaml and the README's table)
 DEFAULTS_WORTH_KNOWING = (
-    "model", "port", "transfer", "dispatch", "schedule", "admission", "heartbeat_timeout", "stall_timeout",
-    "request_timeout", "join_wait", "max_retries", "max_queue", "ready_timeout", "spares", "fork_server", "lane",
+    "model", "port", "transfer", "dispatch", "schedule.order", "admission", "timeouts.heartbeat", "timeouts.stall",
+    "timeouts.request", "join_wait", "max_retries", "max_queue", "timeouts.ready", "spares", "fork_server", "lane",
     "http.port", "rebalance.mode",
 )
 #: each process's settings object (disagg/settings/process.py), in the order §2 lists them
@@ -170,7 +170,7 @@ def pool_defaults() -> str:
 
 def older_names() -> str:
     """Every older key a config file may still use (and its DISAGG_ variable), with the key it is now."""
-    pairs = [f"`{leaf.legacy}` → `{leaf.path}`" for leaf in leaves() if leaf.legacy]
+    pairs = [f"`{old}` → `{leaf.path}`" for leaf in leaves() for old in leaf.legacy]
     return "Older keys (their `DISAGG_` variables too): " + ", ".join(pairs) + ".\n"
 
 

@@ -17,7 +17,7 @@ from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 
-#: the compiled deployment's ready_timeout: less than its compile takes, even with inductor's caches warm
+#: the compiled deployment's timeouts.ready: less than its compile takes, even with inductor's caches warm
 READY_TIMEOUT_S = 2.0
 
 
@@ -25,9 +25,9 @@ READY_TIMEOUT_S = 2.0
 def compiled(module_tmp):
     """A compiled tiny deployment once ready, with the phases its denoiser showed while it booted."""
     config = module_tmp / "compiled.yaml"
-    # ready_timeout far below the compile's time: it counts only time without progress, and a compile progresses
+    # timeouts.ready far below the compile's time: it counts only time without progress, and a compile progresses
     config.write_text(f"model: tiny\ncompile: true\ncompile_sizes: [64x64]\ncompile_cache_dir: {COMPILE_CACHE}\n"
-                      f"ready_timeout: {READY_TIMEOUT_S}\n"
+                      f"timeouts: {{ready: {READY_TIMEOUT_S}}}\n"
                       "encoders: {count: 1, capacity: 1}\ndenoisers: {count: 1, capacity: 1}\n"
                       "decoders: {count: 1, capacity: 1}\n")
     dep = Launched(["--config", str(config), "--no-dashboard"], module_tmp)
@@ -56,7 +56,7 @@ def test_a_compiled_tiny_flux_warms_up_before_ready_and_equals_the_uncompiled_pi
 
     d = compiled.denoiser()
     assert d.compile.seconds > 0 and d.boot.phase == "" and "compiling" in compiled.phases
-    # it compiled for longer than ready_timeout and the launch went on: the compile reported progress all along
+    # it compiled for longer than timeouts.ready and the launch went on: the compile reported progress all along
     assert d.compile.seconds > READY_TIMEOUT_S, d.compile.seconds
     assert any(COMPILE_CACHE.iterdir())  # inductor's caches went where compile_cache_dir says
     params = GenerationParams(prompt="a red cat", width=64, height=64, num_inference_steps=4, seed=2)

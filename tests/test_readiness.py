@@ -1,4 +1,4 @@
-"""Readiness that tells a slow boot from a stuck one (issue 44): `ready_timeout` counts only time without progress.
+"""Readiness that tells a slow boot from a stuck one (issue 44): `timeouts.ready` counts only time without progress.
 
 The role side is held on purpose with the test hook DISAGG_TEST_BOOT_HOLD (disagg/roles/boot.py): `progress` holds a
 role's boot while it keeps reporting progress (a slow download or load), `hang` holds it silently (a stuck one)."""

@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from disagg.settings.sections import ScheduleSettings, TimeoutSettings
 from disagg.orchestrator.scheduling.dispatch import MaxFreeSlots, RoundRobin
 from disagg.orchestrator.scheduling.placement import ConditioningAffinity
 from disagg.orchestrator.registry import Instance
@@ -166,7 +167,7 @@ def test_policies_spread_load_across_denoisers(policy):
 
 
 def test_heartbeat_timeout_marks_dead_and_retries_its_work():
-    h = Harness(heartbeat_timeout=3.0)
+    h = Harness(timeouts=TimeoutSettings(heartbeat=3.0))
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     h.submit("r1")
@@ -251,7 +252,7 @@ def test_retry_budget_then_clear_failure():
 
 
 def test_stalled_instance_loses_its_work():
-    h = Harness(stall_timeout=5.0, heartbeat_timeout=100.0)
+    h = Harness(timeouts=TimeoutSettings(stall=5.0, heartbeat=100.0))
     [enc] = h.add("encoder")
     d0, d1 = h.add("denoiser", 2)
     h.add("decoder")
@@ -326,7 +327,7 @@ def drive_rest(h, rid, enc):
 
 
 def test_deadline_fails_request_and_quarantines_slot_until_report():
-    h = Harness(heartbeat_timeout=100.0)
+    h = Harness(timeouts=TimeoutSettings(heartbeat=100.0))
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     h.submit("slow", timeout_s=5.0)
@@ -732,7 +733,7 @@ def test_host_aware_dispatch_sends_fewer_bytes_across_hosts_than_a_host_blind_ru
 def test_a_report_from_a_role_declared_dead_is_handled_once_it_registers_again():
     """SIGSTOP, then SIGCONT: the role's compute thread reports its output before the loop's new Register
     arrives (another socket). Refused, but kept: once registered, the stale output is released, not leaked."""
-    h = Harness(heartbeat_timeout=3.0)
+    h = Harness(timeouts=TimeoutSettings(heartbeat=3.0))
     [enc] = h.add("encoder")
     [den] = h.add("denoiser")
     h.add("decoder")

@@ -69,7 +69,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     cfg.write_text("max_queue: 11\ndtype: float16\nhttp: {image_ttl: 11}\n")
     got = print_config("--config", str(cfg))
     assert got["max_queue"] == ("11", "file") and got["dtype"] == ("float16", "file")
-    assert got["http.image_ttl"] == ("11.0", "file") and got["request_timeout"] == ("600.0", "default")
+    assert got["http.image_ttl"] == ("11.0", "file") and got["timeouts.request"] == ("600.0", "default")
     env = clean_env(DISAGG_MAX_QUEUE="22", DISAGG_DTYPE="bfloat16", DISAGG_HTTP_IMAGE_TTL="22")
     got = print_config("--config", str(cfg), env=env)
     assert got["max_queue"] == ("22", "env DISAGG_MAX_QUEUE") and got["dtype"] == ("bfloat16", "env DISAGG_DTYPE")
@@ -127,7 +127,7 @@ def test_a_model_flag_with_a_layout_in_the_file_is_checked_against_that_model(tm
 
 
 @pytest.mark.parametrize("content,says", [
-    ("heartbeat_timout: 3\n", "unknown key heartbeat_timout (did you mean heartbeat_timeout?)"),
+    ("heartbeat_timout: 3\n", "unknown key heartbeat_timout (did you mean timeouts.heartbeat?)"),
     ("denoisers: {cout: 2}\n", "unknown key denoisers.cout (did you mean denoisers.count?)"),
     ("http: {prot: 80}\n", "unknown key http.prot (did you mean http.port?)"),
     ("port: 99999\n", "port (from config"),
@@ -151,8 +151,8 @@ def test_an_older_key_still_works_with_a_warning_naming_the_new_one(tmp_path):
     cfg.write_text("heartbeat_timeout_s: 4.0\n")
     res = disagg("launch", "--config", str(cfg), "--print-config", env=clean_env(), timeout=30)
     assert res.returncode == 0, res.stderr
-    assert "heartbeat_timeout: 4.0  # file" in res.stdout
-    assert "heartbeat_timeout_s is now heartbeat_timeout" in res.stderr
+    assert "timeouts:" in res.stdout and "  heartbeat: 4.0  # file" in res.stdout
+    assert "heartbeat_timeout_s is now timeouts.heartbeat" in res.stderr
 
 
 def test_a_process_refuses_settings_with_an_unknown_key():

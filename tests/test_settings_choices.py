@@ -41,7 +41,7 @@ def test_every_choice_valued_setting_is_an_enum_spelled_as_before():
                                               "RebalanceMode", "CompileMode", "CompileScope", "Dtype"}
     s = Settings()
     # a member is its string: equal, printed, encoded (JSON and YAML documents spell the value)
-    assert s.schedule == "slo" and f"{s.schedule}" == "slo" and str(s.loras.affinity) == "auto"
+    assert s.schedule.order == "slo" and f"{s.schedule.order}" == "slo" and str(s.loras.affinity) == "auto"
     assert msgspec.json.decode(msgspec.json.encode(s))["rebalance"]["mode"] == "advise"
 
 
@@ -49,13 +49,13 @@ def test_choices_decode_from_file_env_and_the_process_json(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("schedule: fifo\nloras: {affinity: two-choices}\n")
     got = resolve(cfg, environ={"DISAGG_REBALANCE_MODE": "auto", "DISAGG_COMPILE_MODE": "reduce-overhead"}).settings
-    assert type(got.schedule).__name__ == "Schedule" and got.schedule == "fifo"
+    assert type(got.schedule.order).__name__ == "Schedule" and got.schedule.order == "fifo"  # the older `schedule: fifo`
     assert got.loras.affinity.name == "TWO_CHOICES" and got.rebalance.mode.name == "AUTO"
     assert got.compile.mode.cuda_graphs
     orch = OrchestratorSettings(**{k: getattr(got, k) for k in ("schedule", "admission", "dispatch")})
     back = decode(encode(orch), OrchestratorSettings)
-    assert back.schedule is got.schedule and isinstance(back.dispatch, enum.Enum)
-    assert '"schedule":"fifo"' in encode(orch)
+    assert back.schedule.order is got.schedule.order and isinstance(back.dispatch, enum.Enum)
+    assert '"order":"fifo"' in encode(orch)
     role = decode(encode(RoleSettings(role="denoiser", instance_id="d", endpoint="e")), RoleSettings)
     assert role.compile.scope.name == "BLOCKS"
 
@@ -68,9 +68,9 @@ def test_constructors_that_take_a_setting_default_to_the_schemas_value():
     s = Settings()
     for fn in (Stage.__init__, StepBatcher.__init__):
         params = inspect.signature(fn).parameters
-        assert params["schedule"].default == s.schedule, fn.__qualname__
-        assert params["aging_s"].default == s.schedule_aging_s, fn.__qualname__
-    assert inspect.signature(Turns.__init__).parameters["aging_s"].default == s.schedule_aging_s
+        assert params["schedule"].default == s.schedule.order, fn.__qualname__
+        assert params["aging_s"].default == s.schedule.aging_s, fn.__qualname__
+    assert inspect.signature(Turns.__init__).parameters["aging_s"].default == s.schedule.aging_s
     from disagg.orchestrator.scheduling.loras import pick_by_affinity  # the rule is the caller's setting, no default of its own
 
     assert inspect.signature(pick_by_affinity).parameters["rule"].default is inspect.Parameter.empty

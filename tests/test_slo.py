@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks.traces.mixed import generate
+from disagg.settings.sections import ScheduleSettings, TimeoutSettings
 from disagg.launcher.bench.trace import TraceError, label, load_trace
 from disagg.roles.pipelines.sim_profile import load_profile
 from tests.test_router import Harness, runs, staged
@@ -36,7 +37,7 @@ def finish(h, rid, offset):
 
 def test_queues_order_by_priority_then_least_slack_and_fifo_keeps_arrival_order():
     for schedule, want in (("slo", ["urgent", "tight", "roomy", "none"]), ("fifo", ["none", "roomy", "tight", "urgent"])):
-        h = Harness(schedule=schedule)
+        h = Harness(schedule=ScheduleSettings(order=schedule))
         h.add("encoder"), h.add("denoiser"), h.add("decoder")
         measured(h)
         [(enc, _)] = runs(h.submit("busy", width=512, height=512, num_inference_steps=10))  # takes the one slot
@@ -54,7 +55,7 @@ def test_queues_order_by_priority_then_least_slack_and_fifo_keeps_arrival_order(
 
 
 def test_a_request_that_cannot_make_its_deadline_goes_after_those_that_can():
-    h = Harness(schedule="slo")
+    h = Harness(schedule=ScheduleSettings(order="slo"))
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
     measured(h)  # ~1.07 s alone at 512^2 x 10 steps
     [(enc, _)] = runs(h.submit("busy", width=512, height=512, num_inference_steps=10))
@@ -70,7 +71,7 @@ def test_a_request_with_a_deadline_goes_where_it_gets_the_device_soonest():
     urgent request joins the roomy one (it takes the device at the next step); max-free-slots alone would not
     know the difference."""
     for trial in range(2):  # the roomy request on either instance: the choice follows it, not an id order
-        h = Harness(schedule="slo")
+        h = Harness(schedule=ScheduleSettings(order="slo"))
         [enc] = h.add("encoder", capacity=8)
         h.add("denoiser", 2, capacity=2)
         h.add("decoder")
@@ -95,7 +96,7 @@ def test_a_resumed_request_keeps_the_deadline_of_its_first_arrival():
     from tests.test_router import CLIENT
     from disagg.transport.wire.messages import GenerationParams, Submit
 
-    h = Harness(schedule="slo")
+    h = Harness(schedule=ScheduleSettings(order="slo"))
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
     measured(h)
     params = GenerationParams(prompt="a cat", width=512, height=512, num_inference_steps=10, slo_ms=5_000)
@@ -124,7 +125,7 @@ def test_admission_refuses_a_deadline_it_cannot_meet_only_once_it_has_measuremen
 
 
 def test_a_full_queue_sheds_its_lowest_priority_request_for_a_higher_one():
-    h = Harness(max_queue=2, schedule="slo")
+    h = Harness(max_queue=2, schedule=ScheduleSettings(order="slo"))
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
     h.submit("busy")
     h.submit("low", priority=-1)
@@ -138,7 +139,7 @@ def test_a_full_queue_sheds_its_lowest_priority_request_for_a_higher_one():
 
 
 def test_request_states_and_status_carry_predictions_slack_and_met_missed_counts():
-    h = Harness(schedule="slo")
+    h = Harness(schedule=ScheduleSettings(order="slo"))
     h.add("encoder"), h.add("denoiser"), h.add("decoder")
     measured(h)
     h.submit("a", width=512, height=512, num_inference_steps=10, slo_ms=4_000, priority=2)
@@ -192,7 +193,7 @@ def test_the_video_profile_meets_its_measurements_and_the_mixed_one_uses_it_for_
 def test_a_queue_in_urgency_order_is_not_ranked_again_and_aging_and_priorities_still_reorder_it():
     """order_queue re-ranked every waiting request after every message (issue 45): with 500 waiting, a request
     through the encoder now ranks none of them, while priorities and aging reorder the queue as before."""
-    h = Harness(schedule="slo", schedule_aging_s=10.0)
+    h = Harness(schedule=ScheduleSettings(order="slo", aging_s=10.0))
     [enc] = h.add("encoder")
     h.add("denoiser"), h.add("decoder")
     ranked = []

@@ -39,6 +39,17 @@ log = logging.getLogger("disagg.launcher")
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+def gateway_settings(config, endpoint: str, keys: str) -> tuple[GatewaySettings, dict[str, str]]:
+    """A gateway's settings, from the deployment's: every field the schema says the gateway reads (`use`), with its
+    API keys apart, as the environment variables they travel in (argv is where `ps` shows them)."""
+    fields = schema_part(config, "gateway")
+    fields["http"] = msgspec.structs.replace(config.http, api_key="", api_keys={})
+    fields["keys"] = keys
+    secrets = {DISAGG_HTTP_API_KEY: config.http.api_key,
+               DISAGG_HTTP_API_KEYS: msgspec.json.encode(config.http.api_keys).decode()}
+    return GatewaySettings(**fields, endpoint=endpoint), secrets
+
+
 class Deployment(Startup):
     """Starts the orchestrator and N:M:K roles, waits for them, and tears everything down."""
 
@@ -153,13 +164,8 @@ class Deployment(Startup):
     def spawn_gateway(self) -> Child:
         """The HTTP gateway: a client of our orchestrator, supervised like a role. Its API key travels in the
         environment, not on the command line (where `ps` shows it)."""
-        env = self._env()
-        env[DISAGG_HTTP_API_KEY] = self.config.http.api_key
-        env[DISAGG_HTTP_API_KEYS] = msgspec.json.encode(self.config.http.api_keys).decode()
-        fields = schema_part(self.config, "gateway")
-        fields["http"] = msgspec.structs.replace(self.config.http, api_key="", api_keys={})
-        fields["keys"] = self.keys_dir
-        settings = GatewaySettings(**fields, endpoint=self.endpoint)
+        settings, secrets = gateway_settings(self.config, self.endpoint, self.keys_dir)
+        env = {**self._env(), **secrets}
         return self.supervisor.spawn("gateway", self.supervisor.python("disagg.gateway", encode(settings)), env=env)
 
     @property

@@ -1,5 +1,5 @@
 """Readiness that tells a slow boot from a stuck one: the launcher gives up on an instance only when it made no
-progress for `ready_timeout` seconds (a stall), however long its boot takes while it progresses.
+progress for `timeouts.ready` seconds (a stall), however long its boot takes while it progresses.
 
 Progress is what the instance reports in its heartbeats (disagg/roles/boot.py: its phase, detail, bytes and a count that
 grows while it downloads, loads or compiles). Before it registers (its interpreter importing torch and the
@@ -101,7 +101,7 @@ def stall_error(stalled: list[tuple[str, float, str]], timeout_s: float, logs: d
     parts = [f"{name} made no progress for {idle:.0f} s while {what}" + (f" (log {logs[name]})" if name in logs else "")
              for name, idle, what in stalled]
     return (f"{'; '.join(parts)}. An instance may go {timeout_s:g} s without progress (downloading, loading, "
-            f"compiling) before the launch gives up: raise --ready-timeout (DISAGG_READY_TIMEOUT) if it is only slow")
+            f"compiling) before the launch gives up: raise --ready-timeout (DISAGG_TIMEOUTS_READY) if it is only slow")
 
 
 class BootError(RuntimeError):
@@ -150,7 +150,7 @@ class Startup:
         """Until every instance this launcher started is ready (or a standby). `any_orchestrator`: a join
         host, whose orchestrator runs elsewhere and may restart meanwhile."""
         expected = {p.instance_id for p in self.placements}
-        watch = StallWatch(self.config.ready_timeout)
+        watch = StallWatch(self.config.timeouts.ready)
         with self.client() as client:
             while True:
                 self._check_children()
@@ -186,7 +186,7 @@ class Startup:
                 if stalled:
                     logs = {name: str(self.supervisor.children[name].log_path) for name, _, _ in stalled
                             if name in self.supervisor.children}
-                    raise BootError(stall_error(stalled, self.config.ready_timeout, logs))
+                    raise BootError(stall_error(stalled, self.config.timeouts.ready, logs))
                 time.sleep(POLL_S)
 
     def _watch_boots(self, watch: StallWatch, waiting: set[str], registered: dict) -> None:

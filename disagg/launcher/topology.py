@@ -38,8 +38,8 @@ def validate(config: Settings) -> None:
         msgspec.convert(msgspec.to_builtins(config), Settings)
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
-    if config.heartbeat_timeout < 2 * HEARTBEAT_INTERVAL_S:
-        raise ConfigError(f"heartbeat timeout {config.heartbeat_timeout:g} s is under twice the {HEARTBEAT_INTERVAL_S:g} s "
+    if config.timeouts.heartbeat < 2 * HEARTBEAT_INTERVAL_S:
+        raise ConfigError(f"heartbeat timeout {config.timeouts.heartbeat:g} s is under twice the {HEARTBEAT_INTERVAL_S:g} s "
                           "heartbeat interval: every instance would flap between dead and ready")
     try:
         model_spec(config.model)

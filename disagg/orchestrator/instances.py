@@ -281,9 +281,9 @@ class InstanceLifecycle:
     def expire_instances(self, now: float, out: list[Out]) -> None:
         for inst in self.registry.alive():
             silent = now - inst.last_seen
-            if silent > self.config.heartbeat_timeout:
+            if silent > self.config.timeouts.heartbeat:
                 self.lose_instance(inst, f"no heartbeat for {silent:.1f} s", now, out)
-            elif inst.running and now - inst.progress_at > self.config.stall_timeout:
+            elif inst.running and now - inst.progress_at > self.config.timeouts.stall:
                 self.lose_instance(inst, f"no progress for {now - inst.progress_at:.1f} s while holding work", now, out)
 
     def lose_instance(self, inst: Instance, why: str, now: float, out: list[Out], moving: bool = False) -> None:

@@ -219,7 +219,7 @@ class Router(InstanceLifecycle, RequestSteps):
         if params.seed is None:
             # fixed here, so a retry of any stage reproduces the same image
             params = msgspec.structs.replace(params, seed=self.rng.randrange(2**31))
-        timeout = msg.timeout_s or self.config.request_timeout
+        timeout = msg.timeout_s or self.config.timeouts.request
         req = Request(id=msg.request_id, params=params, clients=[identity], submitted_at=now, deadline=now + timeout,
                       lora_sources=sources, slo_deadline=now - msg.age_s + params.slo_ms / 1000 if params.slo_ms else None)
         self.requests[req.id] = req

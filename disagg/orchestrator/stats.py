@@ -116,7 +116,7 @@ def snapshot(router, now: float) -> StatusReport:
         loras=sorted(router.lora_catalog.names())[:4096], any_lora=router.lora_catalog.any_name,
         pairs=[PairEngine(source=a, target=b, engine=e, count=n, source_host=ha, target_host=hb)
                for (a, b), (e, n, ha, hb) in sorted(router.stats.pairs.items())],
-        schedule=router.config.schedule, queue_slack=queue_slack(router, now), slo=router.deadlines.counts.report(),
+        schedule=router.config.schedule.order, queue_slack=queue_slack(router, now), slo=router.deadlines.counts.report(),
     )
 
 

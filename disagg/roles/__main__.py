@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             conditioning = ConditioningCache(spec.conditioning_cache_mib * 2**20)
         return Stage(spec.role, adapter, spec.max_batch, fit=fit, model=spec.model,
                      sync=pool.compute_done if pool is not None else None, group=group, loras=loras,
-                     schedule=spec.schedule, aging_s=spec.schedule_aging_s, caches=caches,
+                     schedule=spec.schedule.order, aging_s=spec.schedule.aging_s, caches=caches,
                      conditioning=conditioning)
 
     if spec.rank > 0:  # a follower rank of a parallel instance: no pool, no orchestrator, rank 0's lead

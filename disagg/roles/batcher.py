@@ -50,8 +50,8 @@ class _Entry:
 class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
-    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: Schedule = default("schedule"),
-                 aging_s: float = default("schedule_aging_s"), caches=None):
+    def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: Schedule = default("schedule.order"),
+                 aging_s: float = default("schedule.aging_s"), caches=None):
         self.adapter = adapter
         #: the transformer's step caches: a request with one runs alone, its steps back to back
         self.caches = caches

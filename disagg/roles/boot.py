@@ -1,7 +1,7 @@
 """A role's boot, as whoever waits for it sees it: its phase (downloading, loading, compiling, warming up), a
 line of detail, the bytes so far, and a count of progress that grows while the boot gets on.
 
-The launcher gives up on an instance only when that count stands still for `ready_timeout` seconds (a stall), so
+The launcher gives up on an instance only when that count stands still for `timeouts.ready` seconds (a stall), so
 a first launch that downloads tens of GB per role, or a compile on a busy CPU, goes on for as long as it
 progresses. Progress comes from two places:
 

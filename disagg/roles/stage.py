@@ -101,7 +101,7 @@ class Stage:
     should run requests together batches them (`max_batch`, one thread drives every forward)."""
 
     def __init__(self, role: str, adapter: ModelAdapter, max_batch: int = 1, fit=None, model: str = "", sync=None, group=None,
-                 loras=None, schedule: Schedule = default("schedule"), aging_s: float = default("schedule_aging_s"),
+                 loras=None, schedule: Schedule = default("schedule.order"), aging_s: float = default("schedule.aging_s"),
                  caches=None, conditioning=None):
         self.role = role
         self.adapter = adapter

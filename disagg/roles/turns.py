@@ -56,7 +56,7 @@ class Ticket:
 class Turns:
     """An instance's device, handed from request to request at step boundaries by urgency."""
 
-    def __init__(self, aging_s: float = default("schedule_aging_s"), clock=time.monotonic):
+    def __init__(self, aging_s: float = default("schedule.aging_s"), clock=time.monotonic):
         self.aging_s = aging_s
         self.clock = clock
         self._cond = threading.Condition()

@@ -196,7 +196,7 @@ class Worker(Link, SelfReport):
         if silent > self.spec.orphan_grace_s:
             self.log.error("no word from the orchestrator for %.0f s; exiting", silent)
             self.exit_code, self.stop = 1, True
-        elif silent > self.spec.heartbeat_timeout and now >= self.next_register:
+        elif silent > self.spec.timeouts.heartbeat and now >= self.next_register:
             self.log.warning("orchestrator silent for %.1f s; reconnecting", silent)
             self.connect()
             self.next_register = now + self.backoff_s

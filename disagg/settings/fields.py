@@ -15,7 +15,7 @@ ENV_PREFIX = "DISAGG_"
 
 @dataclass(frozen=True)
 class Leaf:
-    """One setting: `path` ("heartbeat_timeout", "http.port", "denoisers.count")."""
+    """One setting: `path` ("join_wait", "http.port", "denoisers.count")."""
 
     path: str
     type: object  # msgspec.inspect type, without its Metadata wrapper
@@ -23,7 +23,8 @@ class Leaf:
     help: str
     processes: tuple[str, ...]
     flag: str | None  # "--name", "--a/--no-a", "-e/--encoders"; None: file and environment only
-    legacy: str  # the older key's whole path ("compile_mode" for compile.mode): still works, with a warning
+    #: the older keys' whole paths ("compile_mode" for compile.mode), newest first: they still work, with a warning
+    legacy: tuple[str, ...]
     metavar: str
 
     @property
@@ -31,10 +32,10 @@ class Leaf:
         return ENV_PREFIX + self.path.replace(".", "_").upper()
 
     @property
-    def legacy_env(self) -> str:
-        """The older key's variable ("" when it has none, or when it is the same as env: compile_mode's)."""
-        env = ENV_PREFIX + self.legacy.replace(".", "_").upper() if self.legacy else ""
-        return "" if env == self.env else env
+    def legacy_envs(self) -> tuple[str, ...]:
+        """The older keys' variables (but one that is the same as env: compile_mode's)."""
+        envs = (ENV_PREFIX + old.replace(".", "_").upper() for old in self.legacy)
+        return tuple(env for env in envs if env != self.env)
 
     @property
     def section(self) -> str:
@@ -47,6 +48,10 @@ class Leaf:
     @property
     def is_flag(self) -> bool:
         return isinstance(self.type, mi.BoolType)
+
+
+def _names(legacy) -> tuple[str, ...]:
+    return (legacy,) if isinstance(legacy, str) and legacy else tuple(legacy or ())
 
 
 def _unwrap(t):
@@ -86,7 +91,7 @@ def leaves() -> tuple[Leaf, ...]:
                 flag = "--" + path.replace(".", "-").replace("_", "-")
             flag = SECTION_FLAGS.get(path, flag)
             out.append(Leaf(path, t, value, schema.get("description", ""), tuple(extra.get("for", ())), flag,
-                            extra.get("legacy", ""), extra.get("metavar", "")))
+                            _names(extra.get("legacy", ())), extra.get("metavar", "")))
 
     walk(Settings, defaults, "")
     return tuple(out)

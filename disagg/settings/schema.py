@@ -16,10 +16,10 @@ import msgspec
 from msgspec import Meta
 
 from disagg.transport.wire.params import CacheSpec  # one cache rule: requests' and the settings'
-from disagg.settings.choices import Admission, Dispatch, Dtype, Schedule, Transfer, TransferProtocol
+from disagg.settings.choices import Admission, Dispatch, Dtype, Transfer, TransferProtocol
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
-    BusyPollSettings, CompileSettings,
+    BusyPollSettings, CompileSettings, ScheduleSettings, TimeoutSettings,
 )
 
 
@@ -75,17 +75,6 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "GPUs to spread every instance over, round-robin (each instance sees its own GPU as cuda:0). Empty: the "
         "CPU. A role's own gpus list takes precedence."),
         extra=use("launcher", metavar="0,1,..."))] = []
-    heartbeat_timeout: Annotated[float, Meta(gt=0, description=(
-        "Seconds of silence after which an instance is dead and the requests it held get new attempts; a role "
-        "that hears nothing from the orchestrator this long reconnects. At least 2: twice the 1 s heartbeat."),
-        extra=use("orchestrator", "role", legacy="heartbeat_timeout_s"))] = 3.0
-    stall_timeout: Annotated[float, Meta(gt=0, description=(
-        "Seconds an instance holding work may make no progress (stage starts and ends, denoising steps) before "
-        "it is dead for that work."),
-        extra=use("orchestrator", legacy="stall_timeout_s"))] = 120.0
-    request_timeout: Annotated[float, Meta(gt=0, description=(
-        "Seconds a request may take before it fails with a timeout error (a Submit may set its own)."),
-        extra=use("orchestrator", legacy="request_timeout_s"))] = 600.0
     join_wait: Annotated[float, Meta(gt=0, description=(
         "Seconds a role may have no instance (none registered yet, or every one stopped or dead) before Submits "
         "are refused at once as not ready (HTTP 503 with Retry-After) and the requests waiting for it fail. "
@@ -98,20 +87,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Admission control: while this many requests wait in a role's queue, Submit is refused at once as "
         "overloaded (HTTP 429)."),
         extra=use("orchestrator"))] = 4096
-    schedule: Annotated[Schedule, Meta(description=(
-        "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
-        "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
-        "less now and less the predicted remaining time, from measured stage times), and a request goes to the "
-        "instance where it gets the device soonest; a denoiser holding several requests picks after every step "
-        "which one steps next, earliest deadline first, setting aside the longest where one would miss, so a long "
-        "request yields at step boundaries to a short one (its latents stay in memory); encoders and decoders "
-        "order their computes the same way (a video's decode yields between latent frames). Aging "
-        "(schedule_aging_s) bounds how long any request waits."),
-        extra=use("orchestrator", "role"))] = Schedule.SLO
-    schedule_aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
-        "schedule slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
-        "one priority higher, so no request starves."),
-        extra=use("orchestrator", "role"))] = 10.0
+    schedule: ScheduleSettings = msgspec.field(default_factory=ScheduleSettings)
+    timeouts: TimeoutSettings = msgspec.field(default_factory=TimeoutSettings)
     cache: Annotated[CacheSpec, Meta(description=(
         "Denoisers: the step cache of every request that names none, as a request's `cache` field: "
         "{type: first_block, threshold: 0.3} (types first_block, mag, taylorseer, faster, "
@@ -140,11 +117,6 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "thread wake per hop instead of several (about 100 us less per hop on a small VM). ZeroMQ still carries "
         "registration, other hosts and big messages. false: everything over ZeroMQ."),
         extra=use("orchestrator", "role", flag="--lane/--no-lane"))] = True
-    ready_timeout: Annotated[float, Meta(gt=0, description=(
-        "Seconds an instance may go without progress while it boots before `disagg launch` gives up on it (a "
-        "stall, not the whole boot: downloading weights, loading them and compiling go on for as long as they "
-        "progress; `disagg status` shows each instance's phase and bytes so far)."),
-        extra=use("launcher", legacy="ready_timeout_s"))] = 180.0
     fork_server: Annotated[bool, Meta(description=(
         "Roles without a GPU start (where there are two or more) as forks of one process that imported torch, diffusers and the model's "
         "adapter once, instead of each importing them (~5 s of CPU for a diffusers model here): a role then "

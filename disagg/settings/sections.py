@@ -9,7 +9,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from disagg.settings.choices import CompileMode, CompileScope, Dispatch, LoraAffinity, RebalanceMode, Role, Transfer
+from disagg.settings.choices import CompileMode, CompileScope, Dispatch, LoraAffinity, RebalanceMode, Role, Schedule, Transfer
 from disagg.transport.wire.params import (
     LoraName,  # one adapter-name rule: requests' and the registry's
 )
@@ -42,7 +42,7 @@ def world_of(layout: dict[str, int]) -> int:
     return n
 
 
-def use(*processes: str, flag: str | None = "", legacy: str = "", metavar: str = "") -> dict:
+def use(*processes: str, flag: str | None = "", legacy: str | tuple[str, ...] = "", metavar: str = "") -> dict:
     """A field's `extra`: the processes that read it; its flag ("" = --NAME, None = config file and environment
     only); the older key it had (its whole path: compile_mode for compile.mode), which still works in a config
     file and as a DISAGG_ variable, with a warning."""
@@ -279,3 +279,47 @@ class RebalanceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     min_requests: Annotated[int, Meta(ge=1, le=1 << 20, description=(
         "The fewest requests in the window for a recommendation (fewer say too little about the mix)."),
         extra=use("orchestrator", flag=None))] = 8
+
+
+class ScheduleSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which request goes next (disagg/orchestrator/scheduling/, disagg/roles/turns.py). Before this section these were
+    the top-level schedule (now schedule.order: `schedule: slo` in a config file still works) and schedule_aging_s
+    (still read from a config file and DISAGG_SCHEDULE, DISAGG_SCHEDULE_AGING_S, with a warning)."""
+
+    order: Annotated[Schedule, Meta(description=(
+        "Which request goes next. fifo: each role's queue in arrival order, and a denoiser's held requests take "
+        "turns in arrival order. slo: queues by priority, then least slack (the deadline, slo_ms after arrival, "
+        "less now and less the predicted remaining time, from measured stage times), and a request goes to the "
+        "instance where it gets the device soonest; a denoiser holding several requests picks after every step "
+        "which one steps next, earliest deadline first, setting aside the longest where one would miss, so a long "
+        "request yields at step boundaries to a short one (its latents stay in memory); encoders and decoders "
+        "order their computes the same way (a video's decode yields between latent frames). Aging "
+        "(schedule.aging_s) bounds how long any request waits."),
+        extra=use("orchestrator", "role", flag="--schedule", legacy="schedule"))] = Schedule.SLO
+    aging_s: Annotated[float, Meta(gt=0, le=86400, description=(
+        "slo: every this many seconds a request waits (in a queue, or held and not stepping), it counts "
+        "one priority higher, so no request starves."),
+        extra=use("orchestrator", "role", flag="--schedule-aging-s", legacy="schedule_aging_s"))] = 10.0
+
+
+class TimeoutSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How long the deployment waits before it gives up on something. Before this section these were the top-level
+    heartbeat_timeout, stall_timeout, request_timeout and ready_timeout (and, before those, the same with _s): all
+    still read from a config file and their DISAGG_ variables, with a warning."""
+
+    heartbeat: Annotated[float, Meta(gt=0, description=(
+        "Seconds of silence after which an instance is dead and the requests it held get new attempts; a role "
+        "that hears nothing from the orchestrator this long reconnects. At least 2: twice the 1 s heartbeat."),
+        extra=use("orchestrator", "role", flag="--heartbeat-timeout", legacy=("heartbeat_timeout", "heartbeat_timeout_s")))] = 3.0
+    stall: Annotated[float, Meta(gt=0, description=(
+        "Seconds an instance holding work may make no progress (stage starts and ends, denoising steps) before "
+        "it is dead for that work."),
+        extra=use("orchestrator", flag="--stall-timeout", legacy=("stall_timeout", "stall_timeout_s")))] = 120.0
+    request: Annotated[float, Meta(gt=0, description=(
+        "Seconds a request may take before it fails with a timeout error (a Submit may set its own)."),
+        extra=use("orchestrator", flag="--request-timeout", legacy=("request_timeout", "request_timeout_s")))] = 600.0
+    ready: Annotated[float, Meta(gt=0, description=(
+        "Seconds an instance may go without progress while it boots before `disagg launch` gives up on it (a "
+        "stall, not the whole boot: downloading weights, loading them and compiling go on for as long as they "
+        "progress; `disagg status` shows each instance's phase and bytes so far)."),
+        extra=use("launcher", flag="--ready-timeout", legacy=("ready_timeout", "ready_timeout_s")))] = 180.0

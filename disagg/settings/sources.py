@@ -40,14 +40,16 @@ class Resolved:
     settings: Settings
     #: leaf path -> "default" | "file" | "env" | "flag"
     origins: dict[str, str] = field(default_factory=dict)
-    #: older names seen, as warnings to show ("heartbeat_timeout_s is now heartbeat_timeout")
+    #: older names seen, as warnings to show ("heartbeat_timeout is now timeouts.heartbeat")
     warnings: list[str] = field(default_factory=list)
 
 
-def closest(name: str, known) -> str:
-    """' (did you mean X?)' for the nearest known name, or ''."""
-    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]}?)" if match else ""
+def closest(name: str, known, older: dict[str, str] | None = None) -> str:
+    """' (did you mean X?)' for the nearest known name, or ''; `older`: older name -> its setting now (a typo of
+    an older name is told the new one)."""
+    older = older or {}
+    match = difflib.get_close_matches(name, [*known, *older], n=1, cutoff=0.5)
+    return f" (did you mean {older.get(match[0], match[0])}?)" if match else ""
 
 
 def read_file(path: str | Path) -> dict:
@@ -69,7 +71,7 @@ def flatten_file(data: dict, where: str, notes: list[str]) -> dict[str, object]:
     """{leaf path: value} of a config file's mapping; unknown keys are refused naming the closest, older
     names are taken with a note naming the new one."""
     known = by_path()
-    legacy = {leaf.legacy: leaf.path for leaf in leaves() if leaf.legacy}
+    legacy = {old: leaf.path for leaf in leaves() for old in leaf.legacy}
     out: dict[str, object] = {}
 
     def put(path: str, value) -> None:
@@ -77,7 +79,7 @@ def flatten_file(data: dict, where: str, notes: list[str]) -> dict[str, object]:
             notes.append(f"{where}: {path} is now {legacy[path]}")
             path = legacy[path]
         if path not in known:
-            raise SettingsError(f"{where}: unknown key {path}{closest(path, [*known, *sections()])}")
+            raise SettingsError(f"{where}: unknown key {path}{closest(path, [*known, *sections()], legacy)}")
         out[path] = value
 
     for key, value in data.items():
@@ -114,7 +116,7 @@ def check_variables(environ: Mapping[str, str]) -> None:
     """Refuse a DISAGG_ variable that is neither a setting nor in OTHER_VARIABLES (a typo would otherwise be
     ignored in silence), naming the closest known name. `launch` checks through from_environment; the client
     commands (status, submit, stop, bench, serve-http), which read few settings, call this."""
-    by_env = {leaf.env for leaf in leaves()} | {leaf.legacy_env for leaf in leaves() if leaf.legacy_env}
+    by_env = {leaf.env for leaf in leaves()} | {env for leaf in leaves() for env in leaf.legacy_envs}
     for name in environ:
         if name.startswith(ENV_PREFIX) and name not in by_env and name not in OTHER_VARIABLES:
             raise SettingsError(f"unknown variable {name}{closest(name, [*by_env, *OTHER_VARIABLES])}: not a "
@@ -126,7 +128,7 @@ def from_environment(environ: Mapping[str, str], notes: list[str]) -> dict[str, 
     refused, naming the closest known name (check_variables)."""
     check_variables(environ)
     by_env = {leaf.env: leaf for leaf in leaves()}
-    by_legacy_env = {leaf.legacy_env: leaf for leaf in leaves() if leaf.legacy_env}
+    by_legacy_env = {env: leaf for leaf in leaves() for env in leaf.legacy_envs}
     out: dict[str, object] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):

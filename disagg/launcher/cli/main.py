@@ -308,7 +308,7 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
     DISAGG_HTTP_PORT, DISAGG_HTTP_API_KEY; a flag wins); with port 0, the default, it serves on 8000."""
     from disagg.launcher.ports import PortBusy, check_http_port
     from disagg.settings import resolve
-    from disagg.settings.process import GatewaySettings, encode
+    from disagg.settings.process import encode
     from disagg.settings.schema import SERVE_HTTP_PORT
 
     given = flags_from(flags)
@@ -332,11 +332,12 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
             exit_unreachable(exc)
     from disagg.gateway.__main__ import main as gateway_main
 
-    os.environ[DISAGG_HTTP_API_KEY] = http.api_key
-    os.environ[DISAGG_HTTP_API_KEYS] = msgspec.json.encode(http.api_keys).decode()
-    http.api_key, http.api_keys = "", {}
+    from disagg.launcher.deployment import gateway_settings
+
+    settings, secrets = gateway_settings(resolved.settings, endpoint, keys or "")
+    os.environ.update(secrets)
     click.echo(f"serving http://{http.host}:{http.port}/v1 for {endpoint}")
-    sys.exit(gateway_main([encode(GatewaySettings(endpoint=endpoint, keys=keys or "", http=http))]))
+    sys.exit(gateway_main([encode(settings)]))
 
 
 cli.add_command(bench)

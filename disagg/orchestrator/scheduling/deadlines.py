@@ -146,7 +146,7 @@ class Deadlines:
         the time waited in this queue), then those that can still meet their deadline, least slack first, then
         those without one, then the late ones; then arrival."""
         waited = now - req.marks.get(f"queued_{req.stage}", now)
-        return urgency.key(req.params.priority, waited, self.config.schedule_aging_s, self.slack(req, now),
+        return urgency.key(req.params.priority, waited, self.config.schedule.aging_s, self.slack(req, now),
                            req.submitted_at)
 
     def unmeetable(self, params, first_stage: str) -> str:

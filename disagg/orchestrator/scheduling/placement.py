@@ -169,7 +169,7 @@ class SloPlacement(Step):
 
     @classmethod
     def wanted(cls, config) -> bool:
-        return config.schedule == Schedule.SLO
+        return config.schedule.order == Schedule.SLO
 
     def place(self, p: Placing, next):
         if p.req.slo_deadline is not None and self.decides(p.req, p.role):

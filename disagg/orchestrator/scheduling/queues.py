@@ -64,7 +64,7 @@ class SloQueue(FifoQueue):
         if front or not fresh or not self.order.holds(role, now):
             self.order.forget(role)
         else:
-            self.order.appended(role, self.deadlines.urgency(req, now), req, now, self.config.schedule_aging_s)
+            self.order.appended(role, self.deadlines.urgency(req, now), req, now, self.config.schedule.aging_s)
 
     def ordered(self, role: str, now: float) -> collections.deque[str]:
         """Sorted by urgency when something could take a request now, unless known to be in that order already
@@ -77,7 +77,7 @@ class SloQueue(FifoQueue):
         queue.clear()
         queue.extend(req.id for _, req in ranked)
         self.order.sorted(role, [(key, req) for key, req in ranked if req.stage == role and req.state == "queued"],
-                          now, self.config.schedule_aging_s)
+                          now, self.config.schedule.aging_s)
         return queue
 
     def ended(self, req) -> None:
@@ -165,4 +165,4 @@ QUEUES = {Schedule.FIFO: FifoQueue, Schedule.SLO: SloQueue}
 
 
 def make_queue(config, roles, requests: dict, deadlines, registry) -> FifoQueue:
-    return QUEUES[Schedule(config.schedule)](roles, requests, deadlines, config, registry)
+    return QUEUES[Schedule(config.schedule.order)](roles, requests, deadlines, config, registry)

@@ -30,7 +30,7 @@ class ErrorCode(str, enum.Enum):
     #: any other message the orchestrator will not take (bad message, another orchestrator's id, no such host)
     INVALID_REQUEST = "invalid_request"
     # --- failed while it ran -----------------------------------------------------------------------------
-    #: request_timeout (or the Submit's own) ran out
+    #: timeouts.request (or the Submit's own) ran out
     TIMEOUT = "timeout"
     #: cancelled by its client
     CANCELLED = "cancelled"

@@ -126,8 +126,9 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     loras: list[str] = []
     any_lora: bool = False
     #: `schedule`: fifo or slo; per role, the least slack (seconds) of the requests waiting in its queue that
-    #: have a deadline; per priority, deadlines met and missed (SloCount)
-    schedule: str = "fifo"
+    #: have a deadline; per priority, deadlines met and missed (SloCount). "" only from an orchestrator that does
+    #: not say (the setting's default is the schema's, disagg/settings/schema.py)
+    schedule: str = ""
     queue_slack: dict[str, float] = {}
     slo: list[SloCount] = []
     #: `rebalance` advise/auto: the recommended split and the moves in progress (None: rebalance off)

@@ -56,7 +56,7 @@ class CacheStats(_Stats):
 class BootStats(_Stats):
     """Its boot until it is ready (disagg/roles/boot.py): what it does ("starting", "downloading", "loading",
     "compiling", "warming up"; "" once ready), a line of detail, the bytes so far (downloaded, or in memory), and a
-    count that grows while the boot progresses (the launcher's ready_timeout counts only time without growth)."""
+    count that grows while the boot progresses (the launcher's timeouts.ready counts only time without growth)."""
 
     phase: Annotated[str, Meta(max_length=32)] = ""
     detail: Annotated[str, Meta(max_length=256)] = ""
