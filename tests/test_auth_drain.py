@@ -35,18 +35,15 @@ def keys(module_tmp):
 def deployment(module_tmp, keys):
     dep = Launched(["--model", "payload", "--no-dashboard", "--keys", str(keys), "-d", "1"], module_tmp)
     dep.curve = client_curve(keys)
+    def ready() -> bool:
+        try:
+            with Client(dep.endpoint, curve=dep.curve) as c:
+                return sum(i.state == "ready" for i in c.status(timeout_s=2).instances) == 3
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with Client(dep.endpoint, curve=dep.curve) as c:
-                    if sum(i.state == "ready" for i in c.status(timeout_s=2).instances) == 3:
-                        break
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError(dep.output())
+        wait_until(ready, timeout=120, step=0.3, why=dep.output)
         yield dep
     finally:
         dep.stop()

@@ -136,15 +136,15 @@ def test_a_stop_during_startup_is_one_line_not_a_traceback(tmp_path):
     try:
         from disagg.client import Client, Unreachable
 
-        deadline = time.monotonic() + 30
         with Client(dep.endpoint) as client:
-            while True:  # the orchestrator answers; the roles are still importing torch
+            def answers() -> bool:
                 try:
                     client.status(timeout_s=0.5)
-                    break
+                    return True
                 except Unreachable:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
+                    return False
+
+            wait_until(answers, timeout=30, step=0.05)  # the orchestrator answers; the roles are still importing torch
         res = disagg("stop", "--endpoint", dep.endpoint, timeout=30)
         assert res.returncode == 0, res.stderr
         assert dep.proc.wait(timeout=30) == 0
@@ -163,17 +163,14 @@ def test_a_killed_role_then_a_killed_launcher_leave_no_segment(tmp_path):
         os.kill(denoiser, signal.SIGKILL)
         time.sleep(0.1)
         os.kill(dep.proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        assert not [p for p in pids if pid_alive(p)]
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=15,
+                   why=lambda: [p for p in pids if pid_alive(p)])
         # a denoiser restarted in the moment between the two kills exits too (it sees its launcher gone)
         ours = report.orchestrator["deployment_id"]
 
         def owners_alive():
             return [n for n in segments_of(ours) if pid_alive(int(n.rsplit("-", 1)[1]))]
-        while owners_alive() and time.monotonic() - t0 < 30:
-            time.sleep(0.1)
+        wait_until(lambda: not owners_alive(), timeout=30, why=owners_alive)
         time.sleep(0.3)
         assert not segments_of(ours)
     finally:

@@ -19,7 +19,7 @@ import zmq
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import Launched, disagg, pid_alive, segments_of
+from tests.conftest import Launched, disagg, pid_alive, segments_of, wait_until
 from disagg.transport.wire.messages import GenerationParams, Heartbeat, Register, encode
 
 pytestmark = pytest.mark.e2e
@@ -191,13 +191,7 @@ def test_garbage_on_the_lane_is_dropped(deployment):
     path, oid = report.orchestrator["lane"], report.orchestrator["id"].encode()
 
     def recv(lane, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = lane.recv()
-            if got:
-                return got
-            time.sleep(0.01)
-        raise AssertionError("no answer on the lane")
+        return wait_until(lane.recv, timeout=timeout, step=0.01, why=lambda: "no answer on the lane")
 
     # strangers are closed without a word: another orchestrator's id, an unknown role, nonsense
     for hello in ([b"client", b"me", b"not-this-one"], [b"client", b"", oid], [b"role", b"denoiser-99", oid],
@@ -259,11 +253,9 @@ def test_sigterm_stops_every_process_and_segment(deployment):
     pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"]), deployment.proc.pid]
     ours = report.orchestrator["deployment_id"]
     assert len(segments_of(ours)) >= N_INSTANCES
-    t0 = time.monotonic()
     deployment.proc.send_signal(signal.SIGTERM)
-    while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 10:
-        time.sleep(0.1)
-    assert not [p for p in pids if pid_alive(p)], "processes left after 10 s"
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10,
+               why=lambda: f"processes left: {[p for p in pids if pid_alive(p)]}")
     assert deployment.proc.wait(timeout=5) is not None
     assert not segments_of(ours)
     assert not os.path.exists(report.orchestrator["lane"])  # nor the lane's socket file

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import Launched
+from tests.conftest import Launched, wait_until
 from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
@@ -56,12 +55,11 @@ def test_parity_and_engine_and_no_leaks(deployment):
         if deployment.engine == "mooncake":
             assert all(i.session_id.startswith("127.0.0.1:") and i.base_addr > 0 for i in report.instances)
         # every slot comes back: the orchestrator's view and what each role reports
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            report = client.status()
-            if all(i.pool_free_bytes == i.pool_bytes for i in report.instances):
-                break
-            time.sleep(0.2)
+        def all_free():
+            r = client.status()
+            return r if all(i.pool_free_bytes == i.pool_bytes for i in r.instances) else None
+
+        report = wait_until(all_free, timeout=5, step=0.2, why=lambda: client.status().instances)
         for inst in report.instances:
             assert inst.pool_used_bytes == 0 and inst.pool_free_bytes == inst.pool_bytes, inst
             assert inst.free_slots == inst.capacity

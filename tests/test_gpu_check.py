@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from disagg.client import Client, Unreachable
-from tests.conftest import COMPILE_CACHE, ROOT
+from tests.conftest import COMPILE_CACHE, ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -111,17 +110,13 @@ def test_a_missing_wheel_stops_the_dry_run_at_install_and_a_wrong_version_at_env
     assert run.returncode == 1 and "the GPU run pins 0.41.0" in run.stdout, run.stdout + run.stderr
 
 
-def _ready(endpoint: str, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        try:
-            with Client(endpoint) as c:
-                states = [i.state for i in c.status(timeout_s=2).instances]
-            if states and all(s == "ready" for s in states):
-                return True
-        except Unreachable:
-            pass
-        time.sleep(0.1)
-    return False
+def _ready(endpoint: str) -> bool:
+    try:
+        with Client(endpoint) as c:
+            states = [i.state for i in c.status(timeout_s=2).instances]
+    except Unreachable:
+        return False
+    return bool(states) and all(s == "ready" for s in states)
 
 
 def test_a_sigtermed_gpu_e2e_kills_its_deployment_and_keeps_what_it_measured(tmp_path):
@@ -141,7 +136,8 @@ def test_a_sigtermed_gpu_e2e_kills_its_deployment_and_keeps_what_it_measured(tmp
                 if len(launches) == 2:
                     break
         assert len(launches) == 2, f"gpu_e2e ended before its second layout: rc {proc.wait()}"
-        assert _ready(f"tcp://127.0.0.1:{launches[1]}", time.monotonic() + 120), "the colocated layout never got ready"
+        wait_until(lambda: _ready(f"tcp://127.0.0.1:{launches[1]}"), timeout=120,
+                   why=lambda: "the colocated layout never got ready")
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert tree, "no process of the deployment found"
         proc.send_signal(signal.SIGTERM)

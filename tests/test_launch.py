@@ -12,7 +12,7 @@ from PIL import Image
 from rich.console import Console
 
 from disagg.launcher.cli.dashboard import events_between, status_view
-from tests.conftest import ROOT, Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of
+from tests.conftest import ROOT, Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +39,9 @@ def test_ctrl_c_stops_everything_within_10s(tmp_path):
     try:
         report = dep.wait_ready(3)
         pids = [i.pid for i in report.instances] + [int(report.orchestrator["pid"])]
-        t0 = time.monotonic()
         dep.proc.send_signal(signal.SIGINT)
-        while any(pid_alive(p) for p in pids + [dep.proc.pid]) and time.monotonic() - t0 < 10:
-            time.sleep(0.1)
-        assert not [p for p in pids if pid_alive(p)]
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout=10,
+                   why=lambda: [p for p in pids if pid_alive(p)])
         assert dep.proc.wait(timeout=5) is not None
         assert not segments_of(report.orchestrator["deployment_id"])
         assert "stopped" in dep.output()
