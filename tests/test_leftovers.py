@@ -12,7 +12,7 @@ import pytest
 
 from disagg.launcher.leftovers import RunRecord, remove_leftovers
 from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
-from disagg.transport.wire.lane import lane_in_use, lane_path
+from disagg.transport.wire.lane import _private_folder, lane_in_use, lane_path
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +82,17 @@ def test_a_record_is_left_alone_while_its_launcher_lives_and_taken_once_it_is_go
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_the_first_record_on_a_machine_leaves_its_folder_private_for_the_lanes(tmp_path):
+    """The records folder ($TMPDIR/disagg-UID/runs) is made inside the user's private folder that the lane sockets
+    share, which refuses to hold a lane when others may write into it: a first launch on a machine (or a fresh
+    TMPDIR) must not make that folder open to all, as os.makedirs does with the folders above the one it makes."""
+    private = tmp_path / "fresh" / f"disagg-{os.getuid()}"
+    record = RunRecord("feedbeef", folder=str(private / "runs"))
+    record.claim()
+    try:
+        assert os.stat(private).st_mode & 0o077 == 0, oct(os.stat(private).st_mode)
+        _private_folder(str(private / "lane-1.sock"))  # the orchestrator's check: it may make its lane here
+    finally:
+        record.release()

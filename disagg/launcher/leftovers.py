@@ -38,6 +38,9 @@ class RunRecord:
     def claim(self) -> None:
         """Write the record and lock it. Written under another name and renamed once locked, so another launch
         never finds it unlocked."""
+        # the user's private folder first, as the lanes beside it need it (they refuse one others may write into):
+        # os.makedirs gives the folders above the one it makes the default mode, open to all
+        os.makedirs(os.path.dirname(self.folder), mode=0o700, exist_ok=True)
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{self.run_id}.")
         fcntl.flock(fd, fcntl.LOCK_EX)
