@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 
 import psutil
 import pytest
 
-from disagg.launcher.leftovers import RunRecord, remove_leftovers
+from disagg.launcher.leftovers import RunRecord, remove_leftovers, runs_folder
 from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
 from disagg.transport.wire.lane import _private_folder, lane_in_use, lane_path
 
@@ -31,7 +33,22 @@ def kill_whole(dep: Launched) -> list[int]:
     return [p.pid for p in procs]
 
 
-def test_the_next_launch_removes_what_a_deployment_killed_whole_left_and_nothing_of_a_live_one(tmp_path):
+@pytest.fixture
+def own_temp_dir(monkeypatch):
+    """A temp dir of this test's own for its launches and itself: run records (and lane sockets) live in
+    $TMPDIR/disagg-UID, machine-wide, so another pytest-xdist worker's launch would clean the killed deployment
+    up first and this test's next launch find nothing left. The folder must exist (tempfile.gettempdir() passes
+    over a TMPDIR that does not and answers /tmp) and be short (a lane socket's path has at most 107 bytes)."""
+    folder = tempfile.mkdtemp(prefix="dl-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", folder)  # the launches inherit it
+    monkeypatch.setattr(tempfile, "tempdir", folder)  # this process (lane_path) cached its answer before
+    assert lane_path(1).startswith(folder + "/") and len(lane_path(65535)) < 108
+    yield folder
+    remove_leftovers(os.path.join(folder, f"disagg-{os.getuid()}", "runs"))  # a failed test's, which no other launch sees
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_next_launch_removes_what_a_deployment_killed_whole_left_and_nothing_of_a_live_one(tmp_path, own_temp_dir):
     for name in ("live", "killed"):
         (tmp_path / name).mkdir()
     live = Launched(PAYLOAD, tmp_path / "live")
@@ -44,6 +61,7 @@ def test_the_next_launch_removes_what_a_deployment_killed_whole_left_and_nothing
         assert len(pids) >= 5  # launcher, orchestrator, fork server, three roles
         left = segments_of(gone_id)
         assert len(left) == 3 and os.path.exists(lane_path(killed.port)), left  # what it left
+        assert os.path.exists(os.path.join(runs_folder(), f"{gone_id}.lock"))  # its record: in this test's folder
         live_segments = segments_of(live_id)
         assert len(live_segments) == 3
 
