@@ -66,14 +66,26 @@ def browse(url: str, *args: str) -> str:
     return res.stdout
 
 
+def previews(deployment, since=(0, 0)) -> tuple[int, int]:
+    """Live previews the orchestrator sent and skipped (its own counts), less `since`."""
+    o = deployment.status().orchestrator
+    return int(o["previews_sent"]) - since[0], int(o["previews_skipped"]) - since[1]
+
+
 def test_the_page_shows_the_instances_and_generates_from_its_form(deployment, tmp_path):
     """The gateway's web page in a real headless browser (Debian's chromium): the live instance table of the
     running 1:2:1 deployment, and an image generated from its form (issue 22: the demo model's pictures)."""
     base = deployment.http
     wait_http(base + "/health")
     url = base + "/?prompt=a%20green%20square%20on%20the%20left&seed=3&generate=1"  # size auto: the model's
+    before = previews(deployment)
     # a streamed answer does not hold chromium's virtual time: a budget long enough for the whole stream
     dom = browse(url, "--dump-dom", "--virtual-time-budget=600000")
+    # each of the 2 previews the page asks for was decoded and sent, or skipped (a preview never waits: one whose
+    # decode ends after its request did, on a loaded machine, is dropped); one skipped may be counted a moment later
+    sent, skipped = wait_until(lambda: (d := previews(deployment, since=before))[0] + d[1] == 2 and d, timeout=30,
+                               why=lambda: previews(deployment, since=before))
+    print(f"previews: {sent} sent, {skipped} skipped")
     rows = re.findall(r"<tr><td[^>]*>(encoder|denoiser|decoder)</td><td[^>]*>([a-z]+-\d)</td>", dom)
     assert sorted(i for _, i in rows) == ["decoder-0", "denoiser-0", "denoiser-1", "encoder-0"], dom[:3000]
     assert dom.count(">ready</td>") == 4
@@ -81,8 +93,11 @@ def test_the_page_shows_the_instances_and_generates_from_its_form(deployment, tm
     assert m, dom[-3000:]
     image = Image.open(io.BytesIO(base64.b64decode(m.group(1))))
     assert image.size == (64, 64) and "done in" in dom
-    # it streamed: two previews (decoded on the decoder) showed before the image
-    assert 'data-previews="2"' in dom and "after 2 previews" in dom, dom[-3000:]
+    # it streamed: previews (decoded on the decoder) showed before the image; the first, at least, as the decoder is
+    # idle when it comes (the page counts up to the last one's index: 2 whenever both came)
+    shown = re.search(r'data-previews="(\d)"', dom)
+    assert sent >= 1 and shown and f"after {shown.group(1)} previews" in dom, (sent, skipped, dom[-3000:])
+    assert 1 <= int(shown.group(1)) <= 2 and (sent < 2 or shown.group(1) == "2"), (sent, skipped, dom[-3000:])
     seen = verdict("green", "square", "left", 3, image)
     assert seen["colour_ok"] and seen["position_ok"], seen
     # issue 22: live charts (plain SVG, no CDN) and the last images with their prompts
