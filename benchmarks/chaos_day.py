@@ -51,12 +51,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from chaos import pct  # noqa: E402
-from disagg.roles.compute import preview_steps  # noqa: E402
-
-
-from chaos_day_trace import demo_trace, make_demo_loras, pick_ports, previews_asked, sim_trace  # noqa: E402
 from chaos_day_pass import Deployment, Pass, ready_split, settled_status  # noqa: E402
+from chaos_day_trace import demo_trace, make_demo_loras, pick_ports, previews_asked, sim_trace  # noqa: E402
 
+from disagg.roles.compute import preview_steps  # noqa: E402
 
 # --- comparing ---------------------------------------------------------------------------------------------------
 

@@ -20,11 +20,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import msgspec  # noqa: E402
+from chaos_day_trace import ROLES, SIM_DEVICES, SIM_LORA  # noqa: E402
 
 from disagg.client import Client, Unreachable  # noqa: E402
 from disagg.transport.wire.messages import GenerationParams  # noqa: E402
-from chaos_day_trace import ROLES, SIM_DEVICES, SIM_LORA  # noqa: E402
-
 
 # --- a deployment --------------------------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def main() -> None:
     finally:
         stop_all(procs.values())
     print(f"\nmedians of {args.rounds} alternating rounds:")
-    print(f"| variant | bench | req/s | p50 ms | orchestrator CPU ms/request |\n|---|---|---|---|---|")
+    print("| variant | bench | req/s | p50 ms | orchestrator CPU ms/request |\n|---|---|---|---|---|")
     table = {}
     for name, benches in results.items():
         for bench, runs in benches.items():

@@ -37,7 +37,6 @@ from disagg.client import Client, Unreachable  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
 from disagg.transport.wire.messages import GenerationParams  # noqa: E402
 
-
 #: the deployments running now: SIGTERM kills them (on_sigterm)
 LIVE: list["Deployment"] = []
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
-from disagg.orchestrator.parts.planner import splits, fmt  # noqa: E402
+from disagg.orchestrator.parts.planner import fmt, splits  # noqa: E402
 
 PHASES = [
     ("1024x1024, 2 steps", {"width": 1024, "height": 1024, "num_inference_steps": 2}),

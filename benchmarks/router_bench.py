@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.test_router import Harness, staged  # noqa: E402
 from disagg.transport.wire.messages import Done, Fetched, Result, Run  # noqa: E402
+from tests.test_router import Harness, staged  # noqa: E402
 
 
 def deployment(n: int) -> Harness:

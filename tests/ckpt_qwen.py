@@ -74,8 +74,13 @@ def _text_encoder(tok):
 
 
 def build_tiny_qwen(edit: bool = False):
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
-                           QwenImagePipeline, QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
 
     tok = tiny_tokenizer()
     parts = dict(

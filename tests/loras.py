@@ -34,7 +34,6 @@ def make_lora(checkpoint: Path, out: Path, seed: int, rank: int = 4, text_encode
             layers[f"{name}_lora_adapter_metadata"] = config.to_dict()
         if text_encoder:
             import transformers
-
             from peft import inject_adapter_in_model
 
             te = getattr(transformers, index["text_encoder"][1]).from_pretrained(checkpoint / "text_encoder")

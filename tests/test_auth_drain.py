@@ -12,9 +12,9 @@ from disagg.client import Client
 from disagg.launcher.ports import free_port_pair
 from disagg.orchestrator.router import Router
 from disagg.orchestrator.server import OrchestratorServer
-from tests.conftest import Launched, Load, disagg, wait_until
 from disagg.transport.wire.auth import client_curve, generate_keys
 from disagg.transport.wire.messages import GenerationParams, PoolInfo, Register, encode
+from tests.conftest import Launched, Load, disagg, wait_until
 
 pytestmark = pytest.mark.e2e
 

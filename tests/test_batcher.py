@@ -13,8 +13,8 @@ from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.roles.stage import Stage
 from disagg.settings.choices import Schedule
-from tests.conftest import wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import wait_until
 
 
 class Recorder(SimAdapter):

@@ -10,8 +10,8 @@ import pytest
 from disagg.roles.pipelines import ModelError, model_spec
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.pipelines.sim_profile import load_profile
-from tests.conftest import Launched, disagg
 from disagg.transport.data.shm import remove_segments
+from tests.conftest import Launched, disagg
 
 pytestmark = pytest.mark.e2e
 

@@ -23,10 +23,21 @@ from disagg.client import Client
 from disagg.roles.compute import StageRunner
 from disagg.roles.pipelines.adapter import Capabilities
 from disagg.roles.stage import Stage
-from disagg.transport.wire.bundle import decode_frames
 from disagg.transport.data.pool import Pool
-from disagg.transport.wire.messages import (Cancel, ErrorCode, Failed, GenerationParams, RequestQuery, Result, Run,
-                                       ServerReply, Staged, Submit, encode)
+from disagg.transport.wire.bundle import decode_frames
+from disagg.transport.wire.messages import (
+    Cancel,
+    ErrorCode,
+    Failed,
+    GenerationParams,
+    RequestQuery,
+    Result,
+    Run,
+    ServerReply,
+    Staged,
+    Submit,
+    encode,
+)
 from tests.conftest import heard_from_all, launch_with_http, popen_cli, wait_until
 
 #: steps enough that the request is still denoising however late (under load) the test sends its Cancel: 34 s

@@ -17,8 +17,8 @@ import sys
 import msgspec
 import pytest
 
-from tests.conftest import ROOT
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 

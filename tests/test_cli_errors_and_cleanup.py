@@ -18,9 +18,9 @@ from disagg.launcher.cli.batch import OutDirError, check_out_dir
 from disagg.launcher.cli.dashboard import bench_view, status_view
 from disagg.launcher.cli.prompts import PromptError, parse_prompts
 from disagg.launcher.run import EventLog
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, segments_of, wait_until
-from disagg.transport.wire.messages import InstanceStatus, RequestCounts, StatusReport
 from disagg.transport.data.shm import list_segments
+from disagg.transport.wire.messages import InstanceStatus, RequestCounts, StatusReport
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, pid_alive, segments_of, wait_until
 
 
 def test_jsonl_errors_give_the_files_line_and_lists_count_from_1():

@@ -6,8 +6,16 @@ import pytest
 
 from disagg.client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, RequestBook
 from disagg.client.errors import BadRequest, GenerationFailed, RetryLater
-from disagg.transport.wire.messages import (ErrorCode, GenerationParams, RequestCounts, Rejected, Result, StatusQuery,
-                                StatusReport, Submit)
+from disagg.transport.wire.messages import (
+    ErrorCode,
+    GenerationParams,
+    Rejected,
+    RequestCounts,
+    Result,
+    StatusQuery,
+    StatusReport,
+    Submit,
+)
 
 P = GenerationParams(prompt="a red circle on the left")
 

@@ -11,11 +11,18 @@ import pytest
 import zmq
 
 from disagg.client import Client
-from tests.conftest import ROOT, Launched, disagg, free_port_pair, heard_from_all, pid_alive
 from disagg.transport.wire.lane import lane_path
 from disagg.transport.wire.messages import (
-    ErrorCode, GenerationParams, OrchestratorCommand, PoolInfo, Register, Rejected, decode, encode,
+    ErrorCode,
+    GenerationParams,
+    OrchestratorCommand,
+    PoolInfo,
+    Register,
+    Rejected,
+    decode,
+    encode,
 )
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, heard_from_all, pid_alive
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from disagg.client import Client, Unreachable
-from tests.conftest import COMPILE_CACHE, Launched, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import COMPILE_CACHE, Launched, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -74,9 +74,9 @@ def test_a_compiled_denoiser_counts_cached_steps_as_the_uncompiled_one_request_a
     """Issue D2 (tester 2026-12-04): the counting hooks were not in the compiled blocks' code, so after the first
     cached request the counts were false (first_block 0 computed / 8 skipped); a cached request now runs the
     transformer uncompiled (disagg/roles/extensions/compile.py eager)."""
+    from disagg.roles.extensions.step_cache import make_caches
     from disagg.roles.pipelines.tiny import TinyFluxAdapter
     from disagg.roles.stage import Stage, params_dict
-    from disagg.roles.extensions.step_cache import make_caches
 
     first_block = {"type": "first_block", "threshold": 0.3}
     taylorseer = {"type": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}

@@ -11,7 +11,14 @@ import time
 import pytest
 import torch
 
-from disagg.roles.extensions.compile import CompileWatch, _Ticker, compile_stage, refuse_cudagraphs, warmup_batches, warmup_inputs
+from disagg.roles.extensions.compile import (
+    CompileWatch,
+    _Ticker,
+    compile_stage,
+    refuse_cudagraphs,
+    warmup_batches,
+    warmup_inputs,
+)
 from tests.conftest import COMPILE_CACHE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,9 +100,9 @@ def graphs() -> int:
 @pytest.mark.timeout(600)
 def test_a_compiled_batching_denoiser_compiles_every_batch_size_at_boot_and_nothing_in_requests(caplog):
     """max_batch 2: a batch of 2 compiled inside a request for ~50 s on this CPU (no step's progress meanwhile)."""
+    from disagg.roles.extensions.step_cache import make_caches
     from disagg.roles.pipelines.tiny import TinyFluxAdapter
     from disagg.roles.stage import Stage
-    from disagg.roles.extensions.step_cache import make_caches
     from disagg.transport.wire.messages import GenerationParams
 
     den = TinyFluxAdapter("denoiser")

@@ -22,10 +22,10 @@ from PIL import Image
 from disagg.client import Client
 from disagg.gateway.routes.operations import PAGE
 from disagg.roles.pipelines.demo import COLOURS, POSITIONS, SHAPES, caption
+from disagg.transport.wire.messages import GenerationParams
 from tests.conftest import ROOT, launch_with_http, wait_until
 from tests.test_gateway import wait_http
 from tools.check_demo import table, verdict
-from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 SEEDS = 8  # 24 pictures per colour, 32 per position: the 90% bar allows 2 and 3 misses

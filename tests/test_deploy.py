@@ -15,9 +15,9 @@ import yaml
 from disagg.client import Client, Unreachable
 from disagg.launcher.cli.main import cli
 from disagg.launcher.ports import free_port_pair
+from disagg.transport.wire.messages import GenerationParams
 from tests import netns
 from tests.conftest import wait_until
-from disagg.transport.wire.messages import GenerationParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -306,7 +306,7 @@ def test_the_kubernetes_pods_become_ready_in_order_and_serve(tmp_path):
     the headless Service at once, turn Ready, then the head does, and its Service serves."""
     import httpx
 
-    from tests.kube import PROBE_EVERY_S, Cluster
+    from tests.kube import Cluster
 
     stubs = stub_slurm(tmp_path)  # the installed `disagg`
     cluster = Cluster(cpu_pods(k8s_docs()), tmp_path, stubs, replicas={"disagg-denoiser": 2})

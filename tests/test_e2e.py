@@ -12,15 +12,13 @@ import time
 
 import numpy as np
 import pytest
-
-from disagg.settings import Settings
-
 import zmq
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import Launched, disagg, pid_alive, segments_of, wait_until
+from disagg.settings import Settings
 from disagg.transport.wire.messages import GenerationParams, Heartbeat, Register, encode
+from tests.conftest import Launched, disagg, pid_alive, segments_of, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -180,11 +178,12 @@ def test_garbage_on_both_sockets_is_dropped(deployment):
 
 def test_garbage_on_the_lane_is_dropped(deployment):
     """The fast lane refuses strangers, drops bad packets and messages, and keeps serving."""
+    import msgspec
+
+    from disagg.transport.wire.bundle import decode_frames
     from disagg.transport.wire.lane import LANE_MAX_PACKET, WELCOME, LaneClosed
     from disagg.transport.wire.lane import connect as connect_lane
-    from disagg.transport.wire.bundle import decode_frames
     from disagg.transport.wire.messages import Bundle, Rejected, ServerReply, StatusQuery, StatusReport
-    import msgspec
 
     with Client(deployment.endpoint) as client:
         report = client.status()

@@ -14,11 +14,11 @@ from rich.console import Console
 from disagg.gateway.metrics import StatusCollector
 from disagg.launcher.cli.dashboard import status_view
 from disagg.orchestrator.router import Router, RouterConfig
-from tests.test_gpu_paths import HostCudaPool
 from disagg.transport.data import mooncake_engine
 from disagg.transport.data.engines import make_engines
-from disagg.transport.wire.messages import PoolInfo, Register
 from disagg.transport.data.pool import ShmPool
+from disagg.transport.wire.messages import PoolInfo, Register
+from tests.test_gpu_paths import HostCudaPool
 
 
 def fake_mooncake(monkeypatch, register_rc: int) -> None:

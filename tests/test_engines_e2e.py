@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import Launched, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import Launched, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,6 @@ import pytest
 import zmq
 
 from disagg.client import Client
-from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
 from disagg.transport.wire.messages import (
     Bundle,
     GenerationParams,
@@ -34,6 +33,7 @@ from disagg.transport.wire.messages import (
     Submit,
     encode,
 )
+from tests.conftest import Load, heard_from_all, launch_with_http, pid_alive, wait_until
 
 pytestmark = pytest.mark.e2e
 

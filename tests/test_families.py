@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 from disagg.client import Client
+from disagg.transport.wire.messages import GenerationParams
 from tests.checkpoints import save_tiny
 from tests.conftest import disagg, free_port_pair, reference_pipeline
-from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,7 @@ import pytest
 from PIL import Image
 
 from disagg.gateway.errors import from_outcome
-from tests.conftest import (ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, wait_http,
-                            wait_until)
+from tests.conftest import ROOT, Launched, disagg, free_port_pair, launch_with_http, pid_alive, wait_http, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -495,8 +494,8 @@ def test_a_step_cache_through_http_and_submit_equals_the_pipeline_and_reports_sk
 
     import torch
 
-    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
     from disagg.roles.extensions.step_cache import config_of
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     cache = {"type": "first_block", "threshold": 0.3}
     raw = api.images.with_raw_response.generate(prompt="a red cat", size="64x64",
@@ -608,8 +607,8 @@ def test_two_requests_with_other_caches_in_flight_on_one_denoiser_each_equal_the
 
     import torch
 
-    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
     from disagg.roles.extensions.step_cache import config_of
+    from disagg.roles.pipelines.tiny import build_tiny_flux_pipeline
 
     caches = [{"type": "first_block", "threshold": 0.3}, {"type": "mag"}]
     got: list = [None, None]

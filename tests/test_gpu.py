@@ -195,8 +195,8 @@ def test_gpu_pool_stages_without_host_copy():
 def test_inline_copies_out_of_and_into_a_gpu_pool_go_through_pinned_memory():
     from disagg.roles.compute import StageRunner
     from disagg.transport.data.engines import make_engine
-    from disagg.transport.wire.messages import PoolInfo, Source
     from disagg.transport.data.pool import CudaPool
+    from disagg.transport.wire.messages import PoolInfo, Source
 
     pool = CudaPool("gpu-inline", 1 << 20, "cuda:0")
     assert pool.host_buffer(64).is_pinned()

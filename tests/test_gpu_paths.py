@@ -17,8 +17,8 @@ from disagg.launcher.topology import ConfigError, cuda_env
 from disagg.settings import Settings
 from disagg.transport.data import cuda_ipc
 from disagg.transport.data.engines import EngineOptions, EngineUnavailable, TransferError, make_engine, make_engines
-from disagg.transport.wire.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
 from disagg.transport.data.pool import CudaPool, Pool
+from disagg.transport.wire.messages import CudaIpcHandle, PoolInfo, Run, SlotRef, Source, TensorSpec
 
 HANDLE = CudaIpcHandle(0, b"h" * 64, 1 << 20, 0, b"r" * 16, 0, b"e" * 64, True)
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from tests.test_gpu_paths import HANDLE, source
 from disagg.transport.data.engines import EngineOptions, make_engine
-from disagg.transport.wire.messages import Run
 from disagg.transport.data.pool import CudaPool, Pool
+from disagg.transport.wire.messages import Run
+from tests.test_gpu_paths import HANDLE, source
 
 
 class FakeCuda:

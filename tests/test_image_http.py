@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import disagg
 from disagg.transport.wire.messages import MAX_INPUT_BYTES, GenerationParams
+from tests.conftest import disagg
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 
 from disagg.client import Client
+from disagg.transport.wire.messages import GenerationParams
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, reference_pipeline
-from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 

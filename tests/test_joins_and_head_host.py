@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from disagg.client import Client
-from tests.conftest import Launched, disagg, launch_with_http, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import Launched, disagg, launch_with_http, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,18 @@ import struct
 
 import pytest
 
-from disagg.transport.wire.lane import LANE_MAX_PACKET, WELCOME, Lane, LaneClosed, LaneError, LaneListener, connect, pack, unpack
 from disagg.transport.wire.bundle import BUNDLE_MAX_BYTES, BUNDLE_MAX_MESSAGES, Outbox, bundle_frames, decode_frames
+from disagg.transport.wire.lane import (
+    LANE_MAX_PACKET,
+    WELCOME,
+    Lane,
+    LaneClosed,
+    LaneError,
+    LaneListener,
+    connect,
+    pack,
+    unpack,
+)
 from disagg.transport.wire.messages import (
     Bundle,
     Done,

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from disagg.launcher.leftovers import RunRecord, remove_leftovers, runs_folder
-from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
 from disagg.transport.wire.lane import _private_folder, lane_in_use, lane_path
+from tests.conftest import Launched, deployment_id, disagg, free_port_pair, pid_alive, segments_of, wait_until
 
 pytestmark = pytest.mark.e2e
 

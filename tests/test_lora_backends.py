@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from disagg.transport.wire.messages import LoraRef
 from tests.checkpoints import save_tiny
 from tests.loras import make_lora
 from tests.test_loras import CASES, PROMPT, expected, flux_files  # noqa: F401 - flux_files: the same adapters' files
-from disagg.transport.wire.messages import LoraRef
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 

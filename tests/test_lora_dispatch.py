@@ -9,13 +9,12 @@ import pytest
 
 from disagg.client import Outcome
 from disagg.launcher.bench.load import run_load, zipf_names
-from disagg.orchestrator.scheduling.placement import LoraPatience, affinity_rule
 from disagg.orchestrator.scheduling.loras import LoraCatalog, scan
+from disagg.orchestrator.scheduling.placement import LoraPatience, affinity_rule
 from disagg.roles.extensions.lora_backends import SimLoras
 from disagg.roles.extensions.loras import USE_WINDOW, LoraBank
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.settings.schema import LoraSettings
-from tests.test_router import Harness, runs, staged
 from disagg.transport.wire.messages import (
     ErrorCode,
     GenerationParams,
@@ -26,6 +25,7 @@ from disagg.transport.wire.messages import (
     RequestCounts,
     StatusReport,
 )
+from tests.test_router import Harness, runs, staged
 
 
 def lora_harness(tmp_path, affinity="on", **loras):

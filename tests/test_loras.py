@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from disagg.client import Client
+from disagg.transport.wire.messages import GenerationParams, LoraRef
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, disagg, launch_with_http, wait_http, wait_until
 from tests.loras import make_lora, reference
-from disagg.transport.wire.messages import GenerationParams, LoraRef
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 

@@ -120,8 +120,16 @@ def test_client_ends_pending_requests_when_the_orchestrator_cannot_read_them():
 
     from disagg.client import Client
     from disagg.launcher.ports import free_port_pair
-    from disagg.transport.wire.messages import (ClientMessage, GenerationParams, Rejected, RequestCounts, StatusQuery, StatusReport,
-                                    decode, encode)
+    from disagg.transport.wire.messages import (
+        ClientMessage,
+        GenerationParams,
+        Rejected,
+        RequestCounts,
+        StatusQuery,
+        StatusReport,
+        decode,
+        encode,
+    )
 
     port = free_port_pair()
     ctx = zmq.Context.instance()

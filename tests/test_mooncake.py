@@ -15,9 +15,9 @@ pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda
 
 from disagg.transport.data.engines import EngineOptions, TransferError, make_engine  # noqa: E402
 from disagg.transport.data.manifest import unpack  # noqa: E402
-from disagg.transport.wire.messages import PoolInfo, SlotRef, Source  # noqa: E402
 from disagg.transport.data.pool import ShmPool  # noqa: E402
 from disagg.transport.data.shm import remove_segments  # noqa: E402
+from disagg.transport.wire.messages import PoolInfo, SlotRef, Source  # noqa: E402
 
 PRODUCER = textwrap.dedent("""
     import sys, torch, msgspec

@@ -18,9 +18,9 @@ from PIL import Image
 from disagg.client import Client
 from disagg.launcher.topology import ConfigError, place, validate
 from disagg.settings import RolePool, Settings
+from disagg.transport.wire.messages import GenerationParams
 from tests.checkpoints import save_tiny
 from tests.conftest import Launched, Load, disagg, wait_until
-from disagg.transport.wire.messages import GenerationParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

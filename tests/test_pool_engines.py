@@ -12,10 +12,10 @@ import torch
 from disagg.transport.data.allocator import PoolFull
 from disagg.transport.data.engines import EngineOptions, InlineEngine, ShmEngine, TransferError, make_engine
 from disagg.transport.data.manifest import unpack
-from disagg.transport.wire.messages import PoolInfo, Source
 from disagg.transport.data.pool import ShmPool as Pool
 from disagg.transport.data.selection import choose_engine
 from disagg.transport.data.shm import list_segments, remove_segments, shm_path
+from disagg.transport.wire.messages import PoolInfo, Source
 
 
 @pytest.fixture

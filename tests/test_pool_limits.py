@@ -7,8 +7,8 @@ import time
 import pytest
 
 from disagg.client import Client
-from tests.conftest import Launched
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import Launched
 
 pytestmark = pytest.mark.e2e
 

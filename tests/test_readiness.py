@@ -13,9 +13,8 @@ import pytest
 from disagg.launcher.cli.dashboard import _cells, events_between
 from disagg.launcher.readiness import StallWatch, stall_error
 from disagg.roles.boot import BootMeter, BootProgress
+from disagg.transport.wire.messages import BootStats, GenerationParams, InstanceStatus, RequestCounts, StatusReport
 from tests.conftest import Launched, wait_until
-from disagg.transport.wire.messages import GenerationParams
-from disagg.transport.wire.messages import BootStats, InstanceStatus, RequestCounts, StatusReport
 
 #: small, so the tests are quick: every hold below lasts several times longer
 READY_TIMEOUT_S = 3.0

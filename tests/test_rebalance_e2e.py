@@ -14,9 +14,9 @@ from PIL import Image
 
 from disagg.client import Client, Unreachable
 from disagg.launcher.ports import free_port_pair
+from disagg.transport.wire.messages import GenerationParams
 from tests import netns
 from tests.conftest import Load, wait_until
-from disagg.transport.wire.messages import GenerationParams
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "")]

@@ -2,10 +2,23 @@
 stage its roles hold, answers results that came back, and releases what nobody claims."""
 
 from disagg.orchestrator.parts.recovery import GRACE_S, WINDOW_MAX_S
-from tests.test_router import CLIENT, Harness, runs, staged
 from disagg.transport.wire.messages import (
-    Done, GenerationParams, Heartbeat, Held, HeldPreview, Partial, PoolInfo, Preview, Register, Registered, Release, Result, StatusQuery, Submit,
+    Done,
+    GenerationParams,
+    Heartbeat,
+    Held,
+    HeldPreview,
+    Partial,
+    PoolInfo,
+    Preview,
+    Register,
+    Registered,
+    Release,
+    Result,
+    StatusQuery,
+    Submit,
 )
+from tests.test_router import CLIENT, Harness, runs, staged
 
 
 def register(h, iid, role, held=(), busy=None, pid=1):

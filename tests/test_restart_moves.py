@@ -14,8 +14,8 @@ import stat
 import psutil
 import pytest
 
-from tests.conftest import Launched, Load, disagg, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import Launched, Load, disagg, wait_until
 
 pytestmark = pytest.mark.e2e
 

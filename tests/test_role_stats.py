@@ -5,7 +5,15 @@ import msgspec
 import pytest
 
 from disagg.transport.wire import messages as m
-from disagg.transport.wire.messages import BootStats, CacheStats, CompileStats, Heartbeat, LoraStats, MemoryStats, StatusQuery
+from disagg.transport.wire.messages import (
+    BootStats,
+    CacheStats,
+    CompileStats,
+    Heartbeat,
+    LoraStats,
+    MemoryStats,
+    StatusQuery,
+)
 from tests.test_router import CLIENT, Harness
 
 

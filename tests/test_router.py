@@ -3,11 +3,11 @@
 import msgspec
 import pytest
 
-from disagg.settings.sections import ScheduleSettings, TimeoutSettings
-from disagg.orchestrator.scheduling.dispatch import MaxFreeSlots, RoundRobin
-from disagg.orchestrator.scheduling.placement import ConditioningAffinity
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.router import Router, RouterConfig
+from disagg.orchestrator.scheduling.dispatch import MaxFreeSlots, RoundRobin
+from disagg.orchestrator.scheduling.placement import ConditioningAffinity
+from disagg.settings.sections import TimeoutSettings
 from disagg.transport.wire.messages import (
     Alive,
     Cancel,

@@ -71,7 +71,9 @@ def test_constructors_that_take_a_setting_default_to_the_schemas_value():
         assert params["schedule"].default == s.schedule.order, fn.__qualname__
         assert params["aging_s"].default == s.schedule.aging_s, fn.__qualname__
     assert inspect.signature(Turns.__init__).parameters["aging_s"].default == s.schedule.aging_s
-    from disagg.orchestrator.scheduling.loras import pick_by_affinity  # the rule is the caller's setting, no default of its own
+    from disagg.orchestrator.scheduling.loras import (
+        pick_by_affinity,  # the rule is the caller's setting, no default of its own
+    )
 
     assert inspect.signature(pick_by_affinity).parameters["rule"].default is inspect.Parameter.empty
 
@@ -101,8 +103,8 @@ def test_no_setting_value_is_compared_as_a_spelled_string():
 def test_the_compile_settings_are_a_section_and_their_older_names_still_work(tmp_path):
     """compile, compile_mode, compile_scope, compile_sizes, compile_cache_dir became the compile section; a config
     file and DISAGG_COMPILE still take the older names (a warning names the new one), the flags are as they were."""
-    from tests.test_settings import clean_env, print_config
     from tests.conftest import disagg
+    from tests.test_settings import clean_env, print_config
 
     cfg = tmp_path / "old.yaml"
     cfg.write_text("compile: true\ncompile_mode: max-autotune\ncompile_sizes: [64x64]\ncompile_cache_dir: /tmp/x\n")

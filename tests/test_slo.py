@@ -8,11 +8,11 @@ import json
 import pytest
 
 from benchmarks.traces.mixed import generate
-from disagg.settings.sections import ScheduleSettings, TimeoutSettings
 from disagg.launcher.bench.trace import TraceError, label, load_trace
 from disagg.roles.pipelines.sim_profile import load_profile
-from tests.test_router import Harness, runs, staged
+from disagg.settings.sections import ScheduleSettings
 from disagg.transport.wire.messages import Done, ErrorCode, Rejected, RequestQuery, StatusQuery
+from tests.test_router import Harness, runs, staged
 
 
 def measured(h, rid="m", steps=10, width=512, height=512, device_s=(0.02, 1.0, 0.05)):
@@ -93,8 +93,8 @@ def test_a_request_with_a_deadline_goes_where_it_gets_the_device_soonest():
 def test_a_resumed_request_keeps_the_deadline_of_its_first_arrival():
     """A restarted orchestrator hears of a request again from its client, with its age: the deadline still
     counts from the first Submit."""
-    from tests.test_router import CLIENT
     from disagg.transport.wire.messages import GenerationParams, Submit
+    from tests.test_router import CLIENT
 
     h = Harness(schedule=ScheduleSettings(order="slo"))
     h.add("encoder"), h.add("denoiser"), h.add("decoder")

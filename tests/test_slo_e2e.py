@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from disagg.client import Client
-from tests.conftest import disagg, launch_with_http, wait_http
 from disagg.transport.wire.messages import ErrorCode, GenerationParams
+from tests.conftest import disagg, launch_with_http, wait_http
 
 pytestmark = pytest.mark.e2e
 

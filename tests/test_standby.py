@@ -14,8 +14,8 @@ from rich.console import Console
 
 from disagg.client import Client
 from disagg.launcher.cli.dashboard import status_view
-from tests.conftest import Launched, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import Launched, wait_until
 
 pytestmark = pytest.mark.e2e
 

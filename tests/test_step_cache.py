@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from disagg.roles.errors import RequestError
-from disagg.roles.stage import Stage
 from disagg.roles.extensions.step_cache import TYPES, UNSUPPORTED, config_of, make_caches
+from disagg.roles.stage import Stage
 from disagg.transport.wire.messages import GenerationParams
 
 #: the tiny models' documented thresholds (README "Step caches"): each skips steps there

@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from disagg.client import Client
-from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, popen_cli, wait_until
 from disagg.transport.wire.messages import GenerationParams
+from tests.conftest import ROOT, Launched, Load, disagg, free_port_pair, popen_cli, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -1,13 +1,12 @@
 """The tiny Flux builder and adapter in one process: roles load only their components."""
 
+import pytest
 import torch
 
 from disagg.roles.pipelines import ModelError, load_adapter
 from disagg.roles.pipelines.tiny import TinyFluxAdapter, build_component
 from disagg.roles.stage import Stage
 from disagg.transport.wire.messages import GenerationParams
-
-import pytest
 
 
 def test_each_role_loads_only_its_components():

@@ -85,8 +85,8 @@ def test_model_configs_parse_and_name_their_family(tmp_path):
     import msgspec
     import yaml
 
+    from disagg.launcher.topology import place, validate
     from disagg.roles.pipelines.checkpoint import FAMILIES
-    from disagg.launcher.topology import validate, place
 
     for path in (CONFIGS / "models").glob("*.yaml"):
         family = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline",

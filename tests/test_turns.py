@@ -49,7 +49,10 @@ def test_earliest_deadline_first_and_a_request_that_would_make_others_miss_is_se
     tight = Ticket("tight", deadline=now + 1, steps=10)
     late = Ticket("late", deadline=now - 1, steps=10)
     none = Ticket("none", steps=10)
-    names = lambda ts: [t.request_id for t in ts]
+
+    def names(ts):
+        return [t.request_id for t in ts]
+
     # nothing measured yet (no step time): earliest deadline first, the late one after those without one
     assert names(turns.order([none, late, roomy, tight], now)) == ["tight", "roomy", "none", "late"]
     # at 0.5 s a step, tight (5 s) cannot make its 1 s: set aside, roomy still can

@@ -10,10 +10,10 @@ import torch
 
 from disagg.roles.spec import WorkerSpec
 from disagg.roles.worker import Worker
-from disagg.transport.wire.bundle import decode_frames
-from disagg.transport.wire.messages import Done, Held, Register, Registered, RoleMessage
 from disagg.transport.data.pool import make_pool
 from disagg.transport.data.shm import list_segments, remove_segments
+from disagg.transport.wire.bundle import decode_frames
+from disagg.transport.wire.messages import Done, Held, Register, Registered, RoleMessage
 
 
 def sent(worker) -> list:
@@ -59,8 +59,8 @@ def test_a_run_handed_over_before_a_register_and_not_started_by_then_is_not_run(
     to the successor does not list them (busy: started ones only), so the successor places those requests again.
     Run as well, such a Run would compute the request twice and its Fetched would free the input the successor's
     own Run still reads (a wrong image): it is not run, and one Register answers the refusals of before it."""
-    from disagg.roles.stage import Stage
     from disagg.roles.pipelines.payload import PayloadAdapter
+    from disagg.roles.stage import Stage
     from disagg.roles.worker import REGISTER_AGAIN_S
     from disagg.transport.wire.messages import ErrorCode, GenerationParams, Rejected, Run
 

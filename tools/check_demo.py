@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
+
 from disagg.roles.pipelines.demo import (
     BACKGROUND,
     COLOURS,

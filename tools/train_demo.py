@@ -99,6 +99,7 @@ class Clock:
 
 def train_vae(args, keys, rng, clock):
     from diffusers import AutoencoderKL
+
     from disagg.roles.pipelines.demo import VAE_CONFIG
 
     torch.manual_seed(args.seed)
@@ -140,6 +141,7 @@ def encode_pool(vae, keys, rng, n):
 def text_embeddings(captions):
     """tiny.py's frozen encoders, as FluxPipeline.encode_prompt runs them (512 T5 tokens), then compressed."""
     from diffusers import FluxPipeline
+
     from disagg.roles.pipelines.flux import T5_MAX_LENGTH
     from disagg.roles.pipelines.tiny import build_component
 
@@ -165,6 +167,7 @@ def sigma_shift(u, n_tokens, scheduler_config):
 
 def train_transformer(args, latents, caps, embeds, pooled, pad_bias, scheduler_config, clock):
     from diffusers import FluxPipeline, FluxTransformer2DModel
+
     from disagg.roles.pipelines.demo import TRANSFORMER_CONFIG
 
     n, c, h, w = latents.shape
@@ -226,9 +229,10 @@ def main():
     ap.add_argument("--ema", type=float, default=0.999)
     args = ap.parse_args()
 
+    from safetensors.torch import save_file
+
     from disagg.roles.pipelines.demo import TRANSFORMER_CONFIG, VAE_CONFIG
     from disagg.roles.pipelines.tiny import SCHEDULER_CONFIG
-    from safetensors.torch import save_file
 
     torch.set_num_threads(args.threads)
     clock = Clock(args.minutes)

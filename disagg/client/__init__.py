@@ -4,6 +4,7 @@
 `client.aio.AsyncClient` is the asyncio one the gateway multiplexes many requests over.
 """
 
+from disagg.client.errors import BadRequest, GenerationFailed, RequestFailed, RetryLater  # noqa: F401
 from disagg.client.sync import (  # noqa: F401 - the package's API
     DEFAULT_ENDPOINT,
     Client,
@@ -12,4 +13,3 @@ from disagg.client.sync import (  # noqa: F401 - the package's API
     default_endpoint,
     new_request_id,
 )
-from disagg.client.errors import BadRequest, GenerationFailed, RequestFailed, RetryLater  # noqa: F401

@@ -17,8 +17,8 @@ from disagg.client.sync import SEND_TIMEOUT_S, Unreachable
 from disagg.transport.wire.auth import apply_client_curve
 from disagg.transport.wire.bundle import decode_frames
 from disagg.transport.wire.messages import (
-    ErrorCode,
     Cancel,
+    ErrorCode,
     GatewayBeat,
     GenerationParams,
     MessageError,

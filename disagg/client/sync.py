@@ -11,17 +11,22 @@ from typing import Callable, Iterable
 
 import zmq
 
-from disagg.client.core import ORCHESTRATOR_SILENCE_S, PROBE_INTERVAL_S, SUSPECT_PROBE_S  # noqa: F401
-from disagg.client.core import Outcome, RequestBook, outcome_of  # noqa: F401 - the clients' API
+from disagg.client.core import (  # noqa: F401  # noqa: F401 - the clients' API
+    ORCHESTRATOR_SILENCE_S,
+    PROBE_INTERVAL_S,
+    SUSPECT_PROBE_S,
+    Outcome,
+    RequestBook,
+    outcome_of,
+)
 from disagg.client.errors import error_for
-from disagg.transport.wire.auth import apply_client_curve
-from disagg.transport.wire.lane import LaneClosed, LaneError, LaneLink
-
 from disagg.transport.environment import DISAGG_ENDPOINT
+from disagg.transport.wire.auth import apply_client_curve
 from disagg.transport.wire.bundle import Outbox, decode_frames
+from disagg.transport.wire.lane import LaneClosed, LaneError, LaneLink
 from disagg.transport.wire.messages import (
-    ErrorCode,
     Cancel,
+    ErrorCode,
     GenerationParams,
     IdleDevice,
     LauncherPoll,

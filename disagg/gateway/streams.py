@@ -13,8 +13,8 @@ import time
 
 from fastapi.responses import StreamingResponse
 
-from disagg.gateway.images import refusal
 from disagg.gateway.fields import cache_report
+from disagg.gateway.images import refusal
 from disagg.gateway.metrics import outcome_label
 
 

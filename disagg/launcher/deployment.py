@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -14,24 +13,30 @@ from pathlib import Path
 import msgspec
 
 from disagg.client import Client, Unreachable
-from disagg.transport.wire.auth import client_curve
 from disagg.launcher.hosts import host_id, route_address
 from disagg.launcher.leftovers import RunRecord, remove_leftovers
 from disagg.launcher.readiness import BootError, Startup, StoppedDuringStartup  # noqa: F401 - importers take them from here
 from disagg.launcher.runs import prune_runs
 from disagg.launcher.supervisor import Child, Supervisor
 from disagg.launcher.topology import Placement, cuda_env, place, rerole
-from disagg.settings import Settings
 from disagg.roles.pipelines import model_identity
+from disagg.settings import Settings
 from disagg.settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from disagg.settings.process import RoleSettings as WorkerSpec
+from disagg.transport.data.shm import SHM_PREFIX, remove_segments
 from disagg.transport.environment import (
-    DISAGG_HTTP_API_KEY, DISAGG_HTTP_API_KEYS, DISAGG_RUN_ID, HF_HUB_OFFLINE, MC_LOG_LEVEL, OMP_NUM_THREADS, PYTHONPATH,
+    DISAGG_HTTP_API_KEY,
+    DISAGG_HTTP_API_KEYS,
+    DISAGG_RUN_ID,
+    HF_HUB_OFFLINE,
+    MC_LOG_LEVEL,
+    OMP_NUM_THREADS,
+    PYTHONPATH,
     PYTHONUNBUFFERED,
 )
-from disagg.transport.wire.messages import IdleDevice, ModelIdentity, StatusReport
+from disagg.transport.wire.auth import client_curve
 from disagg.transport.wire.lane import lane_in_use, lane_path
-from disagg.transport.data.shm import SHM_PREFIX, remove_segments
+from disagg.transport.wire.messages import IdleDevice, ModelIdentity, StatusReport
 
 log = logging.getLogger("disagg.launcher")
 

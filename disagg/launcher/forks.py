@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from disagg.launcher.supervisor import open_log
-from disagg.transport.environment import DISAGG_TITLE_ROOM
 from disagg.transport.data.shm import pid_alive
+from disagg.transport.environment import DISAGG_TITLE_ROOM
 
 log = logging.getLogger("disagg.launcher")
 

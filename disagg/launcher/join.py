@@ -12,8 +12,8 @@ from disagg.client import Unreachable
 from disagg.launcher.deployment import BootError, Deployment
 from disagg.launcher.hosts import parse_endpoint, route_address
 from disagg.settings import Settings
-from disagg.transport.wire.messages import StatusReport
 from disagg.transport.data.shm import remove_segments
+from disagg.transport.wire.messages import StatusReport
 
 log = logging.getLogger("disagg.launcher")
 

@@ -16,8 +16,8 @@ import json
 import os
 import tempfile
 
-from disagg.transport.wire.lane import lane_in_use
 from disagg.transport.data.shm import SHM_PREFIX, list_segments, remove_segments, shm_path
+from disagg.transport.wire.lane import lane_in_use
 
 
 def runs_folder() -> str:

@@ -12,6 +12,7 @@ from disagg.roles.layout import KINDS, describe_layout
 from disagg.settings.choices import Dtype
 from disagg.settings.schema import ParallelLayout  # noqa: F401 - launcher code imports it from here
 
+
 def resolve_layouts(config, gpus_per: dict[str, int]) -> dict[str, ParallelLayout]:
     """role -> its layout, from `parallel:` and `--gpus-per-<role>`; a ConfigError says why one cannot be."""
     from disagg.launcher.topology import ROLE_KEYS, ConfigError

@@ -12,9 +12,9 @@ import msgspec
 from disagg.orchestrator.router import Router, RouterConfig
 from disagg.orchestrator.server import OrchestratorServer
 from disagg.settings.process import decode, encode
+from disagg.transport.data.shm import SHM_PREFIX
 from disagg.transport.environment import DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
-from disagg.transport.data.shm import SHM_PREFIX
 
 
 def main(argv: list[str] | None = None) -> int:

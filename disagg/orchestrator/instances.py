@@ -11,8 +11,19 @@ from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.stats import GATEWAY_SILENCE_S
 from disagg.transport.wire.messages import (
-    HEARTBEAT_INTERVAL_S, Alive, Cancel, Dead, ErrorCode, Heartbeat, Register, Registered, Rejected, Shutdown, Stop,
-    StopHost, Stopping,
+    HEARTBEAT_INTERVAL_S,
+    Alive,
+    Cancel,
+    Dead,
+    ErrorCode,
+    Heartbeat,
+    Register,
+    Registered,
+    Rejected,
+    Shutdown,
+    Stop,
+    StopHost,
+    Stopping,
 )
 
 log = logging.getLogger("disagg.orchestrator")

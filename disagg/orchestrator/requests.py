@@ -90,8 +90,8 @@ def over_limits(limits: dict[str, int], p) -> tuple[str, str] | None:
     make a request of parameters `p`, or None when it can."""
     if not limits:
         return None
-    for field, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
-        limit = limits.get(_LIMIT_KEYS[field], 0)
+    for name, value in (("width", p.width), ("height", p.height), ("num_frames", p.num_frames)):
+        limit = limits.get(_LIMIT_KEYS[name], 0)
         if value is not None and limit and value > limit:
-            return field, f"{field} {value} is over this deployment's maximum of {limit}"
+            return name, f"{name} {value} is over this deployment's maximum of {limit}"
     return None

@@ -7,32 +7,49 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import random
 import uuid
 
 import msgspec
 
-from disagg.orchestrator.scheduling.admission import Admission
-from disagg.orchestrator.scheduling.deadlines import Deadlines
-from disagg.orchestrator.scheduling.dispatch import make_policy
 from disagg.orchestrator.handoff import InlineNeeds
 from disagg.orchestrator.instances import InstanceLifecycle
-from disagg.orchestrator.scheduling.loras import LoraCatalog
 from disagg.orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from disagg.orchestrator.parts.base import Listeners
-from disagg.orchestrator.scheduling.placement import Placement
 from disagg.orchestrator.parts.previews import Previews
-from disagg.orchestrator.scheduling.queues import make_queue
 from disagg.orchestrator.parts.rebalance import Rebalance
 from disagg.orchestrator.parts.recovery import Recovery, cache_steps
 from disagg.orchestrator.registry import Registry
 from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
+from disagg.orchestrator.scheduling.admission import Admission
+from disagg.orchestrator.scheduling.deadlines import Deadlines
+from disagg.orchestrator.scheduling.dispatch import make_policy
+from disagg.orchestrator.scheduling.loras import LoraCatalog
+from disagg.orchestrator.scheduling.placement import Placement
+from disagg.orchestrator.scheduling.queues import make_queue
 from disagg.orchestrator.stats import Stats, request_states, snapshot
 from disagg.orchestrator.steps import RequestSteps
 from disagg.transport.wire.messages import (
-    Cancel, Dead, Done, ErrorCode, Failed, Fetched, GatewayBeat, Heartbeat, Register, Rejected, Release, RequestQuery,
-    Result, Source, Staged, StatusQuery, StatusReport, Stop, StopHost, Submit,
+    Cancel,
+    Dead,
+    Done,
+    ErrorCode,
+    Failed,
+    Fetched,
+    GatewayBeat,
+    Heartbeat,
+    Register,
+    Rejected,
+    Release,
+    RequestQuery,
+    Result,
+    Source,
+    Staged,
+    StatusQuery,
+    StatusReport,
+    Stop,
+    StopHost,
+    Submit,
 )
 
 log = logging.getLogger("disagg.orchestrator")

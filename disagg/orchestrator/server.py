@@ -5,26 +5,24 @@ message (or Bundle) per peer."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
-
 from pathlib import Path
 
 import zmq
 
 from disagg.orchestrator.inbox import CLIENT_BUNDLE_MAX, ClientInbox
 from disagg.orchestrator.router import Out, Router
-from disagg.transport.wire.auth import secure_server
-from disagg.transport.parent import LauncherWatch
-from disagg.transport.wire.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
-from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.data.shm import pid_alive
+from disagg.transport.parent import LauncherWatch
+from disagg.transport.wire.auth import secure_server
+from disagg.transport.wire.bundle import Outbox, decode_frames
+from disagg.transport.wire.lane import WELCOME, Lane, LaneClosed, LaneError, LaneListener, lane_path
 from disagg.transport.wire.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
-    ErrorCode,
     ClientMessage,
+    ErrorCode,
     MessageError,
     Register,
     Rejected,

@@ -7,7 +7,14 @@ import os
 
 from disagg.orchestrator.requests import ROLES, STAGES
 from disagg.transport.wire.messages import (
-    GatewayStatus, PairEngine, RequestCounts, RequestState, RequestStates, StageTime, StatusReport, TransferCount,
+    GatewayStatus,
+    PairEngine,
+    RequestCounts,
+    RequestState,
+    RequestStates,
+    StageTime,
+    StatusReport,
+    TransferCount,
 )
 
 THROUGHPUT_WINDOW_S = 10.0

@@ -9,15 +9,15 @@ import logging
 
 import msgspec
 
-from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
-from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.outbox import Out, to_client, to_instance
-from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.requests import ROLES, Request
+from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
+from disagg.orchestrator.scheduling.loras import note_assigned
+from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.settings.choices import Transfer
-from disagg.transport.wire.messages import ErrorCode, Release, Result, Run
 from disagg.transport.data.selection import choose_engine
+from disagg.transport.wire.messages import ErrorCode, Release, Result, Run
 
 log = logging.getLogger("disagg.orchestrator")
 

@@ -9,7 +9,11 @@ import os
 import sys
 
 from disagg.transport.environment import (
-    DISAGG_DIST_INIT, DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID, PYTORCH_NVML_BASED_CUDA_CHECK,
+    DISAGG_DIST_INIT,
+    DISAGG_LOG_LEVEL,
+    DISAGG_RESTARTS,
+    DISAGG_RUN_ID,
+    PYTORCH_NVML_BASED_CUDA_CHECK,
 )
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
 
@@ -22,6 +26,7 @@ def wait_as_spare() -> list[str] | None:
     # CUDA_DEVICE_ORDER, which come with the order below, are read when it is
     os.environ.setdefault(PYTORCH_NVML_BASED_CUDA_CHECK, "1")
     import torch  # noqa: F401 - the point: imported before anyone waits for it
+
     import disagg.roles.worker  # noqa: F401
     from disagg.roles.pipelines import preload
 

@@ -22,10 +22,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from disagg.settings.choices import Schedule
-from disagg.settings.fields import default
 from disagg.common.averages import ewma
 from disagg.common.urgency import order as urgency_order
+from disagg.settings.choices import Schedule
+from disagg.settings.fields import default
 from disagg.transport.wire.params import lora_key
 
 

@@ -18,8 +18,19 @@ from disagg.roles.stage import Stage, StageOutput
 from disagg.transport.data.allocator import PoolFull
 from disagg.transport.data.engines import TransferEngine, TransferError
 from disagg.transport.data.manifest import unpack
-from disagg.transport.wire.messages import Dead, Done, ErrorCode, Failed, Fetched, Held, HeldPreview, Preview, Run, Staged
 from disagg.transport.data.pool import Pool
+from disagg.transport.wire.messages import (
+    Dead,
+    Done,
+    ErrorCode,
+    Failed,
+    Fetched,
+    Held,
+    HeldPreview,
+    Preview,
+    Run,
+    Staged,
+)
 
 log = logging.getLogger("disagg.role")
 

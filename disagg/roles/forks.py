@@ -95,6 +95,7 @@ def serve(model: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends us (EOF), not a terminal's Ctrl-C
     import setproctitle  # noqa: F401 - first: it takes over the memory of argv and the environment
     import torch  # noqa: F401 - the point: imported once, before any fork
+
     import disagg.roles.worker  # noqa: F401
     from disagg.roles.pipelines import preload
 

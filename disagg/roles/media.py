@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:
+    from PIL.PngImagePlugin import PngInfo
 
 from disagg.roles.errors import RequestError
 

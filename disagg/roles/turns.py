@@ -20,9 +20,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from disagg.settings.fields import default
 from disagg.common.averages import ewma
 from disagg.common.urgency import order
+from disagg.settings.fields import default
 
 _arrivals = itertools.count()
 

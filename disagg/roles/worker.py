@@ -12,7 +12,6 @@ exits only after a long grace period.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -21,24 +20,26 @@ from pathlib import Path
 
 import zmq
 
-from disagg.roles.boot import PROGRESS as BOOT, BootMeter, test_hold
+from disagg.roles.boot import PROGRESS as BOOT
+from disagg.roles.boot import BootMeter, test_hold
 from disagg.roles.boot import phase as boot_phase
 from disagg.roles.compute import StageRunner
 from disagg.roles.limits import model_limits, served_model
 from disagg.roles.link import Link
 from disagg.roles.reports import SelfReport
 from disagg.roles.spec import WorkerSpec
-from disagg.transport.wire.auth import client_curve
-from disagg.transport.parent import LauncherWatch
-from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.data.engines import EngineOptions, TransferEngine, make_engines
+from disagg.transport.data.pool import Pool
+from disagg.transport.parent import LauncherWatch
+from disagg.transport.wire.auth import client_curve
+from disagg.transport.wire.bundle import Outbox, decode_frames
 from disagg.transport.wire.lane import LaneLink
 from disagg.transport.wire.messages import (
     BOOT_ERROR_EXIT,
-    MOVE_EXIT,
-    Cancel,
     HEARTBEAT_INTERVAL_S,
+    MOVE_EXIT,
     Alive,
+    Cancel,
     Dead,
     ErrorCode,
     Failed,
@@ -51,7 +52,6 @@ from disagg.transport.wire.messages import (
     Shutdown,
     encode,
 )
-from disagg.transport.data.pool import Pool
 from disagg.transport.wire.role_stats import CompileStats
 
 RECONNECT_MAX_BACKOFF_S = 5.0

@@ -4,8 +4,8 @@ which is what config files, DISAGG_ variables, flags and the settings JSON a pro
 
 from __future__ import annotations
 
-from disagg.transport.wire.choice import Choice
 from disagg.transport.data.selection import Transfer  # noqa: F401 - the transfer engines are the wire's vocabulary
+from disagg.transport.wire.choice import Choice
 
 
 class Dtype(Choice):

@@ -15,12 +15,31 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from disagg.transport.wire.params import CacheSpec  # one cache rule: requests' and the settings'
 from disagg.settings.choices import Admission, Dispatch, Dtype, Transfer, TransferProtocol
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
-    PROCESSES, PARALLEL_KINDS, DISPATCH_POLICIES, TRANSFERS, SERVE_HTTP_PORT, ROLE_SECTIONS, SECTION_FLAGS, world_of, use, Degree, RoleName, ParallelLayout, RolePool, ApiKey, HttpSettings, LoraSettings, RebalanceSettings,
-    BusyPollSettings, CompileSettings, ScheduleSettings, TimeoutSettings,
+    DISPATCH_POLICIES,
+    PARALLEL_KINDS,
+    PROCESSES,
+    ROLE_SECTIONS,
+    SECTION_FLAGS,
+    SERVE_HTTP_PORT,
+    TRANSFERS,
+    ApiKey,
+    BusyPollSettings,
+    CompileSettings,
+    Degree,
+    HttpSettings,
+    LoraSettings,
+    ParallelLayout,
+    RebalanceSettings,
+    RoleName,
+    RolePool,
+    ScheduleSettings,
+    TimeoutSettings,
+    use,
+    world_of,
 )
+from disagg.transport.wire.params import CacheSpec  # one cache rule: requests' and the settings'
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -9,7 +9,16 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from disagg.settings.choices import CompileMode, CompileScope, Dispatch, LoraAffinity, RebalanceMode, Role, Schedule, Transfer
+from disagg.settings.choices import (
+    CompileMode,
+    CompileScope,
+    Dispatch,
+    LoraAffinity,
+    RebalanceMode,
+    Role,
+    Schedule,
+    Transfer,
+)
 from disagg.transport.wire.params import (
     LoraName,  # one adapter-name rule: requests' and the registry's
 )

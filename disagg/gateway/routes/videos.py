@@ -17,10 +17,10 @@ from disagg.gateway.state import caller_of, gateway_of, model_name
 from disagg.gateway.streams import sse
 from disagg.gateway.videos import (
     DEFAULT_FPS,
-    jobs_quota,
     MAX_VIDEO_BYTES,
     POLL_AFTER_MS,
     VideoJob,
+    jobs_quota,
     parse_video_request,
     progress_of,
     refuse_what_cannot_be_made,

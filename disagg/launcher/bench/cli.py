@@ -9,10 +9,19 @@ import sys
 import click
 
 from disagg.client import Unreachable
-from disagg.launcher.cli.common import EXIT_FAILED, endpoint_option, exit_unreachable, int_list, keys_option, make_client, make_console
+from disagg.launcher.cli.common import (
+    EXIT_FAILED,
+    endpoint_option,
+    exit_unreachable,
+    int_list,
+    keys_option,
+    make_client,
+    make_console,
+)
 from disagg.launcher.cli.prompts import PromptError, load_prompts
+from disagg.transport.data.selection import CHOICES as TRANSFER_CHOICES
+from disagg.transport.data.selection import Transfer
 from disagg.transport.environment import DISAGG_API_KEY
-from disagg.transport.data.selection import CHOICES as TRANSFER_CHOICES, Transfer
 
 
 @click.group(invoke_without_command=True)

@@ -13,10 +13,10 @@ from rich.text import Text
 
 from disagg.client import Client, Outcome
 from disagg.transport.wire.codes import CLIENT_FAULT, ErrorCode
+from disagg.transport.wire.messages import GenerationParams
 
 #: codes of a request refused at Submit, before anything ran (`submit` says "refused", not "failed")
 REFUSED = frozenset({ErrorCode.DEADLINE, ErrorCode.OVERLOADED, ErrorCode.NOT_READY, ErrorCode.UNAVAILABLE})
-from disagg.transport.wire.messages import GenerationParams
 
 
 EXTENSIONS = {"jpeg": "jpg"}

@@ -30,10 +30,9 @@ from disagg.launcher.cli.common import (
 )
 from disagg.launcher.cli.dashboard import boot_state, status_view
 from disagg.launcher.cli.entry import run_click
-from disagg.launcher.cli.prompts import PromptError, load_prompts
 from disagg.launcher.cli.options import file_only_epilog, flags_from, settings_options
+from disagg.launcher.cli.prompts import PromptError, load_prompts
 from disagg.launcher.topology import ConfigError
-from disagg.transport.environment import DISAGG_HTTP_API_KEY, DISAGG_HTTP_API_KEYS
 
 #: how long `disagg stop` waits for the orchestrator to let go of its port
 STOP_WAIT_S = 10.0
@@ -331,7 +330,6 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
         except Unreachable as exc:
             exit_unreachable(exc)
     from disagg.gateway.__main__ import main as gateway_main
-
     from disagg.launcher.deployment import gateway_settings
 
     settings, secrets = gateway_settings(resolved.settings, endpoint, keys or "")

@@ -14,8 +14,8 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.parts.base import Part
-from disagg.transport.wire.messages import Done, Failed, HeldPreview, Partial, Preview, Release, Run, SlotRef, Source
 from disagg.transport.data.selection import Transfer, choose_engine
+from disagg.transport.wire.messages import Done, HeldPreview, Partial, Preview, Release, Run, SlotRef, Source
 
 log = logging.getLogger("disagg.orchestrator")
 

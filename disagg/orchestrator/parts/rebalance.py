@@ -24,10 +24,10 @@ import logging
 import math
 from dataclasses import dataclass
 
-from disagg.orchestrator.scheduling.deadlines import shape
 from disagg.orchestrator.outbox import to_client
 from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.parts.planner import ROLES, Plan, Work, fmt, plan
+from disagg.orchestrator.scheduling.deadlines import shape
 from disagg.settings.choices import RebalanceMode
 from disagg.transport.wire.messages import LauncherPoll, RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 

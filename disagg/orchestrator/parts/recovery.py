@@ -24,11 +24,22 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.outbox import Out, to_instance
+from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.requests import MONOLITH, STAGES, Request, next_stage
 from disagg.transport.wire.messages import (
-    Done, Fetched, Failed, Held, HeldPreview, Preview, Register, Release, Result, SlotRef, Source, Staged,
+    Done,
+    Failed,
+    Fetched,
+    Held,
+    HeldPreview,
+    Preview,
+    Register,
+    Release,
+    Result,
+    SlotRef,
+    Source,
+    Staged,
 )
 
 log = logging.getLogger("disagg.orchestrator")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from disagg.orchestrator.scheduling.loras import pick_by_affinity
 from disagg.orchestrator.registry import Instance
+from disagg.orchestrator.scheduling.loras import pick_by_affinity
 from disagg.settings.choices import Dispatch
 from disagg.transport.wire.params import lora_key
 

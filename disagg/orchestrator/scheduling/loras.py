@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
+
 from disagg.orchestrator.registry import Instance
 from disagg.settings.choices import LoraAffinity
 from disagg.transport.wire.params import LoraName
-
-import msgspec
 
 #: how many more free slots a cold instance must have than the best warm one to get the request instead
 AFFINITY_SLACK = 1

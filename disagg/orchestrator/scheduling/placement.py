@@ -12,11 +12,11 @@ import functools
 from dataclasses import dataclass
 
 from disagg.common.averages import ewma
-from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES, _free
-from disagg.orchestrator.scheduling.loras import evicts, expected_finish, holds, in_host, pick_by_affinity, reload_s
 from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.requests import ROLES, Request
+from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES, _free
+from disagg.orchestrator.scheduling.loras import evicts, expected_finish, holds, in_host, pick_by_affinity, reload_s
 from disagg.settings.choices import LoraAffinity, Schedule
 from disagg.transport.wire.params import lora_key
 

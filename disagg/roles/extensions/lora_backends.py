@@ -183,7 +183,10 @@ class DiffusersLoras:
     def activate(self, key: tuple) -> None:
         """Apply exactly the adapters of `key` ((name, scale), ...), on each component the ones it holds."""
         from diffusers.loaders.lora_base import (
-            disable_lora_for_text_encoder, enable_lora_for_text_encoder, set_adapters_for_text_encoder)
+            disable_lora_for_text_encoder,
+            enable_lora_for_text_encoder,
+            set_adapters_for_text_encoder,
+        )
         from diffusers.models.modeling_utils import ModelMixin
 
         for c, module in zip(self.components, self.modules()):

@@ -25,9 +25,9 @@ import threading
 import time
 from contextlib import contextmanager
 
+from disagg.common.averages import ewma
 from disagg.roles.extensions.lora_backends import DiffusersLoras, LoraError, SimLoras
 from disagg.roles.pipelines.adapter import LoraSupport
-from disagg.common.averages import ewma
 from disagg.transport.wire.role_stats import LoraStats
 
 log = logging.getLogger("disagg.role")

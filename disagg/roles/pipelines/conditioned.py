@@ -26,14 +26,25 @@ import re
 import torch
 from PIL import Image
 
+from disagg.roles.errors import RequestError
 from disagg.roles.pipelines.checkpoint import MAX_INPUT_PIXELS
 from disagg.roles.pipelines.replay import (  # noqa: F401 - LAYOUT, TASK, task_class: what the roles read of a task's tensors
-    LAYOUT, METHODS, TASK, Recorder, ReplayVAE, StopBeforeDenoise, meta_model, name_tensor, pixels, replay, replaying,
-    task_class, unpixel,
+    LAYOUT,
+    METHODS,
+    TASK,
+    Recorder,
+    ReplayVAE,
+    StopBeforeDenoise,
+    meta_model,
+    name_tensor,
+    pixels,
+    replay,
+    replaying,
+    task_class,
+    unpixel,
 )
 from disagg.roles.pipelines.split import step_callback
 from disagg.transport.data.manifest import dtype_of
-from disagg.roles.errors import RequestError
 
 #: what a request's inputs ask for: none, an image, an image and a mask
 TEXT, IMAGE, INPAINT = "text", "image", "inpaint"

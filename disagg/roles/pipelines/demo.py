@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+
 from disagg.roles.pipelines.tiny import HIDDEN, ROLE_COMPONENTS, TinyFluxAdapter, build_component
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"  # transformer.safetensors, vae.safetensors, config.json

@@ -11,8 +11,8 @@ import copy
 
 import numpy as np
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from PIL import Image
 
 from disagg.roles.pipelines.adapter import Capabilities, LoraSupport

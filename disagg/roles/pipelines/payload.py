@@ -6,7 +6,6 @@ stage checks the bytes it received, so a transfer that corrupts data fails the r
 
 from __future__ import annotations
 
-
 import torch
 from PIL import Image
 

@@ -11,8 +11,8 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from disagg.roles.pipelines.conditioned import task_class
 from disagg.roles.pipelines.checkpoint import vae_scale_factors
+from disagg.roles.pipelines.conditioned import task_class
 from disagg.roles.pipelines.split import CFG_EMBEDS, SplitPipeline
 
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default max_sequence_length

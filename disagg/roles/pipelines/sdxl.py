@@ -16,7 +16,6 @@ from PIL import Image
 from disagg.roles.pipelines.split import CFG_EMBEDS, SplitPipeline
 
 
-
 class SDXLAdapter(SplitPipeline):
     """SDXL from a diffusers checkpoint (folder or hub id)."""
 

@@ -30,7 +30,6 @@ from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.transport.environment import DISAGG_RUN_ID
 
-
 #: the payload values are integers below 2**23: a float32 holds them exactly
 _VALUES = 1 << 23
 #: the decoder's image: this many RGB pixels, one row, their bytes a checksum

@@ -9,11 +9,16 @@ import threading
 import torch
 
 from disagg.transport.data.engines import (
-    EngineOptions, EngineUnavailable, NotApplicable, TransferEngine, TransferError, check_bounds,
+    EngineOptions,
+    EngineUnavailable,
+    NotApplicable,
+    TransferEngine,
+    TransferError,
+    check_bounds,
 )
+from disagg.transport.data.pool import CudaPool, Pool
 from disagg.transport.environment import PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF
 from disagg.transport.wire.messages import Source
-from disagg.transport.data.pool import CudaPool, Pool
 
 #: allocator settings whose memory cudaIpcGetMemHandle cannot export (torch refuses or hands out another kind)
 UNSHAREABLE_ALLOC_CONF = ("expandable_segments:true", "backend:cudamallocasync")

@@ -16,10 +16,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from disagg.transport.wire.messages import Source
 from disagg.transport.data.pool import Pool
 from disagg.transport.data.selection import Transfer
 from disagg.transport.data.shm import shm_path
+from disagg.transport.wire.messages import Source
 
 MOONCAKE_HINT = (
     "install it with `pip install 'disagg[mooncake-cpu]'` on CPU hosts (plus Debian's libibverbs1: "

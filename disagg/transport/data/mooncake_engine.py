@@ -7,10 +7,16 @@ from importlib import metadata
 import torch
 
 from disagg.transport.data.engines import (
-    MOONCAKE_HINT, EngineOptions, EngineUnavailable, NotApplicable, TransferEngine, TransferError, check_bounds,
+    MOONCAKE_HINT,
+    EngineOptions,
+    EngineUnavailable,
+    NotApplicable,
+    TransferEngine,
+    TransferError,
+    check_bounds,
 )
-from disagg.transport.wire.messages import Source
 from disagg.transport.data.pool import Pool
+from disagg.transport.wire.messages import Source
 
 #: the wheels that install the `mooncake` module: the CUDA build, and the one for hosts without CUDA
 CUDA_BUILD = "mooncake-transfer-engine"

@@ -15,8 +15,8 @@ import torch
 
 from disagg.transport.data.allocator import PoolFull, SlotAllocator
 from disagg.transport.data.manifest import pack, plan
-from disagg.transport.wire.messages import CudaIpcHandle, SlotRef
 from disagg.transport.data.shm import shm_path
+from disagg.transport.wire.messages import CudaIpcHandle, SlotRef
 
 
 class Pool:

@@ -14,17 +14,49 @@ from msgspec import Meta
 
 from disagg.transport.wire.codes import ErrorCode  # noqa: F401 - messages carry it; users import it from here
 from disagg.transport.wire.descriptors import (  # noqa: F401 - part of the wire schema, imported from here too
-    Count, CudaIpcHandle, Held, HeldPreview, Id, ModelIdentity, PoolInfo, Role, SlotRef, Source, TensorSpec,
+    Count,
+    CudaIpcHandle,
+    Held,
+    HeldPreview,
+    Id,
+    ModelIdentity,
+    PoolInfo,
+    Role,
+    SlotRef,
+    Source,
+    TensorSpec,
 )
-from disagg.transport.wire.wire import Seconds, _Msg  # noqa: F401 - the base of every message
 from disagg.transport.wire.params import MAX_INPUT_BYTES, GenerationParams, LoraName, LoraRef  # noqa: F401 - likewise
 from disagg.transport.wire.role_messages import (  # noqa: F401 - role <-> orchestrator messages, imported from here too
-    Register, Registered, Heartbeat, Alive, Run, Fetched, Staged, Preview, Release, Done, Failed, Shutdown, Dead,
+    Alive,
+    Dead,
+    Done,
+    Failed,
+    Fetched,
+    Heartbeat,
+    Preview,
+    Register,
+    Registered,
+    Release,
+    Run,
+    Shutdown,
+    Staged,
 )
 from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats  # noqa: F401 - inside Heartbeat
 from disagg.transport.wire.status import (  # noqa: F401
-    GatewayStatus, InstanceStatus, PairEngine, RebalanceStatus, RequestCounts, RoleMove, SplitRate, SLACK_BUCKETS_S, SloCount, StageTime, TransferCount,
+    SLACK_BUCKETS_S,
+    GatewayStatus,
+    InstanceStatus,
+    PairEngine,
+    RebalanceStatus,
+    RequestCounts,
+    RoleMove,
+    SloCount,
+    SplitRate,
+    StageTime,
+    TransferCount,
 )
+from disagg.transport.wire.wire import Seconds, _Msg  # noqa: F401 - the base of every message
 
 #: Largest control message we decode; anything bigger is refused before parsing (a Submit with an image
 #: and a mask at their limits fits)

@@ -13,7 +13,6 @@ from disagg.transport.wire.params import GenerationParams, LoraName
 from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 from disagg.transport.wire.wire import Seconds, _Msg
 
-
 # --- role <-> orchestrator ----------------------------------------------------------------
 
 

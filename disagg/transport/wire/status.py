@@ -9,6 +9,7 @@ import msgspec
 
 from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
 
+
 class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One role instance as `disagg status` shows it."""
 
