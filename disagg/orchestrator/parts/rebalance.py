@@ -125,13 +125,16 @@ class Rebalance(Part):
         what serves now) and those that cannot move."""
         current = {r: 0 for r in ROLES}
         fixed = {r: 0 for r in ROLES}
-        arriving = {m.new_id for m in self.moving.values()}
+        away = {m.new_id for m in self.moving.values()} | self.moving.keys()
+        # movable(), with what it asks of the settings and the launchers looked up once for every instance
+        auto = self.mode == RebalanceMode.AUTO
+        polling = {name for name, seen in self.launchers.items() if now - seen <= LAUNCHER_SILENCE_S}
         for role in ROLES:
             for inst in self.registry.of_role(role):
-                if inst.id in self.moving or inst.id in arriving or inst.state not in ("ready", "starting"):
+                if inst.state not in ("ready", "starting") or (away and inst.id in away):
                     continue
                 current[role] += 1
-                if not self.movable(inst, now):
+                if len(inst.devices) > 1 or (auto and (not inst.launcher or inst.launcher not in polling)):
                     fixed[role] += 1
         for m in self.moving.values() if moving else ():
             current[m.to_role] += 1
