@@ -1,7 +1,7 @@
 """Cost of the Router's logic per request (no sockets), by cluster size: `python benchmarks/router_bench.py`.
 
 Drives requests through Submit, Staged, Fetched, Staged, Fetched, Done with the scripted harness of
-tests/test_router.py, with 1 to 1,024 instances per role, and prints microseconds per request:
+tests/router_harness.py, with 1 to 1,024 instances per role, and prints microseconds per request:
 - `idle`: one request at a time (every instance free);
 - `backlog`: the same while 10,000 requests wait in the encoder queue (every instance busy: dispatch
   must not scan them all for each message);
