@@ -5,7 +5,7 @@
     python benchmarks/chaos_day.py --short --part sim               # one kill of each kind (the test suite's)
 
 Each run has two parts, each a deployment with every feature on that its model has:
-- sim: a copy of configs/sim/mixed-h200.yaml with `lora: {load_ms: 300, slots: 2, host_slots: 4, restore_ms: 30}`,
+- sim: a copy of disagg/roles/pipelines/sim_profiles/mixed-h200.yaml with `lora: {load_ms: 300, slots: 2, host_slots: 4, restore_ms: 30}`,
   `--gpus 0,...,6 -e 2 -d 3 -k 2 --max-batch 4 --rebalance auto --schedule slo --http-port`: 7 simulated devices
   whose split follows the traffic, adapters loaded, offloaded to host memory and restored, batching, priorities
   and deadlines, the conditioning cache (repeated prompts), live previews. The trace alternates phases that want

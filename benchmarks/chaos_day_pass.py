@@ -42,7 +42,7 @@ class Deployment:
         if part == "sim":
             profile = work / "mixed-lora.yaml"
             if not profile.exists():
-                profile.write_text((ROOT / "configs" / "sim" / "mixed-h200.yaml").read_text() + SIM_LORA)
+                profile.write_text((ROOT / "disagg" / "roles" / "pipelines" / "sim_profiles" / "mixed-h200.yaml").read_text() + SIM_LORA)
             self.instances = SIM_DEVICES
             self.devices = {f"sim:{k}" for k in range(SIM_DEVICES)}
             args = ["--model", f"sim:{profile}", "--gpus", ",".join(map(str, range(SIM_DEVICES))), "-e", "2", "-d", "3",

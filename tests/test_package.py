@@ -1,5 +1,5 @@
 """One import package (issue 45): a wheel built from the project installs `disagg` and nothing else at the top
-level, with the files the processes read at run time (the demo's weights, the web page)."""
+level, with the files the processes read at run time (the demo's weights, the web page, the sim profiles)."""
 
 from __future__ import annotations
 
@@ -20,5 +20,6 @@ def test_the_wheel_installs_only_the_disagg_package(tmp_path):
     assert top == {"disagg"}, top
     assert "disagg/roles/pipelines/demo/transformer.safetensors" in names
     assert "disagg/gateway/static/index.html" in names
+    assert "disagg/roles/pipelines/sim_profiles/flux-h200.yaml" in names  # sim:NAME works from a wheel
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "disagg = disagg.launcher.cli.entry:main" in zipfile.ZipFile(wheel).read(entry).decode()

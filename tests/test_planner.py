@@ -23,7 +23,7 @@ from disagg.transport.wire.messages import (
     TensorSpec,
 )
 
-# Flux.1 on an H200 (configs/sim/flux-h200.yaml): 1024^2 at 2 steps, and at 28 steps
+# Flux.1 on an H200 (disagg/roles/pipelines/sim_profiles/flux-h200.yaml): 1024^2 at 2 steps, and at 28 steps
 FEW = {"encoder": 0.024, "denoiser": 0.34, "decoder": 0.085}
 MANY = {"encoder": 0.024, "denoiser": 4.76, "decoder": 0.085}
 

@@ -50,7 +50,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Which model every role serves: demo (a tiny Flux trained on coloured shapes: \"a red circle on the left\", "
         "64x64), tiny (the same architecture with random weights: noise, any size; the parity tests use it), a "
         "diffusers checkpoint (a local folder or a Hugging Face id: Flux, SD3/3.5, SDXL, Wan 2.1/2.2, Qwen-Image) "
-        "or sim:PROFILE (configs/sim/PROFILE.yaml, no compute)."),
+        "or sim:PROFILE (disagg/roles/pipelines/sim_profiles/PROFILE.yaml, no compute)."),
         extra=use("launcher", "role"))] = "demo"
     dtype: Annotated[Dtype, Meta(description=(
         "Checkpoints' weight dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16."),

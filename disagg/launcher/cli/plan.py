@@ -1,7 +1,7 @@
 """`disagg plan --config FILE --trace FILE`: the throughput model (disagg/orchestrator/parts/planner.py) run offline on a trace
 (the `bench --trace` format): which split of the config's devices between the roles serves the trace's mix best.
 
-Stage times come from the model's sim profile (configs/sim: `sim:NAME`, or `sim:PATH.yaml`), per request size
+Stage times come from the model's sim profile (disagg/roles/pipelines/sim_profiles: `sim:NAME`, or `sim:PATH.yaml`), per request size
 and steps, a denoiser's batched at `denoisers.max_batch` (full batches: its profile's batch curve). A running
 deployment plans from what it measures instead (`--rebalance advise`: `disagg status`).
 """

@@ -1,4 +1,4 @@
-"""Stage-time profiles for the `sim:NAME` model (configs/sim/NAME.yaml); torch-free."""
+"""Stage-time profiles for the `sim:NAME` model (disagg/roles/pipelines/sim_profiles/NAME.yaml); torch-free."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parents[3] / "configs" / "sim"
+#: the profiles `sim:NAME` names, shipped in the package (package data: a wheel install has them too)
+PROFILE_DIR = Path(__file__).resolve().parent / "sim_profiles"
 
 
 class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -68,7 +69,7 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: video: frames per latent frame (Wan: 4); a request's pixels are then width x height x latent frames,
     #: (frames - 1) // temporal + 1. 0: frames do not count
     temporal: int = 0
-    #: another profile (a name in configs/sim) whose costs requests with num_frames take: one deployment then
+    #: another profile (a name in sim_profiles/) whose costs requests with num_frames take: one deployment then
     #: serves images at this profile's costs and videos at that one's
     video: str = ""
 
@@ -102,7 +103,7 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def profile_path(name: str) -> Path:
-    """sim:NAME is configs/sim/NAME.yaml; sim:PATH.yaml (any path ending in .yaml) is that file."""
+    """sim:NAME is disagg/roles/pipelines/sim_profiles/NAME.yaml; sim:PATH.yaml (any path ending in .yaml) is that file."""
     return Path(name).expanduser() if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
 
 
