@@ -60,6 +60,7 @@ class StatusCollector:
             for s in STATES:
                 state.add_metric(labels + [s], 1.0 if i.state == s else 0.0)
         yield from (free, total, state, restarts, busy)
+        yield device_memory_metrics(r)
         unavailable = GaugeMetricFamily("disagg_transfer_engine_unavailable", "1 per live instance and transfer engine "
                                         "that applies to its pool but could not start there (a GPU pool Mooncake "
                                         "cannot register): its hand-offs that need it go inline through the "
@@ -112,6 +113,24 @@ class StatusCollector:
         yield from rebalance_metrics(r)
         yield GaugeMetricFamily("disagg_orchestrator_restarts", "Times the orchestrator was restarted",
                                 value=float(r.orchestrator.get("restarts", 0)))
+
+
+#: the parts of an instance's device memory /metrics exports (MemoryStats fields)
+MEMORY_KINDS = ("total", "free", "weights", "pool", "cache", "activation_peak")
+
+
+def device_memory_metrics(r: StatusReport) -> GaugeMetricFamily:
+    """Each live instance's device memory, by kind: its device's total and free bytes (every process on it, where
+    known), and its own weights, transfer pool (on the device), caches and activations' peak."""
+    g = GaugeMetricFamily("disagg_device_memory_bytes", "An instance's device memory: the device's total and free "
+                          "bytes, and the instance's weights, pool, caches and activations' peak on it",
+                          labels=["role", "instance", "device", "kind"])
+    for i in r.instances:
+        if i.state == "dead":
+            continue
+        for kind in MEMORY_KINDS:
+            g.add_metric([i.role, i.id, i.memory.device, kind], getattr(i.memory, f"{kind}_bytes"))
+    return g
 
 
 def conditioning_metrics(r: StatusReport):

@@ -21,6 +21,7 @@ from disagg.launcher.supervisor import Child, Supervisor
 from disagg.launcher.topology import Placement, cuda_env, place, rerole
 from disagg.roles.pipelines import model_identity
 from disagg.settings import Settings
+from disagg.settings.devices import parse_devices
 from disagg.settings.process import GatewaySettings, OrchestratorSettings, encode, schema_part
 from disagg.settings.process import RoleSettings as WorkerSpec
 from disagg.transport.data.shm import SHM_PREFIX, remove_segments
@@ -213,12 +214,22 @@ class Deployment(Startup):
         return [IdleDevice(instance_id=p.instance_id, role=p.role) for p in self.placements
                 if (c := self.supervisor.children.get(p.instance_id)) is not None and c.moved]
 
+    def sim_device(self, p: Placement) -> dict:
+        """A sim model's instance: its slowdown (sim_slowdown, over its device class's speed) and its device's class
+        and memory, where `devices` declares them."""
+        slowdown = self.config.sim_slowdown.get(p.instance_id, 1.0)
+        devices = parse_devices(self.config.devices) if self.config.devices and p.simulated else []
+        if not devices or p.gpu is None:
+            return {"sim_slowdown": slowdown}
+        cls = devices[p.gpu]
+        return {"sim_slowdown": slowdown / cls.speed, "device_class": cls.name, "device_memory_bytes": cls.memory_bytes}
+
     def spawn_role(self, p: Placement, take_spare: bool = False) -> Child:
         c = self.config
         spec = WorkerSpec(
             **schema_part(c, "role"),
             role=p.role, instance_id=p.instance_id, endpoint=self.role_endpoint, device=p.device,
-            capacity=p.capacity, max_batch=p.max_batch, sim_slowdown=c.sim_slowdown.get(p.instance_id, 1.0),
+            capacity=p.capacity, max_batch=p.max_batch, **self.sim_device(p),
             pool_bytes=p.pool_bytes, pool_name=f"{self.shm_prefix}{p.instance_id}", host_id=self.host_id,
             threads=p.threads, data_host=self.data_host, visible_gpus=self.visible_gpus(p),
             deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,

@@ -13,6 +13,7 @@ from disagg.launcher.parallel import ParallelLayout, group_gpus, resolve_layouts
 from disagg.roles.pipelines import ModelError, ModelSpec, model_spec
 from disagg.settings import ROLE_SECTIONS, Resolved, Settings, SettingsError, resolve
 from disagg.settings.choices import RebalanceMode, Transfer, TransferProtocol
+from disagg.settings.devices import DeviceClass, DeviceError, parse_devices
 from disagg.transport.environment import CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES
 from disagg.transport.wire.messages import HEARTBEAT_INTERVAL_S
 
@@ -70,10 +71,55 @@ def validate(config: Settings) -> None:
                           "every stage, so no device has a role to change; use one or the other")
     if config.sim_slowdown and not config.model.startswith("sim:"):
         raise ConfigError("sim_slowdown applies to sim: models only")
+    check_devices(config)
     if config.denoisers.max_batch > 1 and not model_spec(config.model).step_batching:
         raise ConfigError(f"denoisers.max_batch {config.denoisers.max_batch}: model {config.model!r} cannot batch "
                           "denoising steps; use max_batch 1")
     resolve_layouts(config, config.gpus_per)
+
+
+def check_devices(config: Settings) -> list[DeviceClass]:
+    """The declared simulated devices (`devices`), each GPU index the deployment names among them."""
+    if not config.devices:
+        return []
+    if not config.model.startswith("sim:"):
+        raise ConfigError(f"devices {config.devices!r} (--devices) declares simulated devices: sim: models only (a "
+                          "real GPU's name and memory are read from it)")
+    try:
+        devices = parse_devices(config.devices)
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+    beyond = sorted({g for g in config.all_gpus() if g >= len(devices)})
+    if beyond:
+        raise ConfigError(f"GPU {', '.join(map(str, beyond))} is not among the {len(devices)} devices that devices "
+                          f"{config.devices!r} declares (indices 0 to {len(devices) - 1})")
+    return devices
+
+
+def check_fit(config: Settings, placements: list["Placement"]) -> None:
+    """A sim model on declared devices (`devices`): refuse a placement whose instances on one device would not fit
+    it, before anything starts: their weights, plus the activations of the largest batch each may run at the
+    profile's reference size (instances on one device take turns, so the largest of those counts once)."""
+    devices = check_devices(config)
+    if not devices:
+        return
+    from disagg.roles.pipelines.sim_profile import load_profile
+
+    profile = load_profile(config.model[4:])
+    on: dict[int, list[Placement]] = {}
+    for p in placements:
+        for gpu in p.rank_gpus or ([p.gpu] if p.gpu is not None else []):
+            on.setdefault(gpu, []).append(p)
+    for gpu, here in sorted(on.items()):
+        cls = devices[gpu]
+        weights = sum(profile.weights(p.role) for p in here)
+        peak = max(profile.activations(p.role, profile.reference_pixels, max(p.max_batch, 1)) for p in here)
+        if weights + peak > cls.memory_bytes:
+            names = ", ".join(p.instance_id for p in here)
+            raise ConfigError(
+                f"device {gpu} ({cls.name}, {cls.memory_bytes / 1e9:.0f} GB) cannot hold {names}: their weights "
+                f"({weights / 1e9:.1f} GB) and activations ({peak / 1e9:.1f} GB at the profile's size) need "
+                f"{(weights + peak) / 1e9:.1f} GB; give them more devices, or a device with more memory")
 
 
 def check_gpus(config: Settings) -> None:

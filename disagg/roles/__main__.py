@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(spec.threads or len(os.sched_getaffinity(0)))
         group = join_group() if spec.world > 1 else None
-        adapter = load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown)
+        adapter = load_adapter(spec.model, spec.role, spec.device, spec.dtype, spec.sim_slowdown,
+                               spec.device_memory_bytes, spec.device_class)
         if group is not None:
             from disagg.roles.parallel import denoising_model
 

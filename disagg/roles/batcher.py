@@ -61,6 +61,9 @@ class StepBatcher:
         #: step's time, and every request's share of it, is the device's time and not the launch time
         self.sync = sync or (lambda: None)
         self.max_batch = max_batch
+        #: where the adapter knows its device's memory (Capabilities.memory_model): the most requests like one a
+        #: batch may hold there (0: no limit); a batch is never formed past it
+        self.memory_limit = adapter.batch_limit if adapter.capabilities.memory_model else (lambda p: 0)
         self._waiting: deque[_Entry] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -72,6 +75,11 @@ class StepBatcher:
         self.aging_s = aging_s
         #: key -> moving average of one step's seconds (a request's slack counts its steps left at it)
         self.step_s: dict[object, float] = {}
+
+    def most(self, params: dict) -> int:
+        """The most requests like `params` one batch holds: max_batch, less where the device's memory says so."""
+        limit = self.memory_limit(params)
+        return min(self.max_batch, limit) if limit else self.max_batch
 
     def denoise(self, inputs: dict, params: dict, progress=None, ticket=None) -> tuple[dict, float, dict]:
         """Blocks until this request is denoised; returns (output tensors, its share of device seconds, its step
@@ -128,8 +136,9 @@ class StepBatcher:
         with self._cond:
             while not active and not self._waiting:
                 self._cond.wait()
-            key = active[0].key if active else self._waiting[0].key
-            while self._waiting and len(active) + len(joining) < self.max_batch and self._waiting[0].key == key:
+            head = active[0] if active else self._waiting[0]
+            key, most = head.key, self.most(head.params)
+            while self._waiting and len(active) + len(joining) < most and self._waiting[0].key == key:
                 joining.append(self._waiting.popleft())
         return joining
 
@@ -213,7 +222,7 @@ class StepBatcher:
         order = urgency_order(held, now, self.aging_s, ticket_of=lambda e: e.ticket, left_s=self._left_s)
         # a started request with a step cache keeps the device to its last step (its state is in the hooks)
         pinned = [e for e in order if e.cache is not None and e.state is not None and not e.state.done]
-        batch = pinned[:1] or [e for e in order if e.key == order[0].key][:self.max_batch]
+        batch = pinned[:1] or [e for e in order if e.key == order[0].key][:self.most(order[0].params)]
         stepping = []
         for e in batch:
             if e.state is None:

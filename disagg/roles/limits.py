@@ -86,11 +86,29 @@ def device_free_memory(device: str) -> int:
         return 0
 
 
-def memory_stats(device: str, dtype: str, components: dict[str, int]) -> MemoryStats:
-    """What its heartbeats say of its device's memory: free now, and its weights' bytes (the parameters of the
-    components it loaded, at `dtype`)."""
-    return MemoryStats(free_bytes=device_free_memory(device),
-                       weights_bytes=sum(components.values()) * param_bytes(dtype, device))
+def memory_stats(device: str, dtype: str, components: dict[str, int], adapter=None, pool_bytes: int = 0,
+                 cache_bytes: int = 0) -> MemoryStats:
+    """What its heartbeats say of its device's memory (MemoryStats). `adapter`: one with a memory model (a simulated
+    device of a declared class) says its weights, peak and device itself; `pool_bytes`: its transfer pool's, where
+    the pool is on the device; `cache_bytes`: what its caches hold there."""
+    if adapter is not None and adapter.capabilities.memory_model:
+        total, weights, peak = adapter.device_memory, adapter.weights_bytes(), adapter.activation_peak
+        return MemoryStats(device=adapter.device_class, total_bytes=total, weights_bytes=weights, cache_bytes=cache_bytes,
+                           activation_peak_bytes=peak, free_bytes=max(total - weights - peak - cache_bytes, 0) if total else 0)
+    weights = sum(components.values()) * param_bytes(dtype, device)
+    stats = MemoryStats(free_bytes=device_free_memory(device), weights_bytes=weights, pool_bytes=pool_bytes,
+                        cache_bytes=cache_bytes)
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            dev = torch.device(device)
+            stats.device, stats.total_bytes = torch.cuda.get_device_name(dev), device_memory(device)
+            # what torch allocated at its peak, less what stays allocated for good
+            stats.activation_peak_bytes = max(torch.cuda.max_memory_allocated(dev) - weights - pool_bytes - cache_bytes, 0)
+        except (RuntimeError, AssertionError):  # a heartbeat must go on
+            pass
+    return stats
 
 
 def param_bytes(dtype: str, device: str) -> int:

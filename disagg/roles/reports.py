@@ -11,7 +11,7 @@ from disagg.roles.boot import PROGRESS as BOOT
 from disagg.roles.layout import describe_layout
 from disagg.roles.limits import device_memory, memory_stats
 from disagg.transport.wire.messages import Heartbeat, PoolInfo, Register
-from disagg.transport.wire.role_stats import CacheStats, LoraStats
+from disagg.transport.wire.role_stats import CacheStats, LoraStats, MemoryStats
 
 
 class SelfReport:
@@ -54,7 +54,7 @@ class SelfReport:
                 parallel=describe_layout(self.spec.parallel) if self.spec.world > 1 else "",
                 identity=self.identity,
                 launcher=self.spec.launcher_id,
-                memory_bytes=device_memory(self.spec.device),
+                memory_bytes=self.spec.device_memory_bytes or device_memory(self.spec.device),
                 unavailable_engines=self.engine_problems,
                 lora=self.lora_stats(),
                 **self.limits,
@@ -80,9 +80,16 @@ class SelfReport:
                 conditioning=self.conditioning_stats(),
                 boot=BOOT.snapshot(),
                 compile=self.compile,
-                memory=memory_stats(self.spec.device, self.spec.dtype, self.components),
+                memory=self.memory_stats(),
             )
         )
+
+    def memory_stats(self) -> MemoryStats:
+        """Its device's memory: weights, pool (where it is on the device), caches, activations' peak, free."""
+        cond = self.conditioning_stats()
+        on_device = getattr(self.pool, "device", "").startswith("cuda")
+        return memory_stats(self.spec.device, self.spec.dtype, self.components, self.runner.stage.adapter,
+                            pool_bytes=self.pool.nbytes if on_device else 0, cache_bytes=cond.bytes if cond else 0)
 
     def conditioning_stats(self) -> CacheStats | None:
         """An encoder's conditioning cache (None: it has none)."""

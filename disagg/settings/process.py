@@ -78,6 +78,9 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restarts: int = 0
     #: sim models: this instance's simulated times are multiplied by this (a slower device)
     sim_slowdown: float = 1.0
+    #: sim models on declared devices (`devices`): its device's class and memory (0: no limit)
+    device_class: str = ""
+    device_memory_bytes: int = 0
     #: the deployment this instance belongs to (an orchestrator of another one refuses it)
     deployment_id: str = ""
     #: role -> bytes of its smallest pool: the first stage refuses a request whose tensors would not fit

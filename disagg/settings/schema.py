@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from disagg.settings.choices import Admission, Dispatch, Dtype, Transfer, TransferProtocol
+from disagg.settings.devices import PATTERN as DEVICES_PATTERN
 from disagg.settings.sections import (  # noqa: F401 - the schema's parts, imported from here too
     DISPATCH_POLICIES,
     PARALLEL_KINDS,
@@ -94,6 +95,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "GPUs to spread every instance over, round-robin (each instance sees its own GPU as cuda:0). Empty: the "
         "CPU. A role's own gpus list takes precedence."),
         extra=use("launcher", metavar="0,1,..."))] = []
+    devices: Annotated[str, Meta(pattern=DEVICES_PATTERN, description=(
+        "Simulated devices (sim: models): COUNTxCLASS,... in order, e.g. 8xH200,4xL40S: the GPU index i that gpus "
+        "(or a role's gpus) names is the i-th of these, and its class gives the device its memory and speed "
+        "(H200, H100, L40S, L4: disagg/settings/devices.py, with their sources). Empty: simulated devices are as "
+        "fast as the profile says, with no memory limit. A real GPU's name and memory are read from it."),
+        extra=use("launcher", metavar="NxCLASS,..."))] = ""
     join_wait: Annotated[float, Meta(gt=0, description=(
         "Seconds a role may have no instance (none registered yet, or every one stopped or dead) before Submits "
         "are refused at once as not ready (HTTP 503 with Retry-After) and the requests waiting for it fail. "

@@ -20,7 +20,7 @@ def _mib(n: int) -> str:
 COLUMNS = (
     ("id", "left"), ("state", "left"), ("free/cap", "right"), ("in flight", "right"), ("done", "right"),
     ("failed", "right"), ("host", "left"), ("device", "left"), ("pid", "right"), ("restarts", "right"), ("engine", "left"),
-    ("pool MiB used/total", "right"), ("role", "left"), ("adapters", "left"),
+    ("pool MiB used/total", "right"), ("memory GB", "right"), ("role", "left"), ("adapters", "left"),
 )
 #: what one column costs beside its text: Rich's padding and the border
 COLUMN_EXTRA = 3
@@ -36,9 +36,19 @@ def _cells(i) -> dict[str, str]:
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),
+        # its device's memory where known: what it holds (weights, pool, caches, activations' peak) of the total,
+        # and what is free on the device: "26.1/141 (free 98.2)"
+        "memory GB": _memory(i.memory),
         # LoRA adapters held / slots, then hits and loads: "2/8 A,B (hits 10, loads 2)"
         "adapters": _adapters(i.lora) if i.lora.slots and i.role != "encoder" else "",
     }
+
+
+def _memory(m) -> str:
+    if not m.total_bytes:
+        return ""
+    held = m.weights_bytes + m.pool_bytes + m.cache_bytes + m.activation_peak_bytes
+    return f"{held / 1e9:.1f}/{m.total_bytes / 1e9:.0f} (free {m.free_bytes / 1e9:.1f})"
 
 
 def _adapters(lora) -> str:
@@ -67,7 +77,7 @@ def fit_columns(rows: list[dict[str, str]], width: int | None, adapters: bool = 
         while len(keep) > 2 and sum(need[name] for name, _ in keep) + 1 > width:
             keep.pop()
     order = ("role", "id", "host", "pid", "device", "state", "free/cap", "in flight", "done", "failed", "engine",
-             "pool MiB used/total", "restarts", "adapters")
+             "pool MiB used/total", "memory GB", "restarts", "adapters")
     return sorted(keep, key=lambda col: order.index(col[0]))
 
 

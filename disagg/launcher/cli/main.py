@@ -100,9 +100,14 @@ def launch(config_path, print_config, run_dir, no_dashboard, submit_path, out_di
         check_gpus(config)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
-    from disagg.launcher.topology import place, shared_gpu_warnings
+    from disagg.launcher.topology import check_fit, place, shared_gpu_warnings
 
-    for note in shared_gpu_warnings(place(config)):
+    placements = place(config)
+    try:
+        check_fit(config, placements)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from None
+    for note in shared_gpu_warnings(placements):
         click.echo(f"warning: {note}", err=True)
     if config.join and (submit_path or config.http.port):
         raise click.UsageError("a join host runs roles only: --submit and --http-port belong to the head")

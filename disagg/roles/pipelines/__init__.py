@@ -125,11 +125,13 @@ def model_identity(model: str, dtype: str = "auto") -> dict[str, str]:
     return {"name": model, "family": spec.family, "dtype": dtype, "digest": hashlib.sha1(blob.encode()).hexdigest()[:12]}
 
 
-def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0):
+def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto", sim_slowdown: float = 1.0,
+                 device_memory: int = 0, device_class: str = ""):
     """The adapter for `model`, holding only `role`'s components, on `device`.
 
     `dtype`: checkpoints only (auto = bf16 on a GPU, fp32 on the CPU); `sim_slowdown`: sim models
-    only, every simulated time of this instance is multiplied by it."""
+    only, every simulated time of this instance is multiplied by it; `device_memory`, `device_class`: sim models on
+    declared devices (`devices`), their device's memory (0: no limit) and class."""
     spec = model_spec(model)
     if spec.family:
         import importlib
@@ -139,7 +141,8 @@ def load_adapter(model: str, role: str, device: str = "cpu", dtype: str = "auto"
     if model.startswith("sim:"):
         from disagg.roles.pipelines.sim import SimAdapter
 
-        return SimAdapter(model[4:], role, device, slowdown=sim_slowdown)
+        return SimAdapter(model[4:], role, device, slowdown=sim_slowdown, device_memory=device_memory,
+                          device_class=device_class)
     if model == "tiny":
         from disagg.roles.pipelines.tiny import TinyFluxAdapter
 

@@ -55,6 +55,9 @@ class Capabilities:
     decode_yields: bool = False
     #: `EncodedOutput.decode_encoded`: decode returns the encoded images itself (a simulated model keeps them)
     encoded_output: bool = False
+    #: `MemoryModel`: it knows its weights' bytes and how many requests a batch may hold on its device (a simulated
+    #: device of a declared class, `devices`), and a compute that would not fit fails as out of memory
+    memory_model: bool = False
     #: what an encoding depends on besides the prompt (the conditioning cache's key: disagg/roles/extensions/conditioning.py)
     conditioning_depends: tuple[str, ...] = ()
     #: how it applies LoRA adapters
@@ -120,9 +123,23 @@ class DiffusersModel(Protocol):
     pipe: Any
 
 
+@runtime_checkable
+class MemoryModel(Protocol):
+    """`Capabilities.memory_model`."""
+
+    device_memory: int
+    device_class: str
+    activation_peak: int
+
+    def weights_bytes(self) -> int: ...
+
+    #: the most requests like `p` one denoising batch holds on the device (0: no limit)
+    def batch_limit(self, p: dict) -> int: ...
+
+
 #: each capability -> the Protocol an adapter that declares it implements
 REQUIRES = {"batching": StepBatching, "encoded_output": EncodedOutput, "image_tasks": ImageTasks,
-            "family": DiffusersModel}
+            "family": DiffusersModel, "memory_model": MemoryModel}
 
 
 def check_adapter(adapter) -> Capabilities:

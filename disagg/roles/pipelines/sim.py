@@ -30,6 +30,9 @@ from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.transport.environment import DISAGG_RUN_ID
 
+#: bytes in a gigabyte (device memory is sold in them)
+GB = 10**9
+
 #: the payload values are integers below 2**23: a float32 holds them exactly
 _VALUES = 1 << 23
 #: the decoder's image: this many RGB pixels, one row, their bytes a checksum
@@ -114,10 +117,20 @@ class SimAdapter:
     """Sleeps for each stage's simulated time; emits tensors of the real payload size, each filled with one
     request-specific value (the module's docstring)."""
 
-    def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0):
+    def __init__(self, profile: str, role: str, device: str = "cpu", slowdown: float = 1.0, device_memory: int = 0,
+                 device_class: str = ""):
         self.profile = load_profile(profile)
         self.slowdown = slowdown
         self.role = role
+        #: its simulated device's memory (0: no limit) and class (`devices`): a compute that would not fit fails as
+        #: out of memory, as on a GPU; the peak of its activations so far
+        self.device_memory = device_memory
+        self.device_class = device_class
+        self.activation_peak = 0
+        if device_memory and self.weights_bytes() > device_memory:
+            raise torch.OutOfMemoryError(
+                f"out of memory: {role} weights of sim:{profile} take {self.weights_bytes() / GB:.1f} GB, more than "
+                f"the {device_memory / GB:.0f} GB of its device ({device_class or device})")
         self._zeros = torch.zeros(0)
         #: encoded images by (pixels, format): a request retried, or many alike, encodes once
         self._encoded: dict[tuple[bytes, str], bytes] = {}
@@ -140,10 +153,39 @@ class SimAdapter:
             # a video's decode calls `progress` between its latent frames, as a 3D VAE decodes them one by one
             decode_yields=True,
             encoded_output=True,
+            # its weights and activations come from its profile, and its device's memory from `devices`
+            memory_model=True,
             # its payload's size follows the request's (the conditioning cache's key: disagg/roles/extensions/conditioning.py)
             conditioning_depends=("width", "height", "num_frames"),
             # its adapters are the denoiser's weights, loaded and restored in its profile's times
             loras=LoraSupport.SIM)
+
+    # --- memory (Capabilities.memory_model) ---
+
+    def weights_bytes(self) -> int:
+        return self.profile.weights(self.role)
+
+    def _fit(self, stage: str, p: dict, rows: int) -> None:
+        """Fail as out of memory where `rows` of `p` in `stage` would not fit its device; note the peak."""
+        prof, pixels = self.profile.for_request(p)
+        act = prof.activations(stage, pixels, rows)
+        self.activation_peak = max(self.activation_peak, act)
+        need = self.weights_bytes() + act
+        if self.device_memory and need > self.device_memory:
+            raise torch.OutOfMemoryError(
+                f"out of memory: {stage} of {rows} x {p['width']}x{p['height']}"
+                f"{' x ' + str(p['num_frames']) + ' frames' if p.get('num_frames') else ''} needs {need / GB:.1f} GB "
+                f"(weights {self.weights_bytes() / GB:.1f}, activations {act / GB:.1f}), more than the "
+                f"{self.device_memory / GB:.0f} GB of its device ({self.device_class or 'simulated'})")
+
+    def batch_limit(self, p: dict) -> int:
+        """The most requests like `p` a denoising batch holds on its device (0: no limit)."""
+        if not self.device_memory:
+            return 0
+        prof, pixels = self.profile.for_request(p)
+        room = self.device_memory - self.weights_bytes()
+        per = prof.activations("denoiser", pixels, p.get("num_images_per_prompt", 1))
+        return max(1, room // per) if per else 0
 
     @staticmethod
     def defaults() -> dict:
@@ -187,12 +229,14 @@ class SimAdapter:
 
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
+        self._fit("encoder", p, 1)
         extra = prof.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
         self._busy(prof.encoder.fixed_ms(pixels) + extra)
         return self._tensor("encoder", p, encoder_value(p))
 
     def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
+        self._fit("denoiser", p, p.get("num_images_per_prompt", 1))
         cost = prof.denoiser
         encoded = first_value(inputs)
         self._busy(cost.fixed_ms(pixels))
@@ -218,6 +262,7 @@ class SimAdapter:
         prof, pixels = self.profile.for_request(states[0].params)
         cost = prof.denoiser
         rows = sum(s.params["num_images_per_prompt"] for s in states)
+        self._fit("denoiser", states[0].params, rows)
         self._busy(cost.step_ms(pixels) * cost.batch_factor(pixels, rows))
         for s in states:
             s.steps_left -= 1
@@ -231,6 +276,7 @@ class SimAdapter:
     def _decode_pixels(self, inputs, p: dict, progress=None) -> list[bytes]:
         prof, pixels = self.profile.for_request(p)
         chunks = prof.latent_frames(p.get("num_frames"))
+        self._fit("decoder", p, p.get("num_images_per_prompt", 1))
         for k in range(chunks):
             if k and progress is not None:
                 progress()

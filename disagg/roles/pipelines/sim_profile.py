@@ -24,6 +24,11 @@ class StageCost(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     payload_bytes: int = 0
     payload_scales: bool = False  # payload grows with the request's pixels (latents)
     batch: dict[int, dict[int, float]] = {}
+    #: device memory, in bytes: the weights this stage loads (parameters x 2, bf16), and the peak of its
+    #: activations per request in a batch: a fixed part and one per latent token (pixels / pixels_per_token)
+    weights_bytes: int = 0
+    activation_bytes: int = 0
+    activation_bytes_per_token: float = 0.0
 
     def step_ms(self, pixels: int) -> float:
         return self.per_step_ms + self.per_step_pixel_ms * pixels + self.per_step_pixel2_ms * pixels * pixels
@@ -72,6 +77,8 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: another profile (a name in sim_profiles/) whose costs requests with num_frames take: one deployment then
     #: serves images at this profile's costs and videos at that one's
     video: str = ""
+    #: (latent) pixels per latent token: the VAE's 8x and the transformer's 2x2 patches (Flux, Wan, Qwen-Image)
+    pixels_per_token: int = 256
 
     def latent_frames(self, frames: int | None) -> int:
         """A video's latent frames, (frames - 1) // temporal + 1; 1 for an image or where frames do not count."""
@@ -95,6 +102,19 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         n = cost.payload_bytes * (pixels / self.reference_pixels if cost.payload_scales else 1)
         per = max(64, int(n) // 64 * 64)
         return per * (images if role == "denoiser" else 1)
+
+    def weights(self, role: str) -> int:
+        """Bytes of weights `role` holds on its device (a colocated instance, "monolith": every stage's)."""
+        if role == "monolith":
+            return sum(self.weights(r) for r in ("encoder", "denoiser", "decoder"))
+        return getattr(self, role).weights_bytes
+
+    def activations(self, role: str, pixels: int, batch: int = 1) -> int:
+        """Peak bytes of `role`'s activations for `batch` requests of `pixels` (latent) pixels each."""
+        if role == "monolith":
+            return max(self.activations(r, pixels, batch) for r in ("encoder", "denoiser", "decoder"))
+        cost = getattr(self, role)
+        return int(batch * (cost.activation_bytes + cost.activation_bytes_per_token * pixels / self.pixels_per_token))
 
     def stage_ms(self, role: str, pixels: int, steps: int) -> float:
         """Unbatched time of one request in `role` (the unloaded-latency figure benches use)."""

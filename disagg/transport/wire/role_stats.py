@@ -65,12 +65,20 @@ class BootStats(_Stats):
 
 
 class MemoryStats(_Stats):
-    """Its device's memory now (disagg/roles/limits.py memory_stats): free bytes, every process on it counted (a GPU's,
-    torch.cuda.mem_get_info; 0 elsewhere: unknown), and the bytes of the weights it loaded (parameters x their dtype's
-    size; 0 before they are loaded): what `rebalance` checks before it gives this device another role."""
+    """Its device's memory now (disagg/roles/limits.py memory_stats): the device (a GPU's name, a simulated device's
+    class, "" on the CPU) and its memory (0: unknown); free bytes, every process on it counted (a GPU's,
+    torch.cuda.mem_get_info; a simulated device's: its memory less this instance's weights and activations' peak; 0
+    elsewhere: unknown); the bytes of the weights it loaded (parameters x their dtype's size; 0 before they are
+    loaded), of its transfer pool where the pool is on the device, of its caches there (its encodings'), and the
+    peak of its activations so far. `rebalance` checks free bytes before it gives this device another role."""
 
+    device: Annotated[str, Meta(max_length=256)] = ""
+    total_bytes: Count = 0
     free_bytes: Count = 0
     weights_bytes: Count = 0
+    pool_bytes: Count = 0
+    cache_bytes: Count = 0
+    activation_peak_bytes: Count = 0
 
 
 class CompileStats(_Stats):
