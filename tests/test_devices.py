@@ -5,6 +5,9 @@ from what would not fit, and a launch whose placement cannot fit refused before 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +19,7 @@ from disagg.roles.batcher import StepBatcher
 from disagg.roles.pipelines.sim import SimAdapter
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.settings.devices import CLASSES, DeviceError, parse_devices
-from tests.conftest import disagg, launch_with_http, wait_http, wait_until
+from tests.conftest import ROOT, disagg, launch_with_http, wait_http, wait_until
 
 GB = 10**9
 
@@ -109,3 +112,26 @@ def test_status_the_live_table_and_metrics_show_each_instances_device_memory(tmp
         metrics = httpx.get(dep.http + "/metrics", timeout=10).text
         assert ('disagg_device_memory_bytes{device="L40S",instance="denoiser-0",kind="total",role="denoiser"} 4.8e+10'
                 in metrics), [line for line in metrics.splitlines() if "device_memory" in line][:8]
+
+
+def test_memory_is_checked_across_every_process_on_a_simulated_device(monkeypatch):
+    """Two processes on one simulated L40S: an encoder's weights (9.8 GB) do not fit beside another process's
+    Qwen-Image denoiser (40.9 GB of 48), and once that process is gone they do."""
+    run = f"devtest{os.getpid()}"
+    monkeypatch.setenv("DISAGG_RUN_ID", run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from disagg.roles.pipelines.sim import SimAdapter; "
+         "SimAdapter('qwen-image-h200', 'denoiser', device='sim:3', device_memory=48 * 10**9, device_class='L40S'); "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(torch.OutOfMemoryError, match=r"encoder weights of sim:flux-h200 take 9\.8 GB beside the "
+                                                          r"40\.9 GB of the others on it, more than the 48 GB of its "
+                                                          r"device \(L40S\)"):
+            SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
+    finally:
+        holder.communicate("", timeout=30)
+    encoder = SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
+    assert encoder.others_bytes == 0  # the holder's entry went with its process
+    os.remove(f"/dev/shm/disagg-{run}-simdev-3")

@@ -93,8 +93,9 @@ def memory_stats(device: str, dtype: str, components: dict[str, int], adapter=No
     the pool is on the device; `cache_bytes`: what its caches hold there."""
     if adapter is not None and adapter.capabilities.memory_model:
         total, weights, peak = adapter.device_memory, adapter.weights_bytes(), adapter.activation_peak
+        used = adapter.others_bytes + weights + peak + cache_bytes  # the others' weights on a shared device too
         return MemoryStats(device=adapter.device_class, total_bytes=total, weights_bytes=weights, cache_bytes=cache_bytes,
-                           activation_peak_bytes=peak, free_bytes=max(total - weights - peak - cache_bytes, 0) if total else 0)
+                           activation_peak_bytes=peak, free_bytes=max(total - used, 0) if total else 0)
     weights = sum(components.values()) * param_bytes(dtype, device)
     stats = MemoryStats(free_bytes=device_free_memory(device), weights_bytes=weights, pool_bytes=pool_bytes,
                         cache_bytes=cache_bytes)

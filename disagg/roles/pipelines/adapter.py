@@ -130,6 +130,8 @@ class MemoryModel(Protocol):
     device_memory: int
     device_class: str
     activation_peak: int
+    #: what the other processes on its device hold there
+    others_bytes: int
 
     def weights_bytes(self) -> int: ...
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import io
+import json
 import os
 import threading
 import time
@@ -32,6 +33,16 @@ from disagg.transport.environment import DISAGG_RUN_ID
 
 #: bytes in a gigabyte (device memory is sold in them)
 GB = 10**9
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 #: the payload values are integers below 2**23: a float32 holds them exactly
 _VALUES = 1 << 23
@@ -127,10 +138,9 @@ class SimAdapter:
         self.device_memory = device_memory
         self.device_class = device_class
         self.activation_peak = 0
-        if device_memory and self.weights_bytes() > device_memory:
-            raise torch.OutOfMemoryError(
-                f"out of memory: {role} weights of sim:{profile} take {self.weights_bytes() / GB:.1f} GB, more than "
-                f"the {device_memory / GB:.0f} GB of its device ({device_class or device})")
+        #: the weights the other instances on its simulated device hold (they take turns on it, so only their
+        #: weights stay: each compute's activations come and go)
+        self.others_bytes = 0
         self._zeros = torch.zeros(0)
         #: encoded images by (pixels, format): a request retried, or many alike, encodes once
         self._encoded: dict[tuple[bytes, str], bytes] = {}
@@ -141,6 +151,12 @@ class SimAdapter:
             run = os.environ.get(DISAGG_RUN_ID, "local")
             path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
             self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            self.others_bytes = self._share()
+        if device_memory and self.others_bytes + self.weights_bytes() > device_memory:
+            others = f" beside the {self.others_bytes / GB:.1f} GB of the others on it" if self.others_bytes else ""
+            raise torch.OutOfMemoryError(
+                f"out of memory: {role} weights of sim:{profile} take {self.weights_bytes() / GB:.1f} GB{others}, more "
+                f"than the {device_memory / GB:.0f} GB of its device ({device_class or device})")
         self.capabilities = Capabilities(
             batching=True,
             # no per-call state: an instance's threads may run it at once (they take turns on a simulated device)
@@ -165,17 +181,39 @@ class SimAdapter:
     def weights_bytes(self) -> int:
         return self.profile.weights(self.role)
 
+    def _share(self) -> int:
+        """Record this process's weights in its simulated device's file (under the device's lock; processes gone
+        are dropped) and return the bytes the others there hold: memory is checked across every process on a
+        device, as a GPU's is."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            os.lseek(self._lock_fd, 0, os.SEEK_SET)
+            raw = os.read(self._lock_fd, 1 << 20)
+            try:
+                held = {int(pid): int(n) for pid, n in json.loads(raw or b"{}").items()}
+            except (ValueError, AttributeError):
+                held = {}
+            held = {pid: n for pid, n in held.items() if pid != os.getpid() and _alive(pid)}
+            others = sum(held.values())
+            held[os.getpid()] = self.weights_bytes()
+            os.ftruncate(self._lock_fd, 0)
+            os.lseek(self._lock_fd, 0, os.SEEK_SET)
+            os.write(self._lock_fd, json.dumps(held).encode())
+            return others
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
     def _fit(self, stage: str, p: dict, rows: int) -> None:
         """Fail as out of memory where `rows` of `p` in `stage` would not fit its device; note the peak."""
         prof, pixels = self.profile.for_request(p)
         act = prof.activations(stage, pixels, rows)
         self.activation_peak = max(self.activation_peak, act)
-        need = self.weights_bytes() + act
+        need = self.others_bytes + self.weights_bytes() + act
         if self.device_memory and need > self.device_memory:
             raise torch.OutOfMemoryError(
                 f"out of memory: {stage} of {rows} x {p['width']}x{p['height']}"
                 f"{' x ' + str(p['num_frames']) + ' frames' if p.get('num_frames') else ''} needs {need / GB:.1f} GB "
-                f"(weights {self.weights_bytes() / GB:.1f}, activations {act / GB:.1f}), more than the "
+                f"(weights {(self.others_bytes + self.weights_bytes()) / GB:.1f}, activations {act / GB:.1f}), more than the "
                 f"{self.device_memory / GB:.0f} GB of its device ({self.device_class or 'simulated'})")
 
     def batch_limit(self, p: dict) -> int:
@@ -183,7 +221,7 @@ class SimAdapter:
         if not self.device_memory:
             return 0
         prof, pixels = self.profile.for_request(p)
-        room = self.device_memory - self.weights_bytes()
+        room = self.device_memory - self.others_bytes - self.weights_bytes()
         per = prof.activations("denoiser", pixels, p.get("num_images_per_prompt", 1))
         return max(1, room // per) if per else 0
 
