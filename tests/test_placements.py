@@ -1,0 +1,83 @@
+"""The placement model behind `disagg plan` (issue 46; disagg/orchestrator/parts/placements.py): a fluid throughput
+over devices of several classes, memory limits, offloading replicas, and the candidates ranked best first."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.orchestrator.parts.placements import MONOLITH, Placement, candidates, fluid_rps, offload_bytes, rank
+from disagg.orchestrator.parts.planner import Work, throughput
+from disagg.roles.pipelines.sim_profile import load_profile
+from disagg.settings.devices import CLASSES, parse_devices
+
+H200 = CLASSES["H200"]
+
+
+def seconds_of(profile: str, width: int, height: int, steps: int) -> tuple[dict[str, float], int]:
+    prof, pixels = load_profile(profile).for_request({"width": width, "height": height})
+    return {r: prof.stage_ms(r, pixels, steps) / 1000 for r in ("encoder", "denoiser", "decoder")}, pixels
+
+
+def test_a_dedicated_split_serves_what_its_slowest_role_does():
+    sec, _ = seconds_of("flux-h200", 1024, 1024, 28)
+    hosts = (("encoder",), *[("denoiser",)] * 6, ("decoder",))
+    got = fluid_rps(Placement("split", hosts), [H200] * 8, sec)
+    assert got == pytest.approx(throughput({"encoder": 1, "denoiser": 6, "decoder": 1}, Work(sec)), rel=1e-6)
+
+
+def test_replicas_and_light_roles_on_a_denoisers_device_use_every_device():
+    sec, _ = seconds_of("flux-h200", 1024, 1024, 4)
+    per_request = sum(sec.values())
+    replicas = fluid_rps(Placement("replicas", ((MONOLITH,),) * 8), [H200] * 8, sec)
+    assert replicas == pytest.approx(8 / per_request)
+    # the light roles on two denoisers' devices: every device works all the time, as the replicas' do
+    shared = Placement("shared", (("encoder", "denoiser", "decoder"),) * 2 + (("denoiser",),) * 6)
+    assert fluid_rps(shared, [H200] * 8, sec) == pytest.approx(replicas, rel=1e-6)
+    # on one, that device's light work bounds it: 1 / (encode + decode) requests per second
+    one = Placement("shared", (("encoder", "denoiser", "decoder"),) + (("denoiser",),) * 7)
+    assert fluid_rps(one, [H200] * 8, sec) == pytest.approx(1 / (sec["encoder"] + sec["decoder"]), rel=1e-6)
+    # a slower class works as much less
+    assert fluid_rps(Placement("replicas", ((MONOLITH,),) * 8), [CLASSES["L40S"]] * 8, sec) == \
+        pytest.approx(replicas * CLASSES["L40S"].speed)
+
+
+def test_a_replica_that_cannot_hold_every_component_streams_the_rest_from_host_memory():
+    qwen = load_profile("qwen-image-h200")
+    _, pixels = seconds_of("qwen-image-h200", 1328, 1328, 50)
+    assert offload_bytes(qwen, H200.memory_bytes, pixels, 1) == 0
+    # an L40S keeps the 40.9 GB MMDiT and the VAE, and streams the 16.6 GB text encoder in for every request
+    assert offload_bytes(qwen, CLASSES["L40S"].memory_bytes, pixels, 1) == qwen.weights("encoder")
+
+
+def test_placements_that_do_not_fit_are_left_out_with_the_reason():
+    sec, pixels = seconds_of("qwen-image-h200", 1328, 1328, 50)
+    scored = {s.placement.describe(parse_devices("8xL40S")): s for s in
+              rank(parse_devices("8xL40S"), load_profile("qwen-image-h200"), sec, pixels)}
+    shared = scored["1xL40S encoder+denoiser+decoder, 7xL40S denoiser"]
+    assert shared.rps == 0 and "cannot hold encoder+denoiser+decoder (62.2 GB)" in shared.why_not
+    replicas = scored["8xL40S monolith"]
+    assert replicas.rps > 0 and replicas.offload_s[0] == pytest.approx(16.6e9 / CLASSES["L40S"].host_to_device)
+
+
+@pytest.mark.parametrize("profile, devices, size, steps", [
+    ("flux-h200", "8xH200", 1024, 4),
+    ("flux-h200", "8xH200", 1024, 28),
+    ("qwen-image-h200", "8xL40S", 1328, 50),
+    ("flux-h200", "4xH200,2xL40S", 1024, 28),
+])
+def test_the_best_placement_never_loses_to_replicas_and_every_kind_is_weighed(profile, devices, size, steps):
+    classes = parse_devices(devices)
+    sec, pixels = seconds_of(profile, size, size, steps)
+    scored = rank(classes, load_profile(profile), sec, pixels)
+    assert [s.rps for s in scored] == sorted((s.rps for s in scored), reverse=True)
+    kinds = {s.placement.kind for s in scored}
+    assert kinds == {"split", "shared", "replicas"}
+    replicas = next(s for s in scored if s.placement.kind == "replicas")
+    assert scored[0].rps >= replicas.rps and scored[0].rps > 0
+
+
+def test_the_candidates_put_light_roles_on_another_class_of_device():
+    classes = parse_devices("2xH200,2xL40S")
+    described = {p.describe(classes) for p in candidates(classes)}
+    assert "2xH200 denoiser, 1xL40S encoder, 1xL40S decoder" in described
+    assert "2xH200 denoiser, 1xL40S encoder+decoder, 1xL40S denoiser" in described
