@@ -31,6 +31,7 @@ from disagg.launcher.cli.common import (
 from disagg.launcher.cli.dashboard import boot_state, status_view
 from disagg.launcher.cli.entry import run_click
 from disagg.launcher.cli.options import file_only_epilog, flags_from, settings_options
+from disagg.launcher.cli.plan import plan_command
 from disagg.launcher.cli.prompts import PromptError, load_prompts
 from disagg.launcher.topology import ConfigError
 
@@ -344,48 +345,7 @@ def serve_http(endpoint: str, keys: str | None, **flags) -> None:
 
 
 cli.add_command(bench)
-
-
-@cli.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True, help="Deployment YAML: its model (a sim profile gives the stage times), its role counts (the device budget and the current split), denoisers.max_batch and rebalance.min_per_role.")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), required=True, help="A JSON Lines trace, as `disagg bench --trace` takes (t, width, height, num_inference_steps, num_frames): its requests are the mix.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def plan(config_path: str, trace_path: str, as_json: bool) -> None:
-    """Recommend the split E:D:K of the config's devices that serves the trace's mix best, offline.
-
-    Prints the predicted requests per second of every split considered (the throughput model of `--rebalance`)."""
-    from disagg.launcher.bench.trace import TraceError, load_trace
-    from disagg.launcher.cli.plan import PlanError, plan_doc, plan_trace
-    from disagg.launcher.topology import resolve_checked
-
-    try:
-        config = resolve_checked(config_path, os.environ, {}).settings
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--config") from None
-    try:
-        lines = load_trace(trace_path)
-    except TraceError as exc:
-        raise click.BadParameter(str(exc), param_hint="--trace") from None
-    try:
-        doc = plan_doc(*plan_trace(config, lines))
-    except PlanError as exc:
-        raise click.BadParameter(str(exc), param_hint="--config") from None
-    if as_json:
-        click.echo(json.dumps(doc, indent=2))
-        return
-    from rich.table import Table
-
-    table = Table(title=f"{doc['requests']} requests; device-seconds per request: "
-                        + ", ".join(f"{r} {s:.3f}" for r, s in doc["work_s"].items()), title_justify="left")
-    table.add_column("split E:D:K")
-    table.add_column("predicted req/s", justify="right")
-    for row in doc["considered"]:
-        mark = "  (recommended)" if row["split"] == doc["recommended"] else "  (current)" if row["split"] == doc["current"] else ""
-        table.add_row(row["split"] + mark, f"{row['rps']:.3f}")
-    console = make_console()
-    console.print(table)
-    click.echo(f"recommended {doc['recommended']}: {doc['recommended_rps']:.3f} req/s predicted "
-               f"(current {doc['current']}: {doc['current_rps']:.3f} req/s)")
+cli.add_command(plan_command)
 
 
 def main(argv: list[str] | None = None) -> None:

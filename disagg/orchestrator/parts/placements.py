@@ -193,5 +193,8 @@ def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 
                     break
         rps = 0.0 if why else fluid_rps(p, classes, seconds, offload)
         scored.append(Scored(p, rps, memory, offload, why))
-    scored.sort(key=lambda s: (-s.rps, s.placement.kind != "split", sum(len(h) for h in s.placement.hosts)))
+    # of placements serving as much (to a millionth), the simplest: replicas (one process a device, no hand-offs),
+    # then dedicated splits, then shared devices; then the fewest instances
+    simpler = {"replicas": 0, "split": 1, "shared": 2}
+    scored.sort(key=lambda s: (-round(s.rps, 6), simpler[s.placement.kind], sum(len(h) for h in s.placement.hosts)))
     return scored
