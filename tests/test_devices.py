@@ -135,3 +135,25 @@ def test_memory_is_checked_across_every_process_on_a_simulated_device(monkeypatc
     encoder = SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
     assert encoder.others_bytes == 0  # the holder's entry went with its process
     os.remove(f"/dev/shm/disagg-{run}-simdev-3")
+
+
+def test_a_replica_that_cannot_hold_every_component_streams_the_rest_for_every_request(monkeypatch):
+    """Qwen-Image colocated on an L40S: the 40.9 GB MMDiT and the VAE stay, the 16.6 GB text encoder is copied in
+    for every request at the class's host-to-device bandwidth (its copy, not its compute: no speed scaling)."""
+    import disagg.roles.pipelines.sim as sim
+
+    l40s = CLASSES["L40S"]
+    replica = SimAdapter("qwen-image-h200", "monolith", device_memory=l40s.memory_bytes, device_class="L40S",
+                         slowdown=1 / l40s.speed)
+    qwen = load_profile("qwen-image-h200")
+    assert replica.streamed == {"encoder": qwen.weights("encoder")}
+    assert replica.weights_bytes() == qwen.weights("denoiser") + qwen.weights("decoder")
+    slept = []
+    monkeypatch.setattr(sim.time, "sleep", slept.append)
+    replica.encode(dict(width=1328, height=1328, num_inference_steps=1, num_images_per_prompt=1, seed=0,
+                        prompt="p"))
+    copy_s = qwen.weights("encoder") / l40s.host_to_device
+    assert slept[0] == pytest.approx(copy_s)  # the copy first, then the encode at the class's speed
+    assert slept[1] == pytest.approx(qwen.encoder.fixed_ms(1328 * 1328) / 1000 / l40s.speed)
+    # on an H200 everything fits: nothing is streamed
+    assert SimAdapter("qwen-image-h200", "monolith", device_memory=CLASSES["H200"].memory_bytes).streamed == {}

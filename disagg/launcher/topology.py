@@ -112,7 +112,9 @@ def check_fit(config: Settings, placements: list["Placement"]) -> None:
             on.setdefault(gpu, []).append(p)
     for gpu, here in sorted(on.items()):
         cls = devices[gpu]
-        weights = sum(profile.weights(p.role) for p in here)
+        # a colocated replica streams what it cannot keep (profile.streamed): it holds the rest
+        weights = sum(profile.weights(p.role) - sum(profile.streamed(cls.memory_bytes, profile.reference_pixels).values())
+                      if p.role == "monolith" else profile.weights(p.role) for p in here)
         peak = max(profile.activations(p.role, profile.reference_pixels, max(p.max_batch, 1)) for p in here)
         if weights + peak > cls.memory_bytes:
             names = ", ".join(p.instance_id for p in here)

@@ -64,17 +64,9 @@ def device_need(profile, roles: tuple[str, ...], pixels: int, batch: int) -> int
 
 
 def offload_bytes(profile, memory: int, pixels: int, batch: int) -> int:
-    """Bytes a replica on a device of `memory` streams in per request: the components it cannot keep, largest
-    kept first (the denoiser, then the encoder, then the decoder)."""
-    act = profile.activations(MONOLITH, pixels, batch)
-    room, streamed = memory - act, 0
-    for role in sorted(ROLES, key=lambda r: -profile.weights(r)):
-        w = profile.weights(role)
-        if w <= room:
-            room -= w
-        else:
-            streamed += w
-    return streamed
+    """Bytes a replica on a device of `memory` streams in per request: the components it cannot keep
+    (the profile's `streamed`, the same rule the simulated replica follows)."""
+    return sum(profile.streamed(memory, pixels, batch).values())
 
 
 def _max_flow(capacity: dict[tuple[str, str], float], source: str, sink: str) -> float:

@@ -29,6 +29,7 @@ from PIL import Image
 from disagg.roles.media import encode_image
 from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
+from disagg.settings.devices import CLASSES
 from disagg.transport.environment import DISAGG_RUN_ID
 
 #: bytes in a gigabyte (device memory is sold in them)
@@ -141,6 +142,11 @@ class SimAdapter:
         #: the weights the other instances on its simulated device hold (they take turns on it, so only their
         #: weights stay: each compute's activations come and go)
         self.others_bytes = 0
+        #: a colocated replica whose device cannot hold every component: those it streams in from host memory for
+        #: every request (stage -> bytes), at its device class's host-to-device bandwidth
+        self.streamed = self.profile.streamed(device_memory, self.profile.reference_pixels) \
+            if role == "monolith" and device_memory else {}
+        self.host_to_device = CLASSES[device_class].host_to_device if device_class in CLASSES else 0.0
         self._zeros = torch.zeros(0)
         #: encoded images by (pixels, format): a request retried, or many alike, encodes once
         self._encoded: dict[tuple[bytes, str], bytes] = {}
@@ -179,7 +185,16 @@ class SimAdapter:
     # --- memory (Capabilities.memory_model) ---
 
     def weights_bytes(self) -> int:
-        return self.profile.weights(self.role)
+        """What it keeps on its device (a replica streaming some components: the others)."""
+        return self.profile.weights(self.role) - sum(self.streamed.values())
+
+    def _stream(self, stage: str) -> None:
+        """A replica's component it does not keep: copied in before its stage (the device's copy, not its compute:
+        the class's bandwidth, not its speed)."""
+        nbytes = self.streamed.get(stage)
+        if nbytes and self.host_to_device:
+            with self.device_turn():
+                time.sleep(nbytes / self.host_to_device)
 
     def _share(self) -> int:
         """Record this process's weights in its simulated device's file (under the device's lock; processes gone
@@ -268,6 +283,7 @@ class SimAdapter:
     def encode(self, p: dict) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
         self._fit("encoder", p, 1)
+        self._stream("encoder")
         extra = prof.image.fixed_ms(pixels) if p.get("image") is not None else 0.0
         self._busy(prof.encoder.fixed_ms(pixels) + extra)
         return self._tensor("encoder", p, encoder_value(p))
@@ -275,6 +291,7 @@ class SimAdapter:
     def denoise(self, inputs, p: dict, progress=None) -> dict[str, torch.Tensor]:
         prof, pixels = self.profile.for_request(p)
         self._fit("denoiser", p, p.get("num_images_per_prompt", 1))
+        self._stream("denoiser")
         cost = prof.denoiser
         encoded = first_value(inputs)
         self._busy(cost.fixed_ms(pixels))
@@ -293,6 +310,7 @@ class SimAdapter:
 
     def denoise_start(self, inputs, p: dict) -> "_SimState":
         prof, pixels = self.profile.for_request(p)
+        self._stream("denoiser")
         self._busy(prof.denoiser.fixed_ms(pixels))
         return _SimState(p, p["num_inference_steps"], first_value(inputs))
 
@@ -315,6 +333,7 @@ class SimAdapter:
         prof, pixels = self.profile.for_request(p)
         chunks = prof.latent_frames(p.get("num_frames"))
         self._fit("decoder", p, p.get("num_images_per_prompt", 1))
+        self._stream("decoder")
         for k in range(chunks):
             if k and progress is not None:
                 progress()

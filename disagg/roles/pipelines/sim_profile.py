@@ -116,6 +116,19 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         cost = getattr(self, role)
         return int(batch * (cost.activation_bytes + cost.activation_bytes_per_token * pixels / self.pixels_per_token))
 
+    def streamed(self, memory: int, pixels: int, batch: int = 1) -> dict[str, int]:
+        """A colocated replica on a device of `memory` bytes: the components it cannot keep there, streamed in from
+        host memory for every request (stage -> bytes). It keeps the largest that fit beside the activations of
+        `batch` requests of `pixels`, the denoiser first; {} when everything fits."""
+        room, out = memory - self.activations("monolith", pixels, batch), {}
+        for role in sorted(("encoder", "denoiser", "decoder"), key=lambda r: -self.weights(r)):
+            w = self.weights(role)
+            if w <= room:
+                room -= w
+            elif w:
+                out[role] = w
+        return out
+
     def stage_ms(self, role: str, pixels: int, steps: int) -> float:
         """Unbatched time of one request in `role` (the unloaded-latency figure benches use)."""
         cost = getattr(self, role)
