@@ -51,7 +51,7 @@ def stage_seconds(config: Settings):
         ms = prof.stage_ms(role, pixels, steps)
         if role == "denoiser" and batch > 1:  # each request's share of full batches' steps
             ms -= steps * prof.denoiser.step_ms(pixels) * (1 - prof.denoiser.batch_factor(pixels, batch) / batch)
-        return ms / 1000
+        return ms * prof.time_scale / 1000
 
     return predict
 

@@ -173,7 +173,7 @@ def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 
         if p.kind == "replicas":
             for d, cls in enumerate(classes):
                 streamed = offload_bytes(profile, cls.memory_bytes, pixels, batch)
-                offload[d] = streamed / cls.host_to_device
+                offload[d] = streamed / cls.host_to_device * profile.time_scale
                 memory[d] = min(device_need(profile, (MONOLITH,), pixels, batch) - 0, cls.memory_bytes)
                 if profile.activations(MONOLITH, pixels, batch) > cls.memory_bytes:
                     why = f"device {d} ({cls.name}) cannot hold a replica's activations"

@@ -194,7 +194,7 @@ class SimAdapter:
         nbytes = self.streamed.get(stage)
         if nbytes and self.host_to_device:
             with self.device_turn():
-                time.sleep(nbytes / self.host_to_device)
+                time.sleep(nbytes / self.host_to_device * self.profile.time_scale)
 
     def _share(self) -> int:
         """Record this process's weights in its simulated device's file (under the device's lock; processes gone
@@ -260,7 +260,7 @@ class SimAdapter:
     def _busy(self, ms: float) -> None:
         if ms > 0:
             with self.device_turn():
-                time.sleep(ms * self.slowdown / 1000)
+                time.sleep(ms * self.slowdown * self.profile.time_scale / 1000)
 
     def _size(self, role: str, p: dict) -> int:
         with_image = role == "encoder" and p.get("image") is not None

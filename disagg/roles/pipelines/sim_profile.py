@@ -79,6 +79,10 @@ class SimProfile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     video: str = ""
     #: (latent) pixels per latent token: the VAE's 8x and the transformer's 2x2 patches (Flux, Wan, Qwen-Image)
     pixels_per_token: int = 256
+    #: every simulated stage time (computes, and a replica's copies from host memory; not adapter loads) multiplied
+    #: by this: a benchmark that needs many requests of a slow model runs a copy of its profile faster, every ratio
+    #: kept
+    time_scale: float = 1.0
 
     def latent_frames(self, frames: int | None) -> int:
         """A video's latent frames, (frames - 1) // temporal + 1; 1 for an image or where frames do not count."""
