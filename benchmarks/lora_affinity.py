@@ -33,11 +33,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
 from disagg.launcher.ports import free_port_pair  # noqa: E402
+from disagg.roles.pipelines.sim_profile import PROFILE_DIR  # noqa: E402
 
 #: a restore from host memory (loras.host_slots): a Flux adapter of ~100 MiB over PCIe at ~10 GB/s, plus moving
 #: its ~1,000 LoRA tensors one by one (diffusers' set_lora_device); an estimate, not measured on a GPU here
 RESTORE_MS = 50
-PROFILE = ((ROOT / "configs" / "sim" / "flux-h200.yaml").read_text()
+PROFILE = ((PROFILE_DIR / "flux-h200.yaml").read_text()
            + f"\nlora: {{load_ms: 800, slots: 4, restore_ms: {RESTORE_MS}}}\n")
 #: host-memory slots per denoiser in the "+ host" setups (--host-slots): 4 + 16 = 20 adapters an instance keeps,
 #: 80 in all, so the 32 adapters fit about twice over; a Flux adapter of ~100 MiB makes it ~1.6 GiB of host memory
