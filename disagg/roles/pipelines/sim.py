@@ -30,20 +30,12 @@ from disagg.roles.media import encode_image
 from disagg.roles.pipelines.adapter import Capabilities, LoraSupport
 from disagg.roles.pipelines.sim_profile import load_profile
 from disagg.settings.devices import CLASSES
+from disagg.transport.data.shm import pid_alive
 from disagg.transport.environment import DISAGG_RUN_ID
 
 #: bytes in a gigabyte (device memory is sold in them)
 GB = 10**9
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 #: the payload values are integers below 2**23: a float32 holds them exactly
 _VALUES = 1 << 23
@@ -208,7 +200,7 @@ class SimAdapter:
                 held = {int(pid): int(n) for pid, n in json.loads(raw or b"{}").items()}
             except (ValueError, AttributeError):
                 held = {}
-            held = {pid: n for pid, n in held.items() if pid != os.getpid() and _alive(pid)}
+            held = {pid: n for pid, n in held.items() if pid != os.getpid() and pid_alive(pid)}
             others = sum(held.values())
             held[os.getpid()] = self.weights_bytes()
             os.ftruncate(self._lock_fd, 0)
