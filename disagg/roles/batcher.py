@@ -51,7 +51,7 @@ class StepBatcher:
     """Runs the denoising loops of up to `max_batch` same-shape requests as one batch."""
 
     def __init__(self, adapter, max_batch: int, sync=None, loras=None, schedule: Schedule = default("schedule.order"),
-                 aging_s: float = default("schedule.aging_s"), caches=None):
+                 aging_s: float = default("schedule.aging_s"), caches=None, memory_limit=None):
         self.adapter = adapter
         #: the transformer's step caches: a request with one runs alone, its steps back to back
         self.caches = caches
@@ -61,9 +61,9 @@ class StepBatcher:
         #: step's time, and every request's share of it, is the device's time and not the launch time
         self.sync = sync or (lambda: None)
         self.max_batch = max_batch
-        #: where the adapter knows its device's memory (Capabilities.memory_model): the most requests like one a
-        #: batch may hold there (0: no limit); a batch is never formed past it
-        self.memory_limit = adapter.batch_limit if adapter.capabilities.memory_model else (lambda p: 0)
+        #: where the adapter knows its device's memory (Capabilities.memory_model, the Stage passes its batch_limit):
+        #: the most requests like one a batch may hold there (0: no limit); a batch is never formed past it
+        self.memory_limit = memory_limit or (lambda p: 0)
         self._waiting: deque[_Entry] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None

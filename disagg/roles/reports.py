@@ -88,7 +88,8 @@ class SelfReport:
         """Its device's memory: weights, pool (where it is on the device), caches, activations' peak, free."""
         cond = self.conditioning_stats()
         on_device = getattr(self.pool, "device", "").startswith("cuda")
-        return memory_stats(self.spec.device, self.spec.dtype, self.components, self.runner.stage.adapter,
+        stage = self.runner.stage  # None while it boots: its heartbeats start before its model is loaded
+        return memory_stats(self.spec.device, self.spec.dtype, self.components, stage.adapter if stage else None,
                             pool_bytes=self.pool.nbytes if on_device else 0, cache_bytes=cond.bytes if cond else 0)
 
     def conditioning_stats(self) -> CacheStats | None:

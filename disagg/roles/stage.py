@@ -126,7 +126,7 @@ class Stage:
             from disagg.roles.batcher import StepBatcher
 
             self.batcher = StepBatcher(adapter, max_batch, sync=sync, loras=loras, schedule=schedule, aging_s=aging_s,
-                                       caches=caches)
+                                       caches=caches, memory_limit=adapter.batch_limit if caps.memory_model else None)
             if caps.family:
                 one_forward_at_a_time(getattr(adapter.pipe, "transformer", None))
         shared = self.batcher is not None or caps.thread_safe

@@ -135,8 +135,12 @@ def plan_command(config_path, model, devices, trace_path, write_path, as_json) -
     from disagg.launcher.cli.common import make_console
     from disagg.launcher.topology import ConfigError, resolve_checked
 
-    flags = {k: v for k, v in (("model", model), ("devices", devices)) if v is not None}
-    if config_path is None and not flags.get("model"):
+    flags = {}  # what the flags give, over the config's
+    if model is not None:
+        flags["model"] = model
+    if devices is not None:
+        flags["devices"] = devices
+    if config_path is None and model is None:
         raise click.UsageError("give --config FILE, or --model sim:NAME with --devices")
     try:
         config = resolve_checked(config_path, os.environ, flags).settings
