@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -130,11 +131,14 @@ def test_memory_is_checked_across_every_process_on_a_simulated_device(monkeypatc
                                                           r"40\.9 GB of the others on it, more than the 48 GB of its "
                                                           r"device \(L40S\)"):
             SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
-    finally:
         holder.communicate("", timeout=30)
-    encoder = SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
-    assert encoder.others_bytes == 0  # the holder's entry went with its process
-    os.remove(f"/dev/shm/disagg-{run}-simdev-3")
+        encoder = SimAdapter("flux-h200", "encoder", device="sim:3", device_memory=48 * GB, device_class="L40S")
+        assert encoder.others_bytes == 0  # the holder's entry went with its process
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(timeout=30)
+        Path(f"/dev/shm/disagg-{run}-simdev-3").unlink(missing_ok=True)
 
 
 def test_a_replica_that_cannot_hold_every_component_streams_the_rest_for_every_request(monkeypatch):
