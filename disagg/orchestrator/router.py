@@ -387,16 +387,6 @@ class Router(InstanceLifecycle, RequestSteps):
                 return True
         return False
 
-    # --- loop phases ------------------------------------------------------------------------
-
-    def expire_requests(self, now: float, out: list[Out]) -> None:
-        for req in [r for r in self.requests.values() if now > r.deadline]:
-            limit = req.deadline - req.submitted_at
-            self.release_source(req, out)
-            # a compute slot held for it stays taken until its instance reports back or dies
-            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out,
-                      code=ErrorCode.TIMEOUT)
-
     # --- stats ------------------------------------------------------------------------------
 
     def snapshot(self, now: float) -> StatusReport:

@@ -153,6 +153,15 @@ class RequestSteps:
             ended(req, state, now)
         self.stats.record(state, now, req.timings)
 
+    def expire_requests(self, now: float, out: list[Out]) -> None:
+        """Requests past their deadline (timeouts.request, or the Submit's own) fail now, as timed out."""
+        for req in [r for r in self.requests.values() if now > r.deadline]:
+            limit = req.deadline - req.submitted_at
+            self.release_source(req, out)
+            # a compute slot held for it stays taken until its instance reports back or dies
+            self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out,
+                      code=ErrorCode.TIMEOUT)
+
     def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:
         """A new attempt from the last stage whose input still exists, else from the encoder."""
         if req.attempt > self.config.max_retries:
