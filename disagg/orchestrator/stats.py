@@ -104,8 +104,8 @@ def snapshot(router, now: float) -> StatusReport:
         },
         instances=[i.status(now) for i in instances],
         queues={
-            role: sum(1 for rid in q if rid in router.requests)
-            for role, q in router.queues.items()
+            role: router.queue.waiting(role)
+            for role in router.queues
             if role in STAGES or router.config.colocated
         },
         requests=RequestCounts(

@@ -40,10 +40,6 @@ class Placement:
             groups[(cls.name, roles)] = groups.get((cls.name, roles), 0) + 1
         return ", ".join(f"{n}x{name} {'+'.join(roles) or 'idle'}" for (name, roles), n in groups.items())
 
-    def counts(self) -> dict[str, int]:
-        """Instances per role (a device hosting a role runs one instance of it)."""
-        return {r: sum(r in h for h in self.hosts) for r in (*ROLES, MONOLITH)}
-
 
 @dataclass
 class Scored:
@@ -174,7 +170,7 @@ def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 
             for d, cls in enumerate(classes):
                 streamed = offload_bytes(profile, cls.memory_bytes, pixels, batch)
                 offload[d] = streamed / cls.host_to_device * profile.time_scale
-                memory[d] = min(device_need(profile, (MONOLITH,), pixels, batch) - 0, cls.memory_bytes)
+                memory[d] = min(device_need(profile, (MONOLITH,), pixels, batch), cls.memory_bytes)
                 if profile.activations(MONOLITH, pixels, batch) > cls.memory_bytes:
                     why = f"device {d} ({cls.name}) cannot hold a replica's activations"
         else:

@@ -299,7 +299,8 @@ class Placement:
         self.steps = [cls(core, self) for cls in steps if cls.wanted(core.config)]
         #: the parts that hear the Router's events
         self.parts = [self.lora_loads, *self.steps]
-        #: role -> its chain for requests without adapters, and with: place(p) -> the instance, None or DEFER
+        #: role -> its chain for requests without adapters, and with: chain(p) -> the instance, None or DEFER
+        #: (Router.dispatch_queued picks the chain)
         self.chains = {role: self._chain(role, False) for role in ROLES}
         self.adapter_chains = {role: self._chain(role, True) for role in ROLES}
 
@@ -309,9 +310,6 @@ class Placement:
             if (step.roles is None or role in step.roles) and (adapters or not step.adapters_only):
                 call = functools.partial(step.place, next=call)
         return call
-
-    def place(self, p: Placing):
-        return (self.adapter_chains if p.req.params.loras else self.chains)[p.role](p)
 
     def _pick(self, p: Placing):
         return self.policy.pick(p.role, p.candidates, p.prefer, p.nbytes, indexed=not p.narrowed)
