@@ -185,6 +185,30 @@ def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
     assert [(m.from_role, m.to_role) for m in rb.moving] == [("denoiser", "decoder")]
 
 
+def test_a_move_whose_instance_restarts_in_its_old_role_is_called_off():
+    """A draining instance killed on its way out and restarted by its supervisor before its launcher took the order
+    (the chaos day's decoder kill during a move): its device serves its old role again, so the move is called off
+    and no order is given for it; it must not hang as `restarting` with the split miscounted."""
+    d = Deployment(mode="auto", cooldown_s=30.0)
+    for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
+        d.add(role)
+    d.poll()
+    d.serve(2, 6)
+    d.tick(1.0)
+    assert sorted(m.instance_id for m in d.router.snapshot(d.now).rebalance.moving) == ["encoder-0", "encoder-1"]
+    d.add("encoder", iid="encoder-0")  # restarted while draining (its death not even seen)
+    out = d.tick(0.05)
+    assert {o.to_instance for o in out if isinstance(o.msg, Shutdown)} == {"encoder-1"}
+    d.tick(0.05)
+    rb = d.router.snapshot(d.now).rebalance
+    assert [(m.instance_id, m.state) for m in rb.moving] == [("encoder-1", "restarting")]
+    d.add("encoder", iid="encoder-1")  # died on its way out, restarted before its launcher took the order
+    d.tick(0.05)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.moving == [] and rb.current == "3:3:2" and d.poll().orders == [], rb
+    assert sum("the move is called off" in w for w in d.router.snapshot(d.now).warnings) == 2
+
+
 def test_a_restarted_orchestrator_never_gives_a_move_an_id_the_deployment_used():
     """Issue 42 D1: the successor's registry lacks decoder-0 (it moved to denoiser-4 before the restart), but its
     launcher lists it among the ids it started: a move back to the decoders takes decoder-2."""

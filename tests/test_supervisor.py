@@ -45,3 +45,30 @@ def test_one_rank_killed_restarts_the_group_once_and_the_new_ranks_are_left_alon
         assert ranks[0].env["DISAGG_DIST_INIT"] == ranks[1].env["DISAGG_DIST_INIT"], events
     finally:
         sup.stop_all(grace_s=1)
+
+
+def test_a_retired_child_is_never_restarted_whether_its_exit_was_seen_before_or_after(tmp_path):
+    """A rebalance order taken for an instance that crashed on its way out (disagg/launcher/deployment.py:
+    take_orders): its device serves the new instance, so the restart its crash scheduled must not happen."""
+    sup = Supervisor(tmp_path, RestartPolicy(initial_delay_s=0.2, healthy_s=1e9))  # a restart 0.2 s after the exit
+    seen = sup.spawn("decoder-1", [sys.executable, "-c", RANK])
+    unseen = sup.spawn("decoder-2", [sys.executable, "-c", RANK])
+    control = sup.spawn("decoder-3", [sys.executable, "-c", RANK])
+    try:
+        os.kill(unseen.pid, signal.SIGKILL)
+        unseen.proc.wait()
+        with sup.lock:  # retired before the supervisor saw it exit
+            sup.retire(unseen)
+        for child in (seen, control):
+            os.kill(child.pid, signal.SIGKILL)
+            child.proc.wait()
+        sup.supervise()  # decoder-1's exit and decoder-3's are seen: restarts scheduled
+        assert seen.restart_at is not None and control.restart_at is not None
+        with sup.lock:
+            sup.retire(seen)
+        wait_until(lambda: sup.supervise() or control.restarts == 1, timeout=30, step=0.02)
+        sup.supervise()
+        assert (seen.restarts, unseen.restarts) == (0, 0) and seen.restart_at is None and unseen.restart_at is None
+        assert seen.proc.poll() is not None and unseen.proc.poll() is not None
+    finally:
+        sup.stop_all(grace_s=1)

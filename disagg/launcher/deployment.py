@@ -193,14 +193,15 @@ class Deployment(Startup):
             old = self.supervisor.children.get(order.instance_id)
             if order.new_id in self.supervisor.children or old is None:
                 continue  # started already, or not ours
-            if old.proc is not None and old.proc.poll() is None:
-                continue  # still on its way out: next time
             p = next((p for p in self.placements if p.instance_id == order.instance_id), None)
             if p is None:
                 continue
-            new = rerole(self.config, p, order.role, order.new_id)
-            self.placements[self.placements.index(p)] = new
-            with self.supervisor.lock:  # its thread walks the children
+            with self.supervisor.lock:  # its thread walks (and restarts) the children
+                if old.proc is not None and old.proc.poll() is None:
+                    continue  # on its way out, or restarted after a crash (its orchestrator calls the move off)
+                self.supervisor.retire(old)  # crashed on its way out: its pending restart would share the device
+                new = rerole(self.config, p, order.role, order.new_id)
+                self.placements[self.placements.index(p)] = new
                 child = self.spawn_role(new, take_spare=True)
             said.append(f"{order.instance_id}'s device serves as {order.new_id} now (pid {child.pid})")
         return said

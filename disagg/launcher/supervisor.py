@@ -52,6 +52,8 @@ class Child:
     restart_times: collections.deque = field(default_factory=collections.deque)
     restart_at: float | None = None
     gave_up: bool = False
+    #: its device serves another instance now (a rebalance order taken after it exited): never restarted
+    retired: bool = False
     started_at: float = 0.0
     #: a role: a restart may take over a spare interpreter (see Supervisor.spares) instead of a new one
     spare_ok: bool = False
@@ -247,6 +249,11 @@ class Supervisor:
                                     f"{', from a spare interpreter' if spare else ''})")
             self._top_up_spares()  # after the restarts: a spare taken now is replaced in the background
 
+    def retire(self, child: Child) -> None:
+        """Never restart `child` (exited) again: its device serves another instance from now on. Call it holding
+        the lock."""
+        child.retired, child.restart_at = True, None
+
     def _stop_group(self, dead: Child) -> None:
         for other in self.children.values():
             if other.group == dead.group and other is not dead and other.proc is not None and other.proc.poll() is None:
@@ -258,6 +265,8 @@ class Supervisor:
         if child.group and any(o.gave_up for o in self.children.values() if o.group == child.group and o is not child):
             child.gave_up = True  # the group cannot meet without the member given up on
             self.events.put(f"{child.name} is not restarted: another rank of {child.group} was given up on")
+            return
+        if child.retired:
             return
         if child.returncode == 0:  # asked to stop (disagg stop, Shutdown): not a failure
             self.events.put(f"{child.name} exited")

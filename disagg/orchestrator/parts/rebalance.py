@@ -8,6 +8,10 @@ between the roles that serves the most (`advise`); under `auto` devices then mov
    too few devices on that device;
 3. the move is over when `new_id` is ready. Then `cooldown_s` passes before the next move.
 
+A move is called off when the instance it drains registers again before its launcher took the order: it crashed
+(or was killed) on its way out and its supervisor restarted it, so its device serves its old role; the launcher
+retires a crashed instance whose order it takes first (disagg/launcher/deployment.py: take_orders).
+
 A move outlives the orchestrator that made it: the instance exits with MOVE_EXIT (Shutdown.move), and its
 launcher reports the device as idle in every LauncherPoll until an order gives it a role. A successor that finds
 such a device takes it up as a move of its own (`adopt_idle`): to the role the plan lacks most, else back to the
@@ -51,6 +55,8 @@ class Move:
     started: float
     state: str = "draining"
     ordered_at: float = 0.0
+    #: the registration of `inst` that was drained (0: an adopted device, none): another one means it restarted
+    session: int = 0
 
 
 class Rebalance(Part):
@@ -211,7 +217,7 @@ class Rebalance(Part):
             if inst is None:
                 continue
             new_id = self.new_instance_id(to_role, inst.id)
-            self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now)
+            self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now, session=inst.session)
             inst.state = "draining"  # no new work; shut down once idle (shutdown_drained)
             self.core.instances_changed()
             started.append(f"{inst.id} -> {new_id}")
@@ -285,7 +291,13 @@ class Rebalance(Part):
     def follow_moves(self, now: float) -> None:
         for m in list(self.moving.values()):
             old = self.registry.get(m.inst)
-            if m.state == "draining" and (old is None or old.state == "dead"):
+            if m.session and old is not None and old.session != m.session and old.state != "dead":
+                del self.moving[m.inst]  # restarted in its old role before its launcher took the order
+                self.last_move_end = now
+                self.core.warnings.append(f"rebalance: {m.inst} restarted during its move to {m.to_role}; it serves as "
+                                          f"a {m.from_role} again, and the move is called off")
+                log.warning("rebalance: %s restarted while moving to %s; the move is called off", m.inst, m.to_role)
+            elif m.state == "draining" and (old is None or old.state == "dead"):
                 m.state, m.ordered_at = "restarting", now
                 log.info("rebalance: %s drained; its launcher starts %s there", m.inst, m.new_id)
             elif m.state == "restarting":
