@@ -4,13 +4,15 @@ the best placement with shared devices, colocated replicas (offloading where the
 Every placement of a workload is measured in the same run, alternating, --runs times; medians.
 
     python benchmarks/placements.py                       # every workload, 3 runs (long: see --time-scale)
-    python benchmarks/placements.py --only flux-1024-4 --runs 1
+    python benchmarks/placements.py --only flux-1024-4 --runs 1   # one workload, merged into the results
 
 Each placement is launched from the config `disagg plan --write-config` would write for it, on simulated devices of
 its classes (`devices`), with the workload's profile copied at --time-scale (every simulated time multiplied by it:
-a Qwen-Image request takes 132 s on an L40S; the ratios, and so the comparison, stay). Load: closed loop, two
-requests in flight per device, --requests per device after a warm-up. The prediction is the planner's req/s for the
-same scaled profile. Writes benchmarks/results/placements.{json,md,png}.
+a Qwen-Image request takes 132 s on an L40S; the ratios, and so the comparison, stay), chosen per workload so that
+its best placement serves about --target-rps. Load: closed loop, two requests in flight per device, --requests per
+device after a warm-up of one each; the rate is the steady one (the middle 60% of the completions). The prediction
+is the planner's req/s for the same scaled profile. The planner's choice is always the best placement of its kind,
+so it is measured once, as that kind. Writes benchmarks/results/placements.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -67,24 +69,35 @@ def mix(workload: str) -> list[dict]:
             for line in generate(1.0, 100, 0)]
 
 
-def candidates(workload: str, profile_path: str) -> tuple[dict, list]:
-    """The planner's best of each kind and its choice, as {label: (config doc, predicted req/s)}."""
+def candidates(workload: str, profile_path: str) -> tuple[dict, str, object]:
+    """The planner's best placement of each kind, as {kind label: (config doc, predicted req/s, description)}; the
+    label of its choice (always the best of its kind: measured once, as that kind); the work it planned on."""
     _, devices, _, max_batch = WORKLOADS[workload]
     config = resolve(None, {}, {"model": f"sim:{profile_path}", "devices": devices,
                                 "denoisers.max_batch": max_batch}).settings
     lines = [TraceLine(t=0.0, **req) for req in mix(workload)]
     scored, work, classes = place_trace(config, lines)
-    picks = {"planner": scored[0]}
+    picks, choice = {}, ""
     for kind, label in (("split", "best split"), ("shared", "best shared"), ("replicas", "replicas")):
         best = next((s for s in scored if s.placement.kind == kind and s.rps > 0), None)
         if best is not None:
             picks[label] = best
+            choice = label if best is scored[0] else choice
     return {label: (placement_config(config, s, classes), s.rps, s.placement.describe(classes))
-            for label, s in picks.items()}, work
+            for label, s in picks.items()}, choice, work
+
+
+def steady_rps(done_at: list[float], trim: float = 0.2) -> float:
+    """Requests per second between the completions `trim` from either end: the rate the placement sustains, without
+    the ramp-up and the last wave (where some devices already idle: with 32 requests on 7 denoisers, a whole round
+    on a few of them would count against the placement)."""
+    done_at = sorted(done_at)
+    lo, hi = int(len(done_at) * trim), len(done_at) - 1 - int(len(done_at) * trim)
+    return (hi - lo) / (done_at[hi] - done_at[lo]) if hi > lo and done_at[hi] > done_at[lo] else 0.0
 
 
 def measure(doc: dict, requests: list[dict], per_device: int, folder: Path) -> dict:
-    """Launch the placement, drive it closed-loop, return its throughput."""
+    """Launch the placement, drive it closed-loop (two requests in flight per device), return its steady rate."""
     from disagg.client import Client
     from disagg.transport.wire.messages import GenerationParams
 
@@ -98,13 +111,13 @@ def measure(doc: dict, requests: list[dict], per_device: int, folder: Path) -> d
     try:
         wait_ready(endpoint, proc)
         params = [GenerationParams(prompt=f"p{k}", **requests[k % len(requests)]) for k in range(n_devices * per_device)]
+        done_at: list[float] = []
         with Client(endpoint) as client:
             client.run_all(params[:n_devices], concurrency=2 * n_devices)  # warm-up: every instance once
-            t0 = time.monotonic()
-            outcomes = client.run_all(params, concurrency=2 * n_devices)
-            duration = time.monotonic() - t0
+            outcomes = client.run_all(params, concurrency=2 * n_devices,
+                                      on_outcome=lambda o: o.ok and done_at.append(time.monotonic()))
         ok = sum(o.ok for o in outcomes)
-        return {"rps": ok / duration, "completed": ok, "failed": len(outcomes) - ok,
+        return {"rps": round(steady_rps(done_at), 4), "completed": ok, "failed": len(outcomes) - ok,
                 "errors": sorted({o.error for o in outcomes if not o.ok})[:3]}
     finally:
         stop_all([proc])
@@ -114,17 +127,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
-    ap.add_argument("--time-scale", type=float, default=0.05)
-    ap.add_argument("--requests", type=int, default=4, help="measured requests per device")
+    ap.add_argument("--target-rps", type=float, default=5.0,
+                    help="each workload's times are scaled so that its best placement serves about this many req/s")
+    ap.add_argument("--requests", type=int, default=6, help="measured requests per device")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "placements.json"))
     args = ap.parse_args()
     names = [w for w in (args.only.split(",") if args.only else WORKLOADS)]
-    results = {}
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if args.only and out.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for name in names:
-            profile_path = scaled_profile(WORKLOADS[name][0], args.time_scale, folder)
-            picks, work = candidates(name, profile_path)
+            unscaled, _, _ = candidates(name, scaled_profile(WORKLOADS[name][0], 1.0, folder))
+            scale = max(rps for _, rps, _ in unscaled.values()) / args.target_rps
+            picks, choice, work = candidates(name, scaled_profile(WORKLOADS[name][0], scale, folder))
             runs: dict[str, list] = {label: [] for label in picks}
             for k in range(args.runs):
                 for label, (doc, _, _) in picks.items():
@@ -132,20 +148,75 @@ def main() -> int:
                     runs[label].append(got)
                     print(f"{name} run {k + 1} {label}: {got['rps']:.3f} req/s ({got['failed']} failed)", flush=True)
             results[name] = {
-                "profile": WORKLOADS[name][0], "devices": WORKLOADS[name][1], "time_scale": args.time_scale,
-                "work_s": work.seconds,
+                "profile": WORKLOADS[name][0], "devices": WORKLOADS[name][1], "time_scale": round(scale, 6),
+                "planner": choice, "work_s": work.seconds,
                 "placements": {label: {"placement": desc, "predicted_rps": round(pred, 4),
                                        "measured_rps": round(statistics.median(r["rps"] for r in runs[label]), 4),
                                        "runs": runs[label]}
                                for label, (_, pred, desc) in picks.items()},
             }
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    for name, r in results.items():
-        best_other = max(p["measured_rps"] for label, p in r["placements"].items() if label != "planner")
-        planner = r["placements"]["planner"]
-        print(f"{name}: planner {planner['placement']} {planner['measured_rps']:.3f} req/s = "
-              f"{planner['measured_rps'] / best_other:.3f}x the best other; predicted {planner['predicted_rps']:.3f}")
+            out.write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    out.with_suffix(".md").write_text(table + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(table)
     return 0
+
+
+def markdown(results: dict) -> str:
+    """One row per workload: every placement's measured req/s (median), the planner's choice and prediction, and
+    its ratio to the best other placement measured."""
+    rows = ["| workload | devices | best split | best shared | replicas | planner's choice | measured | predicted | "
+            "prediction error | vs best other |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        p = r["placements"]
+
+        def cell(label):
+            return f"{p[label]['measured_rps']:.3f} ({p[label]['placement']})" if label in p else "does not fit"
+
+        mine = p[r["planner"]]
+        others = [q["measured_rps"] for label, q in p.items() if label != r["planner"]]
+        ratio = mine["measured_rps"] / max(others) if others else 1.0
+        error = mine["predicted_rps"] / mine["measured_rps"] - 1 if mine["measured_rps"] else float("inf")
+        rows.append(f"| {name} | {r['devices']} | {cell('best split')} | {cell('best shared')} | {cell('replicas')} | "
+                    f"{r['planner']} | {mine['measured_rps']:.3f} | {mine['predicted_rps']:.3f} | {error:+.1%} | "
+                    f"{ratio:.3f}x |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Predicted against measured req/s, every placement of every workload (as a share of the workload's best
+    prediction, so that workloads of any speed share the axes); the planner's choices filled (Pillow)."""
+    from PIL import Image, ImageDraw
+
+    w = h = 420
+    pad = 50
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 5), "placements: predicted vs measured (share of the workload's best prediction)", fill="black")
+    colors = {"best split": "#1f77b4", "best shared": "#2ca02c", "replicas": "#d62728"}
+
+    def xy(pred, meas):
+        return pad + (w - 2 * pad) * pred / 1.2, h - pad - (h - 2 * pad) * meas / 1.2
+
+    d.line([xy(0, 0), xy(1.2, 1.2)], fill="#bbbbbb")
+    for t in (0.0, 0.5, 1.0):
+        d.text((xy(t, 0)[0] - 8, h - pad + 5), f"{t:.1f}", fill="black")
+        d.text((10, xy(0, t)[1] - 6), f"{t:.1f}", fill="black")
+    d.text((w / 2 - 30, h - 25), "predicted", fill="black")
+    d.text((5, pad - 25), "measured", fill="black")
+    for r in results.values():
+        top = max(q["predicted_rps"] for q in r["placements"].values())
+        for label, q in r["placements"].items():
+            x, y = xy(q["predicted_rps"] / top, q["measured_rps"] / top)
+            fill = colors[label] if label == r["planner"] else None
+            d.ellipse([x - 4, y - 4, x + 4, y + 4], outline=colors[label], fill=fill)
+    for k, (label, color) in enumerate(colors.items()):
+        d.ellipse([w - 140, 30 + 15 * k, w - 132, 38 + 15 * k], outline=color, fill=color)
+        d.text((w - 125, 27 + 15 * k), label, fill="black")
+    d.line([pad, h - pad, w - pad, h - pad], fill="black")
+    d.line([pad, pad, pad, h - pad], fill="black")
+    img.save(path)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Needs root (CI runs as root). Everything made here is removed by `close()`, also
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,13 +42,20 @@ class Hosts:
 
     def __init__(self, n: int):
         self.tag = uuid.uuid4().hex[:5]
-        self.subnet = 200 + int(self.tag, 16) % 50
         self.bridge = f"dgbr{self.tag}"
         self.names: list[str] = []
         self.procs: list[subprocess.Popen] = []
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"10.{self.subnet}.0.254/24", "dev", self.bridge)
+            # a subnet no other bridge has (tests running at once each make theirs: two on one subnet would route
+            # one test's packets to the other's hosts), chosen and taken under a lock shared by every test process
+            with open("/tmp/disagg-netns.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                taken = {int(m) for m in re.findall(r"inet 10\.(\d+)\.0\.254/", _ip("-o", "addr", "show").stdout)}
+                self.subnet = next((s for s in range(200, 250) if s not in taken), None)
+                if self.subnet is None:
+                    raise RuntimeError("every test subnet 10.200-249.0.0/24 is taken: namespace hosts left behind?")
+                _ip("link", "add", self.bridge, "type", "bridge")
+                _ip("addr", "add", f"10.{self.subnet}.0.254/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for _ in range(n):
                 self.add()

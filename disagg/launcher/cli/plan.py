@@ -32,8 +32,9 @@ class PlanError(ValueError):
     """The config or trace cannot be planned for; the message says why."""
 
 
-def stage_seconds(config: Settings):
-    """predict(role, trace line) -> seconds of device time per request, from the config's sim profile."""
+def stage_seconds(config: Settings, batch: int | None = None):
+    """predict(role, trace line) -> seconds of device time per request, from the config's sim profile; a denoiser's
+    at `batch` (default `denoisers.max_batch`)."""
     if not config.model.startswith("sim:"):
         raise PlanError(f"offline plans take stage times from a sim profile (model sim:NAME); {config.model!r} has "
                         "none: plan it with the sim profile of its model, or launch it with --rebalance advise, "
@@ -42,7 +43,7 @@ def stage_seconds(config: Settings):
         profile = load_profile(config.model[4:])
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    batch = config.denoisers.max_batch
+    batch = config.denoisers.max_batch if batch is None else batch
 
     def predict(role: str, line) -> float:
         p = {"width": line.width or 1024, "height": line.height or 1024, "num_frames": line.num_frames}
@@ -89,7 +90,9 @@ def place_trace(config: Settings, lines) -> tuple[list[Scored], Work, list]:
     # memory at the mix's largest request (its activations bound what a device must hold)
     pixels = max(profile.for_request({"width": line.width or 1024, "height": line.height or 1024,
                                       "num_frames": line.num_frames})[1] for line in lines)
-    return rank(classes, profile, work.seconds, pixels, config.denoisers.max_batch), work, classes
+    # a colocated replica runs one request at a time (it does not batch): its seconds are unbatched
+    alone = Work.of(((line, 1) for line in lines), stage_seconds(config, batch=1)).seconds
+    return rank(classes, profile, work.seconds, pixels, config.denoisers.max_batch, alone), work, classes
 
 
 def placement_config(config: Settings, best: Scored, classes) -> dict:

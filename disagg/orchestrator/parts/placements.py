@@ -94,12 +94,14 @@ def _max_flow(capacity: dict[tuple[str, str], float], source: str, sink: str) ->
         flow += push
 
 
-def fluid_rps(placement: Placement, classes, seconds: dict[str, float], offload_s: list[float] | None = None) -> float:
+def fluid_rps(placement: Placement, classes, seconds: dict[str, float], offload_s: list[float] | None = None,
+              replica_seconds: dict[str, float] | None = None) -> float:
     """Requests per second `placement` serves (the module's docstring). `seconds`: H200-seconds per request per
-    role; `offload_s`: per device, seconds a replica there streams weights per request."""
+    role; `offload_s`: per device, seconds a replica there streams weights per request; `replica_seconds`: a
+    replica's per role, where they differ (it does not batch)."""
     offload_s = offload_s or [0.0] * len(classes)
     if any(MONOLITH in h for h in placement.hosts):  # replicas: each device serves on its own
-        total = sum(seconds.get(r, 0.0) for r in ROLES)
+        total = sum((replica_seconds or seconds).get(r, 0.0) for r in ROLES)
         return sum(1.0 / (total / cls.speed + off) for cls, h, off in zip(classes, placement.hosts, offload_s)
                    if MONOLITH in h and total / cls.speed + off > 0)
     roles = [r for r in ROLES if seconds.get(r, 0.0) > 0]
@@ -158,9 +160,11 @@ def candidates(classes) -> list[Placement]:
     return out
 
 
-def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 1) -> list[Scored]:
+def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 1,
+         replica_seconds: dict[str, float] | None = None) -> list[Scored]:
     """Every candidate with what it serves, best first; those that do not fit their devices' memory come last
-    with rps 0 and the reason."""
+    with rps 0 and the reason. `replica_seconds`: a replica's seconds per role, where they differ from `seconds`
+    (a replica does not batch: its denoiser's are unbatched)."""
     scored = []
     for p in candidates(classes):
         memory = [device_need(profile, h, pixels, batch) if MONOLITH not in h else 0 for h in p.hosts]
@@ -168,10 +172,11 @@ def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 
         why = ""
         if p.kind == "replicas":
             for d, cls in enumerate(classes):
-                streamed = offload_bytes(profile, cls.memory_bytes, pixels, batch)
+                # a replica runs one request at a time (colocated instances do not batch)
+                streamed = offload_bytes(profile, cls.memory_bytes, pixels, 1)
                 offload[d] = streamed / cls.host_to_device * profile.time_scale
-                memory[d] = min(device_need(profile, (MONOLITH,), pixels, batch), cls.memory_bytes)
-                if profile.activations(MONOLITH, pixels, batch) > cls.memory_bytes:
+                memory[d] = min(device_need(profile, (MONOLITH,), pixels, 1), cls.memory_bytes)
+                if profile.activations(MONOLITH, pixels, 1) > cls.memory_bytes:
                     why = f"device {d} ({cls.name}) cannot hold a replica's activations"
         else:
             for d, (cls, need) in enumerate(zip(classes, memory)):
@@ -179,7 +184,7 @@ def rank(classes, profile, seconds: dict[str, float], pixels: int, batch: int = 
                     why = f"device {d} ({cls.name}, {cls.memory_bytes / 1e9:.0f} GB) cannot hold {'+'.join(p.hosts[d])} " \
                           f"({need / 1e9:.1f} GB)"
                     break
-        rps = 0.0 if why else fluid_rps(p, classes, seconds, offload)
+        rps = 0.0 if why else fluid_rps(p, classes, seconds, offload, replica_seconds)
         scored.append(Scored(p, rps, memory, offload, why))
     # of placements serving as much (to a millionth), the simplest: replicas (one process a device, no hand-offs),
     # then dedicated splits, then shared devices; then the fewest instances
