@@ -49,6 +49,19 @@ def test_a_replica_that_cannot_hold_every_component_streams_the_rest_from_host_m
     assert offload_bytes(qwen, CLASSES["L40S"].memory_bytes, pixels, 1) == qwen.weights("encoder")
 
 
+def test_batching_denoisers_speed_the_split_not_the_replicas_which_run_one_request_at_a_time():
+    """Colocated replicas do not batch: with denoisers.max_batch 4 a split's denoisers work on full batches' shares,
+    and a replica on whole requests (`replica_seconds`, what `disagg plan` passes: the unbatched stage times)."""
+    classes = parse_devices("8xL40S")
+    alone, pixels = seconds_of("flux-h200", 512, 512, 4)
+    batched = dict(alone, denoiser=alone["denoiser"] / 2)
+    scored = rank(classes, load_profile("flux-h200"), batched, pixels, 4, replica_seconds=alone)
+    replicas = next(s for s in scored if s.placement.kind == "replicas")
+    assert replicas.rps == pytest.approx(8 * classes[0].speed / sum(alone.values()), rel=1e-6)
+    split = next(s for s in scored if s.placement.kind == "split")
+    assert split.rps == pytest.approx(fluid_rps(split.placement, classes, batched), rel=1e-6)
+
+
 def test_placements_that_do_not_fit_are_left_out_with_the_reason():
     sec, pixels = seconds_of("qwen-image-h200", 1328, 1328, 50)
     scored = {s.placement.describe(parse_devices("8xL40S")): s for s in
