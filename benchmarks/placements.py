@@ -9,8 +9,8 @@ Every placement of a workload is measured in the same run, alternating, --runs t
 Each placement is launched from the config `disagg plan --write-config` would write for it, on simulated devices of
 its classes (`devices`), with the workload's profile copied at --time-scale (every simulated time multiplied by it:
 a Qwen-Image request takes 132 s on an L40S; the ratios, and so the comparison, stay), chosen per workload so that
-its best placement serves about --target-rps. Load: closed loop, two requests in flight per device, --requests per
-device after a warm-up of one each; the rate is the steady one (the middle 60% of the completions). The prediction
+its best placement serves about --target-rps. Load: closed loop, 1 + max_batch requests in flight per device, --requests per
+device (at least 4x those in flight) after a warm-up of one each; the rate is the steady one (Little's law over the middle 60% of the requests). The prediction
 is the planner's req/s for the same scaled profile. The planner's choice is always the best placement of its kind,
 so it is measured once, as that kind. Writes benchmarks/results/placements.{json,md,png}.
 """
@@ -87,17 +87,19 @@ def candidates(workload: str, profile_path: str) -> tuple[dict, str, object]:
             for label, s in picks.items()}, choice, work
 
 
-def steady_rps(done_at: list[float], trim: float = 0.2) -> float:
-    """Requests per second between the completions `trim` from either end: the rate the placement sustains, without
-    the ramp-up and the last wave (where some devices already idle: with 32 requests on 7 denoisers, a whole round
-    on a few of them would count against the placement)."""
-    done_at = sorted(done_at)
-    lo, hi = int(len(done_at) * trim), len(done_at) - 1 - int(len(done_at) * trim)
-    return (hi - lo) / (done_at[hi] - done_at[lo]) if hi > lo and done_at[hi] > done_at[lo] else 0.0
+def steady_rps(latencies: list[float], in_flight: int, trim: float = 0.2) -> float:
+    """The rate the placement sustains, by Little's law: a closed loop keeps `in_flight` requests in the system,
+    so it serves in_flight / (their mean latency) requests per second. Over the requests `trim` from either end
+    of the submission order (the ramp-up, and the last ones, when fewer are in flight). Not completions counted
+    over a span: replicas finish in waves, and a span from one wave's middle to another's counts a wave too many."""
+    middle = latencies[int(len(latencies) * trim): len(latencies) - int(len(latencies) * trim)]
+    return in_flight / statistics.fmean(middle) if middle else 0.0
 
 
-def measure(doc: dict, requests: list[dict], per_device: int, folder: Path) -> dict:
-    """Launch the placement, drive it closed-loop (two requests in flight per device), return its steady rate."""
+def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, folder: Path) -> dict:
+    """Launch the placement, drive it closed-loop, return its steady rate. In flight: 1 + max_batch requests per
+    device (a batching denoiser fills its batches; every other device has one waiting as one runs), and at least
+    four times that many requests in all (the steady part of the run is most of it)."""
     from disagg.client import Client
     from disagg.transport.wire.messages import GenerationParams
 
@@ -110,14 +112,15 @@ def measure(doc: dict, requests: list[dict], per_device: int, folder: Path) -> d
                                    "--spares", "0"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_ready(endpoint, proc)
-        params = [GenerationParams(prompt=f"p{k}", **requests[k % len(requests)]) for k in range(n_devices * per_device)]
-        done_at: list[float] = []
+        in_flight = (1 + max_batch) * n_devices
+        n = max(n_devices * per_device, 4 * in_flight)
+        params = [GenerationParams(prompt=f"p{k}", **requests[k % len(requests)]) for k in range(n)]
         with Client(endpoint) as client:
-            client.run_all(params[:n_devices], concurrency=2 * n_devices)  # warm-up: every instance once
-            outcomes = client.run_all(params, concurrency=2 * n_devices,
-                                      on_outcome=lambda o: o.ok and done_at.append(time.monotonic()))
+            client.run_all(params[:n_devices], concurrency=n_devices)  # warm-up: every instance once
+            outcomes = client.run_all(params, concurrency=in_flight)
         ok = sum(o.ok for o in outcomes)
-        return {"rps": round(steady_rps(done_at), 4), "completed": ok, "failed": len(outcomes) - ok,
+        return {"rps": round(steady_rps([o.latency_s for o in outcomes], in_flight), 4), "completed": ok,
+                "failed": len(outcomes) - ok,
                 "errors": sorted({o.error for o in outcomes if not o.ok})[:3]}
     finally:
         stop_all([proc])
@@ -144,7 +147,7 @@ def main() -> int:
             runs: dict[str, list] = {label: [] for label in picks}
             for k in range(args.runs):
                 for label, (doc, _, _) in picks.items():
-                    got = measure(doc, mix(name), args.requests, folder)
+                    got = measure(doc, mix(name), args.requests, WORKLOADS[name][3], folder)
                     runs[label].append(got)
                     print(f"{name} run {k + 1} {label}: {got['rps']:.3f} req/s ({got['failed']} failed)", flush=True)
             results[name] = {

@@ -26,6 +26,7 @@ from disagg.settings.process import GatewaySettings, OrchestratorSettings, encod
 from disagg.settings.process import RoleSettings as WorkerSpec
 from disagg.transport.data.shm import SHM_PREFIX, remove_segments
 from disagg.transport.environment import (
+    CUDA_VISIBLE_DEVICES,
     DISAGG_HTTP_API_KEY,
     DISAGG_HTTP_API_KEYS,
     DISAGG_RUN_ID,
@@ -236,6 +237,8 @@ class Deployment(Startup):
             deployment_id=self.deployment_id, pool_limits=self.pool_limits(), launcher_id=self.launcher_id,
         )
         spec.transfer_protocol, spec.keys = c.protocol, self.keys_dir
+        shown = [p.gpu] + [g for g in c.all_gpus() if g != p.gpu] if p.gpu is not None else []
+        spec.gpu_ids = cuda_env(shown, dict(os.environ))[CUDA_VISIBLE_DEVICES] if shown else ""
         if spec.compile.enabled and not spec.compile.cache_dir:  # this deployment's: its restarts and spares find it
             spec.compile = msgspec.structs.replace(spec.compile, cache_dir=str(self.run_dir / "inductor"))
         if p.world > 1:

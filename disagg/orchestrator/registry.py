@@ -49,6 +49,8 @@ class Instance:
     components: dict[str, int] = field(default_factory=dict)
     #: its device's memory (Register.memory_bytes; 0 unknown); its free memory and weights' bytes are `memory` below
     memory_bytes: int = 0
+    #: the GPUs it was given, as its host numbers them (Register.visible_gpus)
+    visible_gpus: str = ""
     #: engines that apply to its pool but could not start there, and why (Register.unavailable_engines)
     unavailable_engines: dict[str, str] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
@@ -102,6 +104,7 @@ class Instance:
             parallel=msg.parallel,
             lora=msg.lora if msg.lora is not None else LoraStats(),
             memory_bytes=msg.memory_bytes,
+            visible_gpus=msg.visible_gpus,
             unavailable_engines=dict(msg.unavailable_engines),
         )
 
@@ -153,6 +156,7 @@ class Instance:
             session_id=self.pool.session_id,
             base_addr=self.pool.base_addr,
             unavailable_engines=dict(self.unavailable_engines),
+            visible_gpus=self.visible_gpus,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             restarts=self.restarts,
             busy_s=round(self.busy_s, 6),

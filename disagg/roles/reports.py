@@ -55,6 +55,7 @@ class SelfReport:
                 identity=self.identity,
                 launcher=self.spec.launcher_id,
                 memory_bytes=self.spec.device_memory_bytes or device_memory(self.spec.device),
+                visible_gpus=self.spec.gpu_ids[:1024],
                 unavailable_engines=self.engine_problems,
                 lora=self.lora_stats(),
                 **self.limits,

@@ -73,6 +73,9 @@ class _RoleSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     threads: int = 0  # torch intra-op threads; 0 = the CPUs this process may run on
     data_host: str = "127.0.0.1"
     visible_gpus: list[int] = []  # physical ids, in cuda:N order
+    #: the GPUs it was given as its host numbers them (its CUDA_VISIBLE_DEVICES entries, its own first; for a
+    #: simulated device, the entry its index names): what it reports (Register.visible_gpus)
+    gpu_ids: str = ""
     #: silence after which we give up and exit (the launcher, if alive, restarts us)
     orphan_grace_s: float = 600.0
     restarts: int = 0

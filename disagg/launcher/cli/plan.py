@@ -106,8 +106,8 @@ def placement_config(config: Settings, best: Scored, classes) -> dict:
     for role, section in (("encoder", "encoders"), ("denoiser", "denoisers"), ("decoder", "decoders")):
         gpus = [d for d, h in enumerate(hosts) if role in h]
         doc[section] = {"count": len(gpus), "gpus": gpus}
-    if config.denoisers.max_batch > 1:
-        doc["denoisers"]["max_batch"] = config.denoisers.max_batch
+    if config.denoisers.max_batch > 1:  # room for a second batch fetching its inputs as one computes
+        doc["denoisers"].update(max_batch=config.denoisers.max_batch, capacity=2 * config.denoisers.max_batch)
     return doc
 
 

@@ -56,6 +56,9 @@ class Register(_Msg, tag="register", kw_only=True):
     #: its device's memory in bytes (a GPU's total; the host's RAM on the CPU; 0: unknown): what `rebalance`
     #: checks before it gives this device another role
     memory_bytes: Count = 0
+    #: the GPUs it was given, as its host numbers them (its CUDA_VISIBLE_DEVICES: what a scheduler such as Slurm
+    #: allocated, narrowed to this instance's; "" where none)
+    visible_gpus: Annotated[str, Meta(max_length=1024)] = ""
     #: engines that apply to its pool but could not start, and why (a GPU pool Mooncake cannot register: without
     #: GPUDirect RDMA its hand-offs to other hosts go inline through the orchestrator); status shows them loudly
     unavailable_engines: dict[Annotated[str, Meta(max_length=32)], Annotated[str, Meta(max_length=1024)]] = {}

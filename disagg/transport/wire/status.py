@@ -53,6 +53,8 @@ class InstanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: an instance over several devices: each rank's device, and the layout ("ulysses 2", "cfg 2 x ulysses 2")
     devices: list[str] = []
     parallel: str = ""
+    #: the GPUs it was given, as its host numbers them (its CUDA_VISIBLE_DEVICES; "" where none)
+    visible_gpus: str = ""
     #: stages this process finished since it started, as it counts them (survives an orchestrator restart)
     computed: int = 0
     #: what it measures about itself, as its latest heartbeat said (disagg/transport/wire/role_stats.py): its LoRA
