@@ -132,7 +132,7 @@ SchedulerType=sched/builtin
 SlurmctldTimeout=30
 SlurmdTimeout=30
 MessageTimeout=20
-KillWait=5
+KillWait=30
 {nodes}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
@@ -154,9 +154,9 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
         return res.returncode == 0 and len(states) == len(self.names) and all(s == "idle" for s in states.values())
 
-    def sbatch(self, *args: str, env: dict | None = None) -> str:
-        """Submit; the job id."""
-        res = self.run("sbatch", "--parsable", *args, env=env or {})
+    def sbatch(self, *args: str, env: dict | None = None, cwd: Path | None = None) -> str:
+        """Submit (from `cwd`: the job's SLURM_SUBMIT_DIR); the job id."""
+        res = self.run("sbatch", "--parsable", *args, env=env or {}, cwd=cwd)
         if res.returncode:
             raise RuntimeError(f"sbatch {' '.join(args)}: {res.stderr.strip()}")
         return res.stdout.strip().split(";")[0]
@@ -168,18 +168,25 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 return word.split("=", 1)[1]
         return ""
 
-    def node_pids(self, i: int) -> list[int]:
-        """Every process in node i's network namespace but its slurmd (and the shell that execs it)."""
+    def node_pids(self, i: int, job: str = "") -> list[int]:
+        """Every process in node i's network namespace but its slurmd; with `job`, only that job's (its steps'
+        slurmstepd, and whatever has its SLURM_JOB_ID in its environment)."""
         res = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True)
-        daemons = {p.pid for p in self.hosts.procs}
         pids = []
         for pid in map(int, res.stdout.split()):
             try:
                 comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                if comm == "slurmd":
+                    continue
+                if job:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    if not (cmdline.startswith(f"slurmstepd: [{job}.".encode())
+                            or f"SLURM_JOB_ID={job}".encode() in environ):
+                        continue
             except OSError:
                 continue
-            if pid not in daemons and comm != "slurmd":
-                pids.append(pid)
+            pids.append(pid)
         return pids
 
     def node_shm(self, i: int) -> list[str]:

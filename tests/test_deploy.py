@@ -1,10 +1,10 @@
-"""The cluster recipes in deploy/: the Slurm script runs (its steps started as network-namespace hosts by
-stub `srun` / `scontrol` commands) and serves; every command in the Kubernetes YAML is one the CLI accepts."""
+"""The cluster recipes in deploy/: the Slurm script's GPU counting where Slurm does not constrain devices (what a
+real single-machine Slurm cannot show: tests/test_slurm.py runs the script under a real one); every command in the
+Kubernetes YAML is one the CLI accepts, and its pods serve as namespace-host processes."""
 
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -12,159 +12,24 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disagg.client import Client, Unreachable
+from disagg.client import Client
 from disagg.launcher.cli.main import cli
-from disagg.launcher.ports import free_port_pair
-from disagg.transport.wire.messages import GenerationParams
 from tests import netns
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# srun as the sbatch script uses it: -w NODE / --exclude=NODE / --nodes=N, then a command, run on each
-# chosen node (a network-namespace host) at once; the step's status is the worst of theirs
-SRUN = r'''#!PYTHON
-import os, subprocess, sys
-nodes = os.environ["STUB_NODES"].split(",")
-args, chosen, exclude = sys.argv[1:], None, set()
-while args and args[0].startswith("-"):
-    a = args.pop(0)
-    if a == "-w":
-        chosen = [args.pop(0)]
-    elif a.startswith("--exclude="):
-        exclude = set(a.split("=", 1)[1].split(","))
-    elif a in ("--nodes", "--ntasks", "--ntasks-per-node"):
-        args.pop(0)
-chosen = [n for n in (chosen or nodes) if n not in exclude]
-script = 'mount -t tmpfs -o size=2g tmpfs /dev/shm && hostname "$0" && exec "$@"'
-procs = [subprocess.Popen(["ip", "netns", "exec", n, "unshare", "--mount", "--uts", "sh", "-c", script, n, *args])
-         for n in chosen]
-sys.exit(max(p.wait() for p in procs))
-'''
-SCONTROL = '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo "$STUB_NODES" | tr , "\\n"\n'
-
-
-def stub_slurm(tmp_path: Path) -> Path:
-    """srun, scontrol and the installed `disagg` (its launches without spare interpreters) in a bin folder."""
+def disagg_bin(tmp_path: Path) -> Path:
+    """A bin folder whose `disagg` is the tree under test's, its launches without spare interpreters."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "srun").write_text(SRUN.replace("PYTHON", sys.executable))
-    (stubs / "scontrol").write_text(SCONTROL)
     (stubs / "disagg").write_text(f'#!/bin/sh\n[ "$1" = launch ] && shift && exec {sys.executable} -m disagg launch '
                                   f'--spares 0 "$@"\nexec {sys.executable} -m disagg "$@"\n')
-    for f in stubs.iterdir():
-        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    (stubs / "disagg").chmod(0o755)
     return stubs
 
 
-def run_sbatch(tmp_path: Path, n_nodes: int, roles: list[str]) -> None:
-    """The sbatch script on `n_nodes` namespace hosts: once `roles` are ready, 4 requests, then `disagg stop`."""
-    hosts = netns.Hosts(n_nodes)
-    proc = None
-    try:
-        stubs = stub_slurm(tmp_path)
-        port, http_port = free_port_pair(), free_port_pair()
-        env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
-               "SLURM_JOB_NODELIST": "ignored", "STUB_NODES": ",".join(hosts.names), "DISAGG_PORT": str(port),
-               "DISAGG_HTTP_PORT": str(http_port), "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42",
-               "DISAGG_MODEL": "payload"}  # the recipe's logic, not a model's: the compute-free one starts fastest
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        log = open(tmp_path / "sbatch.log", "w")
-        proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/disagg.sbatch")], env=env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        head = f"tcp://{hosts.addr(0)}:{port}"
-
-        def ready():
-            try:
-                with Client(head) as client:
-                    r = client.status(timeout_s=2)
-            except (Unreachable, RuntimeError):
-                return None
-            return sum(i.state == "ready" for i in r.instances) >= len(roles) and r
-        report = wait_until(ready, timeout=240, step=1, why=lambda: (tmp_path / "sbatch.log").read_text()[-2000:])
-        assert len({i.host for i in report.instances}) == n_nodes
-        assert sorted(i.role for i in report.instances) == sorted(roles)
-        with Client(head) as client:
-            outcomes = client.run_all([GenerationParams(prompt=f"slurm {i}", width=64, height=64, num_inference_steps=2,
-                                                        seed=i) for i in range(4)], concurrency=2)
-        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-        res = subprocess.run([sys.executable, "-m", "disagg", "stop", "--endpoint", head], capture_output=True,
-                             text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
-        assert proc.wait(90) == 0, (tmp_path / "sbatch.log").read_text()[-3000:]
-        # every node's logs beside the job's output (M9), not in each node's own $TMPDIR
-        assert sorted(p.name for p in (tmp_path / "disagg-42").iterdir()) == sorted(hosts.names)
-        assert (tmp_path / "disagg-42" / hosts.names[0] / "logs" / "orchestrator.log").exists()
-    finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, 9)
-        hosts.close()
-
-
-@pytest.mark.e2e
-@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
-def test_the_sbatch_script_runs_a_head_and_join_nodes_under_stub_slurm(tmp_path):
-    run_sbatch(tmp_path, 3, ["decoder", "denoiser", "denoiser", "encoder"])
-
-
-@pytest.mark.e2e
-@pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "")
-def test_the_sbatch_script_on_one_node_runs_a_denoiser_there(tmp_path):
-    """Issue 22 M9: with --nodes=1 the head started no denoiser at all, and every request waited."""
-    run_sbatch(tmp_path, 1, ["decoder", "denoiser", "encoder"])
-
-
-# srun on this machine: its options dropped, the command run here (a one-node job of stubs)
-LOCAL_SRUN = r'''#!PYTHON
-import os, sys
-args = sys.argv[1:]
-while args and args[0].startswith("-"):
-    if args.pop(0) == "-w":
-        args.pop(0)
-os.execvp(args[0], args)
-'''
-#: a `disagg` whose launch records its arguments and then `LAUNCH` does (exit at once, or hang), and whose status
-#: records its endpoint and finds nothing there
-STUB_DISAGG = '''#!/bin/sh
-echo "$@" >> "$STUB_CALLS"
-[ "$1" = launch ] && eval "$LAUNCH"
-exit 3
-'''
-
-
-@pytest.mark.parametrize("launch, wait, says", [
-    # a head that exits is seen at once: the wait (600 s) is not waited out, the test's 60 s timeout says so
-    ("exit 1", 600, "the head's step on node0 exited (status 1) before its orchestrator answered"),
-    ("exec sleep 600", 2, "the head's orchestrator did not answer at tcp://10.9.9.9:"),
-])
-def test_the_sbatch_script_fails_loudly_when_the_head_never_answers(tmp_path, launch, wait, says):
-    """Issue 44: the script waited 300 s in silence for a head that had died (or was never reachable at the first
-    address of `hostname -I`), then started the joins against nothing. Now the head's address may be set
-    (DISAGG_HEAD_ADDR), and a head that exits or does not answer in DISAGG_HEAD_WAIT fails the job, saying so."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    (stubs / "srun").write_text(LOCAL_SRUN.replace("PYTHON", sys.executable))
-    (stubs / "scontrol").write_text(SCONTROL)
-    (stubs / "disagg").write_text(STUB_DISAGG)
-    for f in stubs.iterdir():
-        f.chmod(0o755)
-    calls = tmp_path / "calls"
-    port = free_port_pair()
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_NODES": "node0,node1", "STUB_CALLS": str(calls),
-           "LAUNCH": launch, "SLURM_JOB_NODELIST": "ignored", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7",
-           "DISAGG_PORT": str(port), "DISAGG_HEAD_ADDR": "10.9.9.9", "DISAGG_HEAD_WAIT": str(wait)}
-    res = subprocess.run(["bash", str(ROOT / "deploy/slurm/disagg.sbatch")], env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 1, res.stdout + res.stderr
-    assert says in res.stderr, res.stderr
-    lines = calls.read_text().splitlines()
-    [head] = [c for c in lines if c.startswith("launch ")]  # no join step against a head that is not there
-    assert f"--advertise-host 10.9.9.9 --port {port}" in head and "--join" not in head, lines
-    status = [c for c in lines if c.startswith("status ")]
-    assert status and set(status) == {f"status --endpoint tcp://10.9.9.9:{port}"}, lines
-
-
-def node_roles(tmp_path: Path, which: str, nodes: int, env: dict) -> str:
+def node_roles(tmp_path: Path, which: str, nodes: int, env: dict, per: int = 1) -> str:
     """What the sbatch script's node_roles prints on a node with `env` (and an nvidia-smi listing 8 GPUs)."""
     script = (ROOT / "deploy/slurm/disagg.sbatch").read_text()
     fns = script[script.index("gpu_count() {"):script.index("# the functions travel")]
@@ -172,7 +37,7 @@ def node_roles(tmp_path: Path, which: str, nodes: int, env: dict) -> str:
     smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H200\"; done\n")
     smi.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE")}
-    res = subprocess.run(["bash", "-c", f"{fns}\nnode_roles {which} {nodes}"], capture_output=True, text=True,
+    res = subprocess.run(["bash", "-c", f"PER={per}\n{fns}\nnode_roles {which} {nodes}"], capture_output=True, text=True,
                          env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
     assert res.returncode == 0, res.stderr
     return " ".join(res.stdout.split())
@@ -190,6 +55,9 @@ def test_the_sbatch_script_uses_the_jobs_own_gpus(tmp_path):
     assert node_roles(tmp_path, "head", 1, {}) == "-e 1 -k 1 -d 1"  # CPU only, alone: a denoiser all the same
     assert node_roles(tmp_path, "head", 2, {}) == "-e 1 -k 1 -d 0"  # the other node's denoisers join
     assert node_roles(tmp_path, "join", 2, {}) == "-e 0 -k 0 -d 1"
+    # a parallel layout: a denoiser per PER GPUs (DISAGG_GPUS_PER_DENOISER)
+    assert node_roles(tmp_path, "join", 2, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, per=2) == \
+        "-e 0 -k 0 -d 2 --gpus 0,1,2,3 --gpus-per-denoiser 2"
 
 
 def container_commands(doc) -> list[list[str]]:
@@ -308,7 +176,7 @@ def test_the_kubernetes_pods_become_ready_in_order_and_serve(tmp_path):
 
     from tests.kube import Cluster
 
-    stubs = stub_slurm(tmp_path)  # the installed `disagg`
+    stubs = disagg_bin(tmp_path)
     cluster = Cluster(cpu_pods(k8s_docs()), tmp_path, stubs, replicas={"disagg-denoiser": 2})
     try:
         cluster.start()

@@ -138,7 +138,7 @@ def test_memory_is_checked_across_every_process_on_a_simulated_device(monkeypatc
         if holder.poll() is None:
             holder.kill()
         holder.wait(timeout=30)
-        Path(f"/dev/shm/disagg-{run}-simdev-3").unlink(missing_ok=True)
+        Path(f"/dev/shm/disagg-{run}-simdev3").unlink(missing_ok=True)
 
 
 def test_a_replica_that_cannot_hold_every_component_streams_the_rest_for_every_request(monkeypatch):

@@ -114,3 +114,41 @@ def test_the_first_record_on_a_machine_leaves_its_folder_private_for_the_lanes(t
         _private_folder(str(private / "lane-1.sock"))  # the orchestrator's check: it may make its lane here
     finally:
         record.release()
+
+
+def test_a_gone_runs_unowned_files_go_once_no_process_of_it_runs_and_other_hosts_runs_are_not_touched(tmp_path):
+    """A node whose processes were killed one by one (the Slurm recipe's task epilog runs `disagg clean --wait`): a
+    pool whose owner still runs keeps the run pending, and its simulated devices' files (no owner in their name)
+    stay with it; once the owner is gone, both go. A record written on another host (a /tmp shared between
+    hosts) is never taken: its segments are in that host's /dev/shm."""
+    import json
+    import subprocess
+
+    owner = subprocess.Popen(["sleep", "60"])
+    pool, device = f"disagg-feedbee1-denoiser-0-{owner.pid}", "disagg-feedbee1-simdev0"
+    other = f"disagg-feedbee2-denoiser-0-{2**22 + 7}"
+    here, away = RunRecord("feedbee1", folder=str(tmp_path)), RunRecord("feedbee2", folder=str(tmp_path))
+    try:
+        for r in (here, away):
+            r.claim()
+            os.close(r.fd)  # its launcher died
+            r.fd = None
+        data = json.loads(open(away.path).read())
+        open(away.path, "w").write(json.dumps({**data, "host": "another-host"}))
+        for name in (pool, device, other):
+            open(f"/dev/shm/{name}", "wb").close()
+        pending: list = []
+        assert remove_leftovers(str(tmp_path), pending=pending) == [] and pending == ["feedbee1"]
+        assert os.path.exists(f"/dev/shm/{device}") and os.path.exists(f"/dev/shm/{other}")
+        owner.kill()
+        owner.wait()
+        pending = []
+        [said] = remove_leftovers(str(tmp_path), pending=pending)
+        assert "2 shared-memory segment(s)" in said and pending == []
+        assert not os.path.exists(f"/dev/shm/{pool}") and not os.path.exists(f"/dev/shm/{device}")
+        assert os.path.exists(f"/dev/shm/{other}") and os.listdir(tmp_path) == ["feedbee2.lock"]
+    finally:
+        owner.kill()
+        for name in (pool, device, other):
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")

@@ -14,9 +14,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import tempfile
 
-from disagg.transport.data.shm import SHM_PREFIX, list_segments, remove_segments, shm_path
+from disagg.transport.data.shm import SHM_PREFIX, list_segments, pid_alive, remove_segments, shm_path
 from disagg.transport.wire.lane import lane_in_use
 
 
@@ -33,7 +34,10 @@ class RunRecord:
         self.folder = folder or runs_folder()
         self.path = os.path.join(self.folder, f"{run_id}.lock")
         self.fd: int | None = None
-        self.data: dict = {"run_id": run_id, "launcher_pid": os.getpid(), "lane": "", "lane_inode": None}
+        #: its host: where /tmp is shared between hosts (a cluster's network home, namespace test hosts), a launch on
+        #: another host neither removes its segments (they are in that host's /dev/shm) nor its record
+        self.data: dict = {"run_id": run_id, "launcher_pid": os.getpid(), "lane": "", "lane_inode": None,
+                           "host": socket.gethostname()}
 
     def claim(self) -> None:
         """Write the record and lock it. Written under another name and renamed once locked, so another launch
@@ -77,8 +81,9 @@ def _segment_bytes(name: str) -> int:
         return 0
 
 
-def remove_leftovers(folder: str | None = None, mine: str = "") -> list[str]:
-    """Remove what deployments that are gone left behind (module docstring); what was removed, in words."""
+def remove_leftovers(folder: str | None = None, mine: str = "", pending: list | None = None) -> list[str]:
+    """Remove what deployments that are gone left behind (module docstring); what was removed, in words. Runs
+    whose launcher is gone but some of whose processes still run (their segments stay) are added to `pending`."""
     folder = folder or runs_folder()
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".lock") and not n.startswith("."))
@@ -103,15 +108,21 @@ def remove_leftovers(folder: str | None = None, mine: str = "") -> list[str]:
                 data = json.loads(os.pread(fd, 65536, 0) or b"{}")
             except ValueError:
                 data = {}
+            if data.get("host", socket.gethostname()) != socket.gethostname():
+                continue  # another host's run: its segments are not here
             prefix = f"{SHM_PREFIX}{run_id}-"
             sizes = {n: _segment_bytes(n) for n in list_segments(prefix)}
             removed = remove_segments(prefix, only_dead=True)
+            if not any(_owned(n) for n in list_segments(prefix)):  # what no process owns (a simulated device's file)
+                removed += remove_segments(prefix)
             lane = _remove_lane(data)
             if removed or lane:
                 what = [f"{len(removed)} shared-memory segment(s) ({sum(sizes[n] for n in removed) / 2**20:.1f} MiB)"] if removed else []
                 what += [f"the lane socket {lane}"] if lane else []
                 said.append(f"removed {' and '.join(what)} left by deployment {run_id} (launcher pid "
                             f"{data.get('launcher_pid', '?')}, gone without cleaning up)")
+            if list_segments(prefix) and pending is not None:
+                pending.append(run_id)
             if not list_segments(prefix):  # else (an owner still running) a later launch looks again
                 try:
                     os.unlink(path)
@@ -120,6 +131,12 @@ def remove_leftovers(folder: str | None = None, mine: str = "") -> list[str]:
         finally:
             os.close(fd)
     return said
+
+
+def _owned(name: str) -> bool:
+    """Whether the segment's owner (the pid that ends a pool's name) runs."""
+    pid = name.rsplit("-", 1)[-1]
+    return pid.isdigit() and pid_alive(int(pid))
 
 
 def _remove_lane(data: dict) -> str:

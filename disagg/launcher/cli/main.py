@@ -277,6 +277,36 @@ def stop(endpoint: str, keys: str | None, drain: bool, host_id: str | None, yes:
             click.echo(f"warning: the orchestrator still holds {endpoint} after {STOP_WAIT_S:g} s", err=True)
 
 
+@cli.command()
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=0, show_default=True,
+              help="Seconds to wait for the processes of gone launchers' runs to exit, removing their segments as "
+                   "they do (a node's processes killed one by one).")
+def clean(wait_s: float) -> None:
+    """Remove what deployments killed on this machine left behind: the shared-memory pools and simulated devices'
+    files of runs whose launcher and processes are gone, and their lane sockets. A live deployment is never touched.
+    Every launch does this first; a cluster job runs it where a node's processes were killed (the Slurm recipe:
+    each step's task epilog)."""
+    import time
+
+    from disagg.launcher.leftovers import remove_leftovers
+
+    deadline = time.monotonic() + wait_s
+    said: list[str] = []
+    while True:
+        pending: list[str] = []
+        for line in remove_leftovers(pending=pending):
+            said.append(line)
+            click.echo(line)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if pending:
+        click.echo(f"still running: processes of run(s) {', '.join(pending)} whose launcher is gone; their "
+                   "segments stay until they exit (`disagg clean` again, or the next launch, removes them)")
+    elif not said:
+        click.echo("nothing left behind")
+
+
 @cli.group()
 def keys() -> None:
     """CurveZMQ keys: encrypt and authenticate every socket of a deployment."""

@@ -147,7 +147,8 @@ class SimAdapter:
         self._thread_turn = threading.Lock()
         if device.startswith("sim:"):
             run = os.environ.get(DISAGG_RUN_ID, "local")
-            path = f"/dev/shm/disagg-{run}-simdev-{device[4:]}"
+            # no pid ends its name (as a pool's does): the run's leftovers go once none of its processes lives
+            path = f"/dev/shm/disagg-{run}-simdev{device[4:]}"
             self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
             self.others_bytes = self._share()
         if device_memory and self.others_bytes + self.weights_bytes() > device_memory:
