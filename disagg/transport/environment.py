@@ -74,6 +74,8 @@ DISAGG_HEAD_WAIT = _declare("DISAGG_HEAD_WAIT", "deploy/slurm/disagg.sbatch: sec
                             "to answer")
 DISAGG_RUN_DIR = _declare("DISAGG_RUN_DIR", "deploy/slurm/disagg.sbatch: the job's run folder")
 DISAGG_BIN = _declare("DISAGG_BIN", "deploy/slurm/disagg.sbatch: the disagg command to run")
+DISAGG_GPUS_PER_DENOISER = _declare("DISAGG_GPUS_PER_DENOISER", "deploy/slurm/disagg.sbatch: GPUs (ranks) per "
+                                    "denoiser, a parallel layout; a node with fewer fails the job before it starts")
 DISAGG_TEST_BOOT_HOLD = _declare(
     "DISAGG_TEST_BOOT_HOLD", "a test hook (disagg/roles/boot.py): `INSTANCE:progress|hang:PATH` holds that role's "
     "boot until PATH exists")
