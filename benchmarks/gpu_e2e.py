@@ -262,6 +262,8 @@ def real_size(args, family: str) -> dict:
                 }
                 print(name, steps, "steps", res[f"{steps} steps"], flush=True)
                 save(args, doc)
+        if family == "flux":
+            doc["planner"] = planner_beside(width, height, args.steps)
         for steps in args.steps if len(doc["layouts"]) == 2 else []:
             d = doc["layouts"]["1:1:1"][f"{steps} steps"]["latency_s"]
             c = doc["layouts"]["colocated"][f"{steps} steps"]["latency_s"]
@@ -269,6 +271,23 @@ def real_size(args, family: str) -> dict:
                                               "share": round((d - c) / d, 5)}
         save(args, doc)
     return doc
+
+
+def planner_beside(width: int, height: int, steps_list) -> dict:
+    """The placement planner's prediction for these layouts on one H200 (disagg plan, sim:flux-h200's stage times):
+    1:1:1 sharing the device, and one replica; as req/s and as one request's seconds (one at a time, as measured)."""
+    from disagg.launcher.bench.trace import TraceLine
+    from disagg.launcher.cli.plan import place_trace
+    from disagg.settings import resolve
+
+    config = resolve(None, {}, {"model": "sim:flux-h200", "devices": "1xH200"}).settings
+    out = {}
+    for steps in steps_list:
+        scored, _, _ = place_trace(config, [TraceLine(t=0.0, width=width, height=height, num_inference_steps=steps)])
+        layout = {"shared": "1:1:1", "replicas": "colocated"}  # one device: its shared placement is 1:1:1 on it
+        kinds = {layout[s.placement.kind]: s.rps for s in scored if s.rps > 0 and s.placement.kind in layout}
+        out[f"{steps} steps"] = {k: {"rps": round(v, 4), "request_s": round(1 / v, 4)} for k, v in kinds.items()}
+    return out
 
 
 def compiled(args) -> dict:

@@ -136,13 +136,19 @@ class Deployment:
                                                             device_s=times[role]))
 
 
-def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
+def two_encoders_moving() -> Deployment:
+    """3:3:2 under auto, served 2-step requests: the plan (1:5:2) has just set two encoders draining."""
     d = Deployment(mode="auto", cooldown_s=30.0)
     for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
         d.add(role)
     d.poll()
     d.serve(2, 6)
     d.tick(1.0)
+    return d
+
+
+def test_advise_recommends_and_auto_moves_a_device_through_its_launcher():
+    d = two_encoders_moving()
     rb = d.router.snapshot(d.now).rebalance
     # the plan was made on 3:3:2; the split shown is the one serving (the draining encoders count for no role)
     assert (rb.current, rb.recommended, rb.budget) == ("1:3:2", "1:5:2", 8)
@@ -189,12 +195,7 @@ def test_a_move_whose_instance_restarts_in_its_old_role_is_called_off():
     """A draining instance killed on its way out and restarted by its supervisor before its launcher took the order
     (the chaos day's decoder kill during a move): its device serves its old role again, so the move is called off
     and no order is given for it; it must not hang as `restarting` with the split miscounted."""
-    d = Deployment(mode="auto", cooldown_s=30.0)
-    for role in ("encoder", "encoder", "encoder", "denoiser", "denoiser", "denoiser", "decoder", "decoder"):
-        d.add(role)
-    d.poll()
-    d.serve(2, 6)
-    d.tick(1.0)
+    d = two_encoders_moving()
     assert sorted(m.instance_id for m in d.router.snapshot(d.now).rebalance.moving) == ["encoder-0", "encoder-1"]
     d.add("encoder", iid="encoder-0")  # restarted while draining (its death not even seen)
     out = d.tick(0.05)
