@@ -71,11 +71,14 @@ def test_the_batcher_never_forms_a_batch_that_would_not_fit():
     assert adapter.batch_limit(p) == 2
     hold = threading.Event()
     real = adapter.denoise_steps
-    adapter.denoise_steps = lambda states: (hold.wait(10), real(states))[1]
+    adapter.denoise_steps = lambda states: (hold.wait(60), real(states))[1]
     batcher = StepBatcher(adapter, max_batch=8, memory_limit=adapter.batch_limit)  # as Stage gives it
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(batcher.denoise, {"x": torch.zeros(4)}, dict(p, seed=s)) for s in range(6)]
-        wait_until(lambda: len(batcher._waiting) >= 4, timeout=10, step=0.005)  # the first batch formed, 4 wait
+        # the first batch formed (blocked in its first step), the others wait
+        wait_until(lambda: len(batcher._waiting) >= 4, timeout=30, step=0.005,
+                   why=lambda: (len(batcher._waiting), dict(batcher.batch_sizes),
+                                [repr(f.exception()) for f in futures if f.done()]))
         hold.set()
         for f in futures:
             f.result(timeout=30)  # none ran out of memory
