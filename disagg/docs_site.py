@@ -81,12 +81,14 @@ def cli_page() -> str:
 
     out = ["# The `disagg` command\n", "Every command's `--help`, as it prints it.\n"]
 
-    def walk(cmd, path):
-        with click.Context(cmd, info_name=" ".join(path), terminal_width=100) as ctx:
-            out.append(f"## `{' '.join(path)}`\n\n```\n{cmd.get_help(ctx)}\n```\n")
+    def walk(cmd, path, parent=None):
+        # as the command line makes it: the group's context settings (-h) reach its commands
+        ctx = cmd.make_context(path[-1], [], parent=parent, resilient_parsing=True, terminal_width=100,
+                               max_content_width=100)
+        out.append(f"## `{' '.join(path)}`\n\n```\n{cmd.get_help(ctx)}\n```\n")
         if isinstance(cmd, click.Group):
             for name in sorted(cmd.commands):
-                walk(cmd.commands[name], [*path, name])
+                walk(cmd.commands[name], [*path, name], ctx)
 
     walk(cli, ["disagg"])
     return "\n".join(out)
