@@ -205,8 +205,8 @@ class LoraSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "a load takes, then goes elsewhere (the load rule). cost: the free denoiser where the request is expected "
         "to finish first, counting the work each holds, a load where its adapters are not held (a restore where it "
         "keeps them in host memory) and half a load more when it evicts one (half a restore with host_slots, unless "
-        "host memory is full); without host memory it loads more than on (0.67x of off's loads against 0.37x) for "
-        "no shorter tail. off: adapters play no part in dispatch. slack (a holder unless another has more than one "
+        "host memory is full); without host memory it loads more than on for no shorter tail (BENCHMARKS.md has the "
+        "numbers). off: adapters play no part in dispatch. slack (a holder unless another has more than one "
         "free slot more) and two-choices (the freer of two holders drawn at random) are rules it was measured "
         "against, kept to compare."),
         extra=use("orchestrator", flag="--lora-affinity"))] = LoraAffinity.AUTO

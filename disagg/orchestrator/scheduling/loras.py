@@ -36,7 +36,7 @@ AFFINITY_SLACK = 1
 #: is no rule (None); auto resolves to cost where a denoiser keeps unloaded adapters in host memory
 #: (loras.host_slots), else on, each where it measured best (placement.affinity_rule)
 #: the `cost` rule's price of evicting an adapter to load another, in loads: a later request for the evicted one
-#: may have to load it again (BENCHMARKS.md, LoRA affinity: with it, `cost` still loads 0.86x of `off`)
+#: may have to load it again (BENCHMARKS.md, LoRA affinity, has what `cost` loads with it, against `off` and `on`)
 EVICTION_COST = 0.5
 _NAME = msgspec.json.Decoder(LoraName)
 
