@@ -21,7 +21,7 @@ SIM_DEVICES = 7
 SIM_LORA = "lora: {load_ms: 300, slots: 2, host_slots: 4, restore_ms: 30}\n"
 SIM_ADAPTERS = ("ink-a", "ink-b", "ink-c", "ink-d", "ink-e", "ink-f")
 DEMO_ADAPTERS = (("inkA", 1, 50.0), ("inkB", 2, 50.0), ("inkC", 3, 30.0))
-#: step caches the demo model takes (README, Step caches: the thresholds the tests document for 8 steps)
+#: step caches the demo model takes (docs/guide/step-caches.md: the thresholds the tests document for 8 steps)
 DEMO_CACHES = ({"type": "first_block", "threshold": 0.3}, {"type": "mag"},
                {"type": "taylorseer", "cache_interval": 2, "disable_cache_before_step": 1}, {"type": "faster"},
                {"type": "pyramid_attention_broadcast", "spatial_attention_block_skip_range": 2}, {"type": "none"})

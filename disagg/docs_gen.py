@@ -33,7 +33,7 @@ BEGIN = "<!-- generated: {name} (python -m disagg.docs_gen --write) -->"
 END = "<!-- end generated -->"
 _BLOCK = re.compile(r"<!-- generated: (\S+)[^>]*-->\n(.*?)" + re.escape(END), re.S)
 
-#: the settings §10 lists the defaults of (the rest are in configs/tiny.yaml and the README's table)
+#: the settings §10 lists the defaults of (the rest are in configs/tiny.yaml and docs/guide/settings.md's table)
 DEFAULTS_WORTH_KNOWING = (
     "model", "port", "transfer", "dispatch", "schedule.order", "admission", "timeouts.heartbeat", "timeouts.stall",
     "timeouts.request", "join_wait", "max_retries", "max_queue", "timeouts.ready", "spares", "fork_server", "lane",

@@ -1,6 +1,6 @@
 """Step caches (disagg/roles/extensions/step_cache.py): each type a family takes, run through a denoiser Stage, equals diffusers'
 own pipeline run in one process with the same cache config, within 1/255, and skips steps at the thresholds
-README documents; requests with other cache settings held by one denoiser keep their own."""
+docs/guide/step-caches.md documents; requests with other cache settings held by one denoiser keep their own."""
 
 from __future__ import annotations
 

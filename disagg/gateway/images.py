@@ -23,7 +23,7 @@ EXTENSIONS = ("negative_prompt", "num_inference_steps", "guidance_scale", "seed"
 
 class ImageRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's images.generate body. quality, style, background, moderation, output_compression and
-    user are accepted and ignored (README says so); the rest is applied."""
+    user are accepted and ignored (docs/guide/http.md says so); the rest is applied."""
 
     prompt: str
     model: str | None = None

@@ -1,4 +1,4 @@
-"""`python -m disagg.settings yaml|table`: configs/tiny.yaml or the README's settings table, from the schema."""
+"""`python -m disagg.settings yaml|table`: configs/tiny.yaml or the settings table of docs/guide/settings.md, from the schema."""
 
 import sys
 

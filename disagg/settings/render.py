@@ -1,7 +1,7 @@
-"""Documents made from the schema: configs/tiny.yaml, the README's settings table, `launch --print-config`.
+"""Documents made from the schema: configs/tiny.yaml, the settings table of docs/guide/settings.md, `launch --print-config`.
 
     python -m disagg.settings yaml > configs/tiny.yaml     (tests/test_settings.py checks the file is current)
-    python -m disagg.settings table                        (the README's settings table, between its markers)
+    python -m disagg.settings table                        (the settings table of docs/guide/settings.md, between its markers)
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def tiny_yaml() -> str:
 
 
 def readme_table() -> str:
-    """The README's table of every setting (key, flag, variable, default, who reads it, help)."""
+    """The table of every setting (docs/guide/settings.md, docs/reference/settings.md) (key, flag, variable, default, who reads it, help)."""
     rows = ["| key | flag | variable | default | read by | what |", "|---|---|---|---|---|---|"]
     for leaf in leaves():
         what = leaf.short_help.replace("|", "\\|")

@@ -5,7 +5,7 @@ comment above it in configs/tiny.yaml); `extra=use(...)` names the processes tha
 is not `--NAME`, and the older key names a config file may still use. Everything else is derived from this
 module: the launch flags (disagg/launcher/cli/options.py), config-file keys, DISAGG_<NAME> environment variables
 (disagg/settings/sources.py), each process's own settings object (disagg/settings/process.py), configs/tiny.yaml and the
-README's settings table (disagg/settings/render.py).
+settings tables of docs/guide/settings.md and docs/reference/settings.md (disagg/settings/render.py).
 """
 
 from __future__ import annotations

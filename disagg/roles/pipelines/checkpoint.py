@@ -160,7 +160,7 @@ def vae_scale_factors(ck: Checkpoint) -> tuple[int, int]:
 
 #: defaults per family: the size and the most frames a deployment is sized for
 MAX_SIZE = {"flux": (2048, 2048), "sd3": (2048, 2048), "sdxl": (2048, 2048), "wan": (1280, 1280), "qwen": (2048, 2048)}
-#: the largest input image (pixels) an image task takes; README "Image inputs"
+#: the largest input image (pixels) an image task takes; docs/guide/image-inputs.md
 MAX_INPUT_PIXELS = 2048 * 2048
 MAX_FRAMES = 81
 
