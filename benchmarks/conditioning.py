@@ -25,8 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
-from disagg.launcher.ports import free_port_pair  # noqa: E402
+from benchmarks.sim_suite import disagg, launched  # noqa: E402
 
 CONFIG = """model: sim:flux-h200
 conditioning_cache_mib: {mib}
@@ -63,12 +62,7 @@ def encoder_busy(endpoint: str) -> tuple[float, int, int]:
 def run_once(name: str, tmp: Path, prompts_file: Path, n: int, concurrency: int) -> dict:
     config = tmp / f"deploy-{SETUPS[name]}.yaml"
     config.write_text(CONFIG.format(mib=SETUPS[name]))
-    port = free_port_pair()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
-                                   "--spares", "0"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(endpoint, proc)
+    with launched(config) as endpoint:
         busy0, hits0, lookups0 = encoder_busy(endpoint)
         cmd = disagg("bench", "--endpoint", endpoint, "--prompts", str(prompts_file), "--num-requests", str(n),
                      "--concurrency", str(concurrency), "--warmup", "0", "--json")
@@ -81,8 +75,6 @@ def run_once(name: str, tmp: Path, prompts_file: Path, n: int, concurrency: int)
 
         time.sleep(1.5)
         busy1, hits1, lookups1 = encoder_busy(endpoint)
-    finally:
-        stop_all([proc])
     lookups = lookups1 - lookups0
     return {"encoder_busy_s": round(busy1 - busy0, 4), "hits": hits1 - hits0, "lookups": lookups,
             "hit_rate": round((hits1 - hits0) / lookups, 4) if lookups else 0.0,

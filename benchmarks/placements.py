@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,10 +30,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_suite import disagg, stop_all, wait_ready  # noqa: E402
+from benchmarks.sim_suite import launched  # noqa: E402
 from disagg.launcher.bench.trace import TraceLine  # noqa: E402
 from disagg.launcher.cli.plan import place_trace, placement_config  # noqa: E402
-from disagg.launcher.ports import free_port_pair  # noqa: E402
 from disagg.roles.pipelines.sim_profile import PROFILE_DIR  # noqa: E402
 from disagg.settings import resolve  # noqa: E402
 
@@ -106,12 +104,7 @@ def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, fo
     n_devices = len(doc.get("gpus") or {g for s in ("encoders", "denoisers", "decoders") for g in doc[s]["gpus"]})
     config = folder / f"placement-{time.monotonic_ns()}.yaml"
     config.write_text(yaml.safe_dump(doc))
-    port = free_port_pair()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
-                                   "--spares", "0"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(endpoint, proc)
+    with launched(config) as endpoint:
         in_flight = (1 + max_batch) * n_devices
         n = max(n_devices * per_device, 4 * in_flight)
         params = [GenerationParams(prompt=f"p{k}", **requests[k % len(requests)]) for k in range(n)]
@@ -122,8 +115,6 @@ def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, fo
         return {"rps": round(steady_rps([o.latency_s for o in outcomes], in_flight), 4), "completed": ok,
                 "failed": len(outcomes) - ok,
                 "errors": sorted({o.error for o in outcomes if not o.ok})[:3]}
-    finally:
-        stop_all([proc])
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ plus the medians of the figures the targets are about.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import signal
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 FLUX_1024 = ["--width", "1024", "--height", "1024", "--steps", "4"]
 
@@ -95,6 +97,23 @@ def stop_all(procs) -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def launched(config: Path):
+    """A deployment of `config` on a free port (no dashboard, no spare interpreters), once ready: its endpoint.
+    Stopped on the way out."""
+    from disagg.launcher.ports import free_port_pair
+
+    port = free_port_pair()
+    proc = subprocess.Popen(disagg("launch", "--config", str(config), "--port", str(port), "--no-dashboard",
+                                   "--spares", "0"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        wait_ready(endpoint, proc)
+        yield endpoint
+    finally:
+        stop_all([proc])
 
 
 def summary(report: dict) -> dict:
