@@ -121,9 +121,10 @@ def remove_leftovers(folder: str | None = None, mine: str = "", pending: list | 
                 what += [f"the lane socket {lane}"] if lane else []
                 said.append(f"removed {' and '.join(what)} left by deployment {run_id} (launcher pid "
                             f"{data.get('launcher_pid', '?')}, gone without cleaning up)")
-            if list_segments(prefix) and pending is not None:
-                pending.append(run_id)
-            if not list_segments(prefix):  # else (an owner still running) a later launch looks again
+            if list_segments(prefix):  # an owner still runs: a later launch (or clean --wait) looks again
+                if pending is not None:
+                    pending.append(run_id)
+            else:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:  # another launch removed it meanwhile
