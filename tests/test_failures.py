@@ -74,6 +74,21 @@ def wait_busy(dep, iid):
     wait_until(lambda: instance(dep, iid).in_flight > 0, timeout=30, step=0.02)
 
 
+def runs_sent(i) -> int:
+    """Every run the orchestrator has sent instance `i` (each is completed, failed or in flight)."""
+    return i.completed + i.failed + i.in_flight
+
+
+def stop_holding_work(dep, iid, pid):
+    """SIGSTOP role process `pid` at a moment it surely holds unfinished work, so that a kill -9 next hits requests in
+    flight. `in_flight > 0` alone can be stale: the run may have ended, its result not yet read by the orchestrator.
+    A run sent after the stop (the orchestrator's count grew since a status read after it) cannot have ended; nor can
+    the runs of an instance the orchestrator has given up on hearing from (its state leaves `ready`)."""
+    os.kill(pid, signal.SIGSTOP)
+    sent = runs_sent(instance(dep, iid))
+    wait_until(lambda: (i := instance(dep, iid)).state != "ready" or runs_sent(i) > sent, timeout=30, step=0.01)
+
+
 def pool_of(pid: int) -> str:
     """The shared-memory pool of role process `pid` (its name ends with the pid)."""
     [name] = [n for n in os.listdir("/dev/shm") if n.startswith("disagg-") and n.endswith(f"-{pid}")]
@@ -104,6 +119,7 @@ def test_kill_9_under_load_loses_nothing(deployment, role):
     if role != "decoder":  # its consumers map its pool as they pull (nobody pulls from a decoder)
         wait_until(lambda: mapping(deployment, old_pool), timeout=30, step=0.02)
     wait_busy(deployment, iid)
+    stop_holding_work(deployment, iid, old_pid)
     os.kill(old_pid, signal.SIGKILL)
     t_kill = time.monotonic()
     outcomes = load.join()
