@@ -69,15 +69,25 @@ def test_the_batcher_never_forms_a_batch_that_would_not_fit():
     # room for two requests' activations beside the weights, not three
     adapter = SimAdapter("flux-h200", "denoiser", device_memory=profile.weights("denoiser") + int(2.5 * per))
     assert adapter.batch_limit(p) == 2
-    hold = threading.Event()
+    hold, entered = threading.Event(), threading.Event()
     real = adapter.denoise_steps
-    adapter.denoise_steps = lambda states: (hold.wait(60), real(states))[1]
+    adapter.denoise_steps = lambda states: (entered.set(), hold.wait(60), real(states))[2]
     batcher = StepBatcher(adapter, max_batch=8, memory_limit=adapter.batch_limit)  # as Stage gives it
+
+    class HandedOver(list):  # the batcher's hand-over list, counting what was handed over
+        count = 0
+
+        def append(self, item):
+            HandedOver.count += 1
+            super().append(item)
+
+    batcher._waiting = HandedOver()
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(batcher.denoise, {"x": torch.zeros(4)}, dict(p, seed=s)) for s in range(6)]
-        # the first batch formed (blocked in its first step), the others wait
-        wait_until(lambda: len(batcher._waiting) >= 4, timeout=30, step=0.005,
-                   why=lambda: (len(batcher._waiting), dict(batcher.batch_sizes),
+        # the first batch formed (blocked in its first step) and every request handed over: the next batches form
+        # from all six
+        wait_until(lambda: entered.is_set() and HandedOver.count == 6, timeout=30, step=0.005,
+                   why=lambda: (HandedOver.count, entered.is_set(), dict(batcher.batch_sizes),
                                 [repr(f.exception()) for f in futures if f.done()]))
         hold.set()
         for f in futures:
