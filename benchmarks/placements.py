@@ -94,10 +94,11 @@ def steady_rps(latencies: list[float], in_flight: int, trim: float = 0.2) -> flo
     return in_flight / statistics.fmean(middle) if middle else 0.0
 
 
-def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, folder: Path) -> dict:
-    """Launch the placement, drive it closed-loop, return its steady rate. In flight: 1 + max_batch requests per
-    device (a batching denoiser fills its batches; every other device has one waiting as one runs), and at least
-    four times that many requests in all (the steady part of the run is most of it)."""
+def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, folder: Path, depth: int = 1) -> dict:
+    """Launch the placement, drive it closed-loop, return its steady rate. In flight: depth x (1 + max_batch)
+    requests per device (a batching denoiser fills its batches; every other device has one waiting as one runs;
+    `depth` more keep every stage of a split fed while others queue), and at least four times that many requests
+    in all (the steady part of the run is most of it)."""
     from disagg.client import Client
     from disagg.transport.wire.messages import GenerationParams
 
@@ -105,7 +106,7 @@ def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, fo
     config = folder / f"placement-{time.monotonic_ns()}.yaml"
     config.write_text(yaml.safe_dump(doc))
     with launched(config) as endpoint:
-        in_flight = (1 + max_batch) * n_devices
+        in_flight = depth * (1 + max_batch) * n_devices
         n = max(n_devices * per_device, 4 * in_flight)
         params = [GenerationParams(prompt=f"p{k}", **requests[k % len(requests)]) for k in range(n)]
         with Client(endpoint) as client:
@@ -124,6 +125,8 @@ def main() -> int:
     ap.add_argument("--target-rps", type=float, default=5.0,
                     help="each workload's times are scaled so that its best placement serves about this many req/s")
     ap.add_argument("--requests", type=int, default=6, help="measured requests per device")
+    ap.add_argument("--depth", type=int, default=1,
+                    help="requests in flight per device, in units of 1 + denoisers.max_batch")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "placements.json"))
     args = ap.parse_args()
     names = [w for w in (args.only.split(",") if args.only else WORKLOADS)]
@@ -138,7 +141,7 @@ def main() -> int:
             runs: dict[str, list] = {label: [] for label in picks}
             for k in range(args.runs):
                 for label, (doc, _, _) in picks.items():
-                    got = measure(doc, mix(name), args.requests, WORKLOADS[name][3], folder)
+                    got = measure(doc, mix(name), args.requests, WORKLOADS[name][3], folder, args.depth)
                     runs[label].append(got)
                     print(f"{name} run {k + 1} {label}: {got['rps']:.3f} req/s ({got['failed']} failed)", flush=True)
             results[name] = {
