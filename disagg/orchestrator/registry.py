@@ -226,8 +226,14 @@ class FreeIndex:
 
     def any_room(self, role: str) -> bool:
         """Whether some instance of the role is dispatchable (ready, a free slot, room in its pool)."""
-        return any(i.pool_has_room() for hosts in self.buckets.get(role, {}).values()
-                   for group in hosts.values() for i in group.values())
+        buckets = self.buckets.get(role)  # (loops, not a generator: dispatch asks after every message)
+        if buckets:
+            for hosts in buckets.values():
+                for group in hosts.values():
+                    for i in group.values():
+                        if i.pool_has_room():
+                            return True
+        return False
 
     def by_free(self, role: str) -> list[tuple[int, dict[str, dict[str, Instance]]]]:
         """(free slots, host -> instances) of the role, most free first."""

@@ -30,10 +30,14 @@ class RequestSteps:
 
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         """Place what waits in each role's queue, in the queue's order, until none can take the next."""
+        any_room = self.registry.free.any_room
         for role in ROLES:
             if not self.queues[role]:
                 continue
-            queue = self.queue.ordered(role, now)
+            # where no instance could take a request, the chain would say None for the head: skip it (and the
+            # sort), only dropping the entries at the head that ended or moved on
+            room = any_room(role)
+            queue = self.queue.ordered(role, now) if room else self.queues[role]
             candidates = None
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
             #: requests a placement step has wait (DEFER); the requests behind them are placed meanwhile, and
@@ -44,6 +48,8 @@ class RequestSteps:
                 if req is None or req.state != "queued" or req.stage != role:  # (an ended one is not queued)
                     queue.popleft()  # ended or moved on while waiting
                     continue
+                if not room:
+                    break
                 if candidates is None:
                     candidates = self.registry.of_role(role)
                 source = req.source

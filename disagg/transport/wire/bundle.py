@@ -13,8 +13,8 @@ import msgspec
 
 from disagg.transport.wire.messages import KINDS, MAX_MESSAGE_BYTES, Bundle, ClientMessage, MessageError, decode, encode
 
-#: each kind of message, or a Bundle of them, or a Bundle of them
-_OUTER = {kind: msgspec.msgpack.Decoder(Union[kind, Bundle]) for kind in KINDS}
+#: each kind of message, or a Bundle of them, by the kind's id (hashing a typing.Union costs more than the lookup)
+_OUTER = {id(kind): msgspec.msgpack.Decoder(Union[kind, Bundle]) for kind in KINDS}
 
 
 def decode_frames(frames: list, kind=ClientMessage, max_messages: int | None = None) -> list[tuple[object, list]]:
@@ -26,7 +26,7 @@ def decode_frames(frames: list, kind=ClientMessage, max_messages: int | None = N
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        msg = _OUTER[kind].decode(data)
+        msg = _OUTER[id(kind)].decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MessageError(str(exc)) from None
     if not isinstance(msg, Bundle):

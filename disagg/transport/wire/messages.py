@@ -293,7 +293,8 @@ OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected,
 KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders = {kind: msgspec.msgpack.Decoder(kind) for kind in KINDS}
+#: by the union's id: hashing a typing.Union costs more than the lookup it serves (decode runs per message)
+_decoders = {id(kind): msgspec.msgpack.Decoder(kind) for kind in KINDS}
 
 
 class MessageError(ValueError):
@@ -310,7 +311,7 @@ def decode(data: bytes | memoryview, kind=ClientMessage):
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        return _decoders[kind].decode(data)
+        return _decoders[id(kind)].decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MessageError(str(exc)) from None
 
