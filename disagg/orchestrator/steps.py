@@ -36,7 +36,7 @@ class RequestSteps:
                 continue
             # where no instance could take a request, the chain would say None for the head: skip it (and the
             # sort), only dropping the entries at the head that ended or moved on
-            room = any_room(role)
+            room = len(self.queues[role]) < 2 or any_room(role)  # (one waiting: the chain finds out as fast)
             queue = self.queue.ordered(role, now) if room else self.queues[role]
             candidates = None
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
