@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -15,6 +16,9 @@ from disagg.settings.process import decode, encode
 from disagg.transport.data.shm import SHM_PREFIX
 from disagg.transport.environment import DISAGG_LOG_LEVEL, DISAGG_RESTARTS, DISAGG_RUN_ID
 from disagg.transport.wire.messages import BOOT_ERROR_EXIT
+
+#: allocations between two collections of the youngest generation (Python's default: 700)
+GC_GEN0 = 20_000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # bad address, port taken: a boot error, not a crash loop
         logging.getLogger("disagg.orchestrator").error("cannot start: %s", exc)
         return BOOT_ERROR_EXIT
+    # what booted lives as long as the process: the cyclic collector need not scan it again and again, and a turn's
+    # short-lived objects (messages, Outs) are freed by reference counts, so a collection every GC_GEN0 allocations
+    # suffices (BENCHMARKS.md, control plane)
+    gc.freeze()
+    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
     server.run()
     run_id = os.environ.get(DISAGG_RUN_ID)
     if run_id:  # what killed roles of this run left: the launcher removes it too, unless it is killed meanwhile

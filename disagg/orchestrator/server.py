@@ -45,6 +45,8 @@ TICK_S = 0.05
 # plane). Under load the loop is busy anyway and the CPU is better left to the roles.
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
+#: role socket identities whose parse is remembered (past it, the memory starts again)
+MAX_ROUTES = 4096
 #: after a role's lane closed, how long its pid is watched for its exit (a dying process closes its
 #: sockets a moment before it has exited)
 EXIT_WATCH_S = 1.0
@@ -93,6 +95,8 @@ class OrchestratorServer:
         #: instance id (bytes) -> the ZeroMQ identity of its socket (DEPLOYMENT/INSTANCE), learnt from its Register
         self._route: dict[bytes, bytes] = {}
         self._known_senders: set[str] = set()
+        #: a role socket's identity -> (its route, deployment, instance id), parsed once
+        self._routes: dict[bytes, tuple[str, str, str]] = {}
         #: instance id -> (pid, watch until): roles whose lane closed, watched until their process exited
         self._exits: dict[str, tuple[int, float]] = {}
         self._stop_requested = False
@@ -291,8 +295,13 @@ class OrchestratorServer:
         try:
             # a role's socket is DEPLOYMENT/INSTANCE, and its compute threads' are DEPLOYMENT/INSTANCE#THREAD:
             # roles of two deployments never share a ZeroMQ identity, so one cannot take over another's route
-            route = frames[0].decode("ascii").split("#", 1)[0]
-            deployment, _, sender = route.rpartition("/")
+            parsed = self._routes.get(frames[0])
+            if parsed is None:
+                route = frames[0].decode("ascii").split("#", 1)[0]
+                if len(self._routes) >= MAX_ROUTES:
+                    self._routes.clear()
+                parsed = self._routes[frames[0]] = (route, *route.rpartition("/")[::2])
+            route, deployment, sender = parsed
             items = decode_frames(frames[1:], RoleMessage)
         except (MessageError, UnicodeDecodeError) as exc:
             self._drop("backend", str(exc))

@@ -85,10 +85,14 @@ class Outbox:
     def flush(self, send) -> None:
         pending, self._pending = self._pending, {}
         for destination, items in pending.items():
+            if len(items) == 1:  # the common case: one message, no bundle
+                payload, frames = items[0]
+                send(destination, [payload, *frames])
+                continue
             # bounded, so one ZeroMQ message stays far below the receivers' size limits
             chunk, size = [], 0
             for item in items:
-                nbytes = len(item[0]) + sum(len(f) for f in item[1])
+                nbytes = len(item[0]) + sum(map(len, item[1]))
                 if chunk and (len(chunk) == BUNDLE_MAX_MESSAGES or size + nbytes > BUNDLE_MAX_BYTES):
                     send(destination, bundle_frames(chunk))
                     chunk, size = [], 0

@@ -55,9 +55,15 @@ def _private_folder(path: str) -> None:
         raise OSError(f"{folder} is not private to this user (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
 
 
+_HEADERS: dict[int, struct.Struct] = {}
+
+
 def pack(frames: list) -> bytes:
-    header = struct.pack(f"<H{len(frames)}I", len(frames), *(len(f) for f in frames))
-    return header + b"".join(frames)
+    n = len(frames)
+    header = _HEADERS.get(n)
+    if header is None:
+        header = _HEADERS[n] = struct.Struct(f"<H{n}I")
+    return header.pack(n, *map(len, frames)) + b"".join(frames)
 
 
 def unpack(packet: bytes) -> list[bytes]:
@@ -94,13 +100,15 @@ class Lane:
         return self.fd
 
     def fits(self, frames: list) -> bool:
-        return 2 + 4 * len(frames) + sum(len(f) for f in frames) <= LANE_MAX_PACKET
+        return 2 + 4 * len(frames) + sum(map(len, frames)) <= LANE_MAX_PACKET
 
     def send(self, frames: list) -> bool:
         """Send one message; False if it is too big or the lane is (now) closed: send it another way."""
-        if self.closed or not self.fits(frames):
+        if self.closed:
             return False
         packet = pack(frames)
+        if len(packet) > LANE_MAX_PACKET:
+            return False
         try:
             try:
                 self.sock.send(packet)
