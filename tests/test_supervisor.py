@@ -1,7 +1,9 @@
-"""The launcher's Supervisor on real processes: the ranks of one parallel instance restart together, once."""
+"""The launcher's Supervisor on real processes: the ranks of one parallel instance restart together, once; a fork
+server that fails."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -72,3 +74,20 @@ def test_a_retired_child_is_never_restarted_whether_its_exit_was_seen_before_or_
         assert seen.proc.poll() is not None and unseen.proc.poll() is not None
     finally:
         sup.stop_all(grace_s=1)
+
+
+def test_a_fork_server_that_fails_its_imports_says_so_once_and_roles_start_fresh(tmp_path, caplog):
+    """A fork server that exits before it is ready (here: at once, status 3) forks nothing: each role starts a fresh
+    interpreter instead, and the launcher tells why once, naming the server's log."""
+    from disagg.launcher.forks import ForkServer
+
+    log = tmp_path / "fork-server.log"
+    server = ForkServer([sys.executable, "-c", "import sys; sys.stderr.write('no torch here'); sys.exit(3)"], {},
+                        log)
+    with caplog.at_level(logging.WARNING, logger="disagg.launcher"):
+        assert server.fork("encoder-0", "{}", {}, tmp_path / "e.log") is None
+        assert server.fork("denoiser-0", "{}", {}, tmp_path / "d.log") is None
+    told = [r.getMessage() for r in caplog.records if "fork server" in r.getMessage()]
+    assert len(told) == 1 and "status 3" in told[0] and str(log) in told[0], told
+    assert "no torch here" in log.read_text()
+    server.close()

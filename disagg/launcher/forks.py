@@ -62,6 +62,10 @@ class ForkServer:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
                                          start_new_session=True, close_fds=True)
         self.ready = threading.Event()
+        self.log_path = log_path
+        #: it said it imported what the roles need (else it ended first); and whether its end was told to the user
+        self.imported = False
+        self._told_gone = False
         self._lock = threading.Lock()
         self._answers: dict[str, dict] = {}
         self._answered = threading.Condition(self._lock)
@@ -79,6 +83,7 @@ class ForkServer:
             except ValueError:
                 continue
             if msg.get("ready"):
+                self.imported = True
                 self.ready.set()
             elif "exited" in msg:
                 with self._lock:
@@ -98,6 +103,7 @@ class ForkServer:
     def fork(self, name: str, spec: str, env: dict[str, str], log_path: Path) -> ForkedProc | None:
         """A forked role, or None (the server is gone or failed: start a fresh interpreter instead)."""
         if not self.ready.wait(READY_WAIT_S) or not self.alive():
+            self._tell_gone()
             return None
         order = {"name": name, "spec": spec, "env": env, "log": str(log_path)}
         with self._answered:
@@ -121,6 +127,21 @@ class ForkServer:
         if early is not None:
             proc._ended(early)
         return proc
+
+    def _tell_gone(self) -> None:
+        """Once: why roles now start as fresh interpreters (a server that failed its imports says why in its log)."""
+        if self._told_gone:
+            return
+        self._told_gone = True
+        rc = self.proc.poll()
+        if not self.imported and rc is not None:
+            log.warning("the fork server exited (status %s) before its imports were done: roles start as fresh "
+                        "interpreters, each importing torch itself; its log says why: %s", rc, self.log_path)
+        elif not self.imported:
+            log.warning("the fork server's imports took over %.0f s: roles start as fresh interpreters; its log: %s",
+                        READY_WAIT_S, self.log_path)
+        else:
+            log.warning("the fork server is gone (status %s): roles start as fresh interpreters from now on", rc)
 
     def close(self) -> None:
         """EOF ends the server (after its forked roles were stopped; any still running go on alone)."""
