@@ -78,8 +78,10 @@ class Request:
         self.marks[name] = now
 
     def span(self, name: str, start: str, end: str) -> None:
-        if start in self.marks and end in self.marks:
-            self.timings[name] = round(self.marks[end] - self.marks[start], 6)
+        marks = self.marks
+        t0, t1 = marks.get(start), marks.get(end)
+        if t0 is not None and t1 is not None:
+            self.timings[name] = round(t1 - t0, 6)
 
 
 _LIMIT_KEYS = {"width": "max_width", "height": "max_height", "num_frames": "max_frames"}

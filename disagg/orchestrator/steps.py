@@ -80,7 +80,11 @@ class RequestSteps:
         source, frames = None, []
         if req.source is not None:
             producer = self.registry.get(req.source.slot.instance_id)
-            engine, warning = choose_engine(self.config.transfer, producer.pool, inst.pool)
+            chosen = inst.engines_from.get((producer.id, producer.session))
+            if chosen is None:
+                chosen = inst.engines_from[(producer.id, producer.session)] = choose_engine(
+                    self.config.transfer, producer.pool, inst.pool)
+            engine, warning = chosen
             if engine == Transfer.INLINE and not req.source_frames:
                 self.release_source(req, out)
                 self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
