@@ -9,8 +9,10 @@ Every placement of a workload is measured in the same run, alternating, --runs t
 Each placement is launched from the config `disagg plan --write-config` would write for it, on simulated devices of
 its classes (`devices`), with the workload's profile copied at --time-scale (every simulated time multiplied by it:
 a Qwen-Image request takes 132 s on an L40S; the ratios, and so the comparison, stay), chosen per workload so that
-its best placement serves about --target-rps. Load: closed loop, 1 + max_batch requests in flight per device, --requests per
-device (at least 4x those in flight) after a warm-up of one each; the rate is the steady one (Little's law over the middle 60% of the requests). The prediction
+its best placement serves about --target-rps. Load: closed loop, --depth x (1 + max_batch) requests in flight per
+device (3: enough that no stage of a split starves while another's queue holds requests; at 1 a split measured up to
+26% under what it serves), --requests per device (at least 4x those in flight) after a warm-up of one each; the rate
+is the steady one (Little's law over the middle 60% of the requests). The prediction
 is the planner's req/s for the same scaled profile. The planner's choice is always the best placement of its kind,
 so it is measured once, as that kind. Writes benchmarks/results/placements.{json,md,png}.
 """
@@ -94,7 +96,7 @@ def steady_rps(latencies: list[float], in_flight: int, trim: float = 0.2) -> flo
     return in_flight / statistics.fmean(middle) if middle else 0.0
 
 
-def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, folder: Path, depth: int = 1) -> dict:
+def measure(doc: dict, requests: list[dict], per_device: int, max_batch: int, folder: Path, depth: int = 3) -> dict:
     """Launch the placement, drive it closed-loop, return its steady rate. In flight: depth x (1 + max_batch)
     requests per device (a batching denoiser fills its batches; every other device has one waiting as one runs;
     `depth` more keep every stage of a split fed while others queue), and at least four times that many requests
@@ -125,7 +127,7 @@ def main() -> int:
     ap.add_argument("--target-rps", type=float, default=5.0,
                     help="each workload's times are scaled so that its best placement serves about this many req/s")
     ap.add_argument("--requests", type=int, default=6, help="measured requests per device")
-    ap.add_argument("--depth", type=int, default=1,
+    ap.add_argument("--depth", type=int, default=3,
                     help="requests in flight per device, in units of 1 + denoisers.max_batch")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "placements.json"))
     args = ap.parse_args()
