@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+import pytest
+
 from disagg.launcher.supervisor import RestartPolicy, Supervisor
 from tests.conftest import wait_until
 
@@ -76,14 +78,18 @@ def test_a_retired_child_is_never_restarted_whether_its_exit_was_seen_before_or_
         sup.stop_all(grace_s=1)
 
 
-def test_a_fork_server_that_fails_its_imports_says_so_once_and_roles_start_fresh(tmp_path, caplog):
-    """A fork server that exits before it is ready (here: at once, status 3) forks nothing: each role starts a fresh
-    interpreter instead, and the launcher tells why once, naming the server's log."""
+@pytest.mark.parametrize("ending", [
+    "sys.exit(3)",  # at once
+    "os.close(1); time.sleep(0.5); sys.exit(3)",  # its output ends first: a fork asked meanwhile gets no answer
+])
+def test_a_fork_server_that_fails_its_imports_says_so_once_and_roles_start_fresh(tmp_path, caplog, ending):
+    """A fork server that exits before it is ready (status 3) forks nothing: each role starts a fresh interpreter
+    instead, and the launcher tells why once, naming the server's log."""
     from disagg.launcher.forks import ForkServer
 
     log = tmp_path / "fork-server.log"
-    server = ForkServer([sys.executable, "-c", "import sys; sys.stderr.write('no torch here'); sys.exit(3)"], {},
-                        log)
+    server = ForkServer([sys.executable, "-c", f"import os, sys, time; sys.stderr.write('no torch here'); {ending}"],
+                        {}, log)
     with caplog.at_level(logging.WARNING, logger="disagg.launcher"):
         assert server.fork("encoder-0", "{}", {}, tmp_path / "e.log") is None
         assert server.fork("denoiser-0", "{}", {}, tmp_path / "d.log") is None

@@ -111,12 +111,16 @@ class ForkServer:
             try:
                 self.proc.stdin.write((json.dumps(order) + "\n").encode())
                 self.proc.stdin.flush()
-            except OSError:
+            except OSError:  # its end of the pipe is closed: it is gone
+                self._tell_gone()
                 return None
             deadline = time.monotonic() + 10
             while name not in self._answers and self.alive() and time.monotonic() < deadline:
                 self._answered.wait(0.1)
             answer = self._answers.pop(name, None)
+            if answer is None and not self.alive():  # it ended meanwhile (its output may end before it exits)
+                self._tell_gone()
+                return None
             if answer is None or "pid" not in answer:
                 log.warning("the fork server did not start %s (%s): a fresh interpreter does", name,
                             answer.get("error") if answer else "no answer")
