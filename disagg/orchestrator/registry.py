@@ -31,9 +31,9 @@ class Instance:
     completed: int = 0
     failed: int = 0
     engine: str = ""
-    #: (producer id, its session) -> the engine and warning of choose_engine for its outputs to this instance (the
-    #: pools of one registration never change)
-    engines_from: dict[tuple[str, int], tuple] = field(default_factory=dict)
+    #: producer id -> (its session, the engine and warning of choose_engine for its outputs to this instance): the
+    #: pools of one registration never change
+    engines_from: dict[str, tuple] = field(default_factory=dict)
     pool_free_bytes: int = 0
     progress: int = 0
     progress_at: float = 0.0

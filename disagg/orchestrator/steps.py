@@ -80,11 +80,11 @@ class RequestSteps:
         source, frames = None, []
         if req.source is not None:
             producer = self.registry.get(req.source.slot.instance_id)
-            chosen = inst.engines_from.get((producer.id, producer.session))
-            if chosen is None:
-                chosen = inst.engines_from[(producer.id, producer.session)] = choose_engine(
-                    self.config.transfer, producer.pool, inst.pool)
-            engine, warning = chosen
+            chosen = inst.engines_from.get(producer.id)
+            if chosen is None or chosen[0] != producer.session:
+                chosen = inst.engines_from[producer.id] = (producer.session, *choose_engine(
+                    self.config.transfer, producer.pool, inst.pool))
+            _, engine, warning = chosen
             if engine == Transfer.INLINE and not req.source_frames:
                 self.release_source(req, out)
                 self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
