@@ -105,7 +105,7 @@ class Router(InstanceLifecycle, RequestSteps):
         #: stage times, slack and urgency, deadlines met and missed (disagg/orchestrator/scheduling/deadlines.py)
         self.deadlines = Deadlines(self.config, self.registry, self.requests)
         #: the requests waiting per role, in the order the `schedule` setting chooses (disagg/orchestrator/scheduling/queues.py)
-        self.queue = make_queue(self.config, ROLES, self.requests, self.deadlines, self.registry)
+        self.queue = make_queue(self.config, ROLES, self.requests, self.deadlines)
         self.queues = self.queue.by_role
         self.admission = Admission(self.config, self.queue, self.deadlines, self.first_stage, self.fail)
         #: which instance takes a queued request (disagg/orchestrator/scheduling/placement.py)

@@ -3,7 +3,7 @@
 Every queue keeps, per role, a deque of request ids (`by_role`); an id stays in it until dispatch meets it, so an
 entry whose request ended or moved on is skipped then (Router.dispatch_queued). `fifo` serves in arrival order
 (a retry goes to the front: it waited its turn once). `slo` serves by urgency (disagg/common/urgency.py): it sorts a
-role's queue before dispatch, only when something could take a request and the order may have changed
+role's queue before dispatch (which asks only when something could take a request), when the order may have changed
 (QueueOrder), and under overload names a queued request of lower priority to shed for a new one (`shed_for`).
 """
 
@@ -18,12 +18,11 @@ from disagg.settings.choices import Schedule
 class FifoQueue:
     """Arrival order; a retry at the front."""
 
-    def __init__(self, roles, requests: dict, deadlines, config, registry):
+    def __init__(self, roles, requests: dict, deadlines, config):
         self.by_role: dict[str, collections.deque[str]] = {r: collections.deque() for r in roles}
         self.requests = requests
         self.deadlines = deadlines
         self.config = config
-        self.registry = registry
 
     def push(self, req, role: str, now: float, front: bool = False, fresh: bool = True) -> None:
         """`req` waits in `role` (fresh: never queued in that role before, so no older entry of it is left)."""
@@ -50,8 +49,8 @@ class FifoQueue:
 class SloQueue(FifoQueue):
     """Urgency order (priority with aging, deadlines, arrival); sheds lower priorities under overload."""
 
-    def __init__(self, roles, requests: dict, deadlines, config, registry):
-        super().__init__(roles, requests, deadlines, config, registry)
+    def __init__(self, roles, requests: dict, deadlines, config):
+        super().__init__(roles, requests, deadlines, config)
         #: per role, whether its queue is known to be in urgency order already
         self.order = QueueOrder()
         #: the lowest priority of any request admitted so far (shed_for: none queued is lower)
@@ -67,10 +66,10 @@ class SloQueue(FifoQueue):
             self.order.appended(role, self.deadlines.urgency(req, now), req, now, self.config.schedule.aging_s)
 
     def ordered(self, role: str, now: float) -> collections.deque[str]:
-        """Sorted by urgency when something could take a request now, unless known to be in that order already
-        (QueueOrder: sorting it would change nothing)."""
+        """Sorted by urgency, unless known to be in that order already (QueueOrder: sorting it would change nothing).
+        Dispatch asks only where some instance of the role could take a request (Router.dispatch_queued)."""
         queue = self.by_role[role]
-        if len(queue) < 2 or self.order.holds(role, now) or not self.registry.free.any_room(role):
+        if len(queue) < 2 or self.order.holds(role, now):
             return queue
         ranked = [(self.deadlines.urgency(req, now), req) for rid in queue if (req := self.requests.get(rid)) is not None]
         ranked.sort(key=_first)  # stable: equal urgencies keep their order
@@ -164,5 +163,5 @@ class QueueOrder:
 QUEUES = {Schedule.FIFO: FifoQueue, Schedule.SLO: SloQueue}
 
 
-def make_queue(config, roles, requests: dict, deadlines, registry) -> FifoQueue:
-    return QUEUES[Schedule(config.schedule.order)](roles, requests, deadlines, config, registry)
+def make_queue(config, roles, requests: dict, deadlines) -> FifoQueue:
+    return QUEUES[Schedule(config.schedule.order)](roles, requests, deadlines, config)

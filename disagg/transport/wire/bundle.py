@@ -85,9 +85,8 @@ class Outbox:
     def flush(self, send) -> None:
         pending, self._pending = self._pending, {}
         for destination, items in pending.items():
-            if len(items) == 1:  # the common case: one message, no bundle
-                payload, frames = items[0]
-                send(destination, [payload, *frames])
+            if len(items) == 1:  # the common case: no chunks to size
+                send(destination, bundle_frames(items))
                 continue
             # bounded, so one ZeroMQ message stays far below the receivers' size limits
             chunk, size = [], 0

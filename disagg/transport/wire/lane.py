@@ -55,6 +55,7 @@ def _private_folder(path: str) -> None:
         raise OSError(f"{folder} is not private to this user (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
 
 
+#: frame count -> the packet header's Struct (a message has a handful of frames: a few entries)
 _HEADERS: dict[int, struct.Struct] = {}
 
 
@@ -104,11 +105,9 @@ class Lane:
 
     def send(self, frames: list) -> bool:
         """Send one message; False if it is too big or the lane is (now) closed: send it another way."""
-        if self.closed:
+        if self.closed or not self.fits(frames):
             return False
         packet = pack(frames)
-        if len(packet) > LANE_MAX_PACKET:
-            return False
         try:
             try:
                 self.sock.send(packet)
