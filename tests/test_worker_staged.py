@@ -91,3 +91,32 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+def test_a_requests_adapters_are_unpinned_before_its_output_is_reported():
+    """The report lets the orchestrator hand the next request on: an adapter still pinned then cannot be unloaded
+    for the next one's, and a bank of one slot held two (a CI failure of tests/test_loras.py)."""
+    from disagg.roles.compute import StageRunner
+    from disagg.roles.extensions.lora_backends import SimLoras
+    from disagg.roles.extensions.loras import LoraBank
+    from disagg.roles.pipelines.payload import PayloadAdapter
+    from disagg.roles.stage import Stage
+    from disagg.transport.wire.messages import GenerationParams, LoraRef, Run
+
+    name = f"disagg-test-{uuid.uuid4().hex[:8]}"
+    pool = make_pool(name, 1 << 20, "cpu")
+    bank = LoraBank(SimLoras(0.0), slots=1, max_bytes=1 << 30)
+    pins_told = []
+    runner = StageRunner("encoder-0", pool, {}, lambda msg, *a: pins_told.append(
+        (type(msg).__name__, sum(bank.pins.values()))) if msg is not None else None)
+    runner.stage = Stage("encoder", PayloadAdapter("encoder"), loras=bank)
+    try:
+        run = Run(request_id="r1", attempt=1, lora_sources={"A": "a"},
+                  params=GenerationParams(prompt="p", width=8, height=8, seed=1, loras=[LoraRef(name="A")]))
+        runner.execute(run, [], 0.0)
+        assert ("Staged", 0) in pins_told and all(p == 0 for _, p in pins_told), pins_told
+        assert bank.names() == ["A"] and bank.loads == 1
+    finally:
+        for held in list(runner.staged.values()):
+            pool.free(held.slot.offset)
+        remove_segments(name)

@@ -264,6 +264,9 @@ class StageRunner:
             if run.params.loras and self.stage.role != "decoder":  # loaded while another request computes
                 lora_s, pinned = self._acquire_loras(run), [r.name for r in run.params.loras]
             out, ticket, computed, compute_s = self._compute(run, inputs)
+            if pinned:  # its adapters are free to unload before the report lets the next request in
+                self.stage.loras.release(pinned)
+                pinned = []
             self.recent.append(compute_s)
             # a batched forward knows each request's share itself; else the meter splits the busy time
             share = self.meter.leave(busy_from)
