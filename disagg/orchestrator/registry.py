@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from disagg.common.averages import ewma
 from disagg.transport.wire.messages import InstanceStatus, PoolInfo, Register
 from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats
@@ -81,6 +83,8 @@ class Instance:
     memory: MemoryStats = field(default_factory=MemoryStats)
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)
+    #: its status's fields that one registration fixes (status() builds it once)
+    _status_base: InstanceStatus | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_register(cls, msg: Register, session: int, now: float) -> "Instance":
@@ -139,12 +143,19 @@ class Instance:
         return need <= self.pool.pool_bytes
 
     def status(self, now: float) -> InstanceStatus:
-        return InstanceStatus(
-            id=self.id,
-            role=self.role,
-            pid=self.pid,
-            host=self.host,
-            device=self.device,
+        """What `disagg status` shows of it: the fields one registration fixes are built once (`_status_base`), the
+        rest replaced in a copy (a status of 1,024 instances per role is asked for often)."""
+        base = self._status_base
+        if base is None:
+            base = self._status_base = InstanceStatus(
+                id=self.id, role=self.role, pid=self.pid, host=self.host, device=self.device, state=self.state,
+                capacity=self.capacity, free_slots=0, in_flight=0, completed=0, failed=0,
+                engines=list(self.pool.engines), pool_bytes=self.pool.pool_bytes, session_id=self.pool.session_id,
+                base_addr=self.pool.base_addr, visible_gpus=self.visible_gpus, model=self.model,
+                devices=list(self.devices), parallel=self.parallel,
+            )
+        return msgspec.structs.replace(
+            base,
             state=self.state,
             capacity=self.capacity,
             free_slots=self.free_slots,
@@ -152,23 +163,15 @@ class Instance:
             completed=self.completed,
             failed=self.failed,
             engine=self.engine,
-            engines=list(self.pool.engines),
-            pool_bytes=self.pool.pool_bytes,
             pool_used_bytes=sum(self.staged.values()),
             pool_free_bytes=self.pool_free_bytes,
-            session_id=self.pool.session_id,
-            base_addr=self.pool.base_addr,
             unavailable_engines=dict(self.unavailable_engines),
-            visible_gpus=self.visible_gpus,
             last_seen_s=round(max(0.0, now - self.last_seen), 3),
             restarts=self.restarts,
             busy_s=round(self.busy_s, 6),
             max_batch=self.max_batch,
             components=self.components,
-            model=self.model,
             batch_steps=self.batch_steps,
-            devices=self.devices,
-            parallel=self.parallel,
             lane=self.lane,
             computed=self.computed,
             lora=self.lora,
