@@ -1,10 +1,22 @@
 """The throughput model (disagg/orchestrator/parts/planner.py) and `rebalance` on a fake clock: no sockets, no processes."""
 
 import msgspec
+import pytest
 
-from disagg.orchestrator.parts.planner import Work, fmt, plan, splits, throughput
+from disagg.orchestrator.parts.placements import Placement, fluid_rps
+from disagg.orchestrator.parts.planner import (
+    Work,
+    class_throughput,
+    fmt,
+    fmt_classes,
+    plan,
+    plan_by_class,
+    splits,
+    throughput,
+)
 from disagg.orchestrator.parts.rebalance import LAUNCHER_SILENCE_S
 from disagg.orchestrator.router import Router, RouterConfig
+from disagg.settings.devices import CLASSES, class_of
 from disagg.settings.schema import RebalanceSettings
 from disagg.transport.wire.messages import (
     Done,
@@ -78,6 +90,35 @@ def test_work_is_the_mix_mean_with_transfers_over_the_slots():
     assert not Work.of(reqs, lambda role, r: None if role == "decoder" else 1.0).known
 
 
+def test_by_class_a_split_serves_what_the_fluid_model_says_and_the_plan_can_swap_two_classes_roles():
+    """Devices of two classes: the counts per role may be right and the devices wrong (the denoisers on the slow
+    ones). The rate is `disagg plan`'s fluid model for dedicated devices; the plan swaps roles within the counts."""
+    speeds = {"H200": 1.0, "L40S": CLASSES["L40S"].speed}
+    work = Work(dict(MANY), requests=10)
+    current = {"H200": split(1, 2, 1), "L40S": split(0, 4, 0)}
+    devices = [CLASSES["H200"]] * 4 + [CLASSES["L40S"]] * 4
+    hosts = (("encoder",), ("denoiser",), ("denoiser",), ("decoder",)) + (("denoiser",),) * 4
+    assert class_throughput(current, speeds, work) == pytest.approx(fluid_rps(Placement("split", hosts), devices, MANY))
+    assert plan(work, split(1, 6, 1)).moves() == []  # by counts: nothing to move
+    p = plan_by_class(work, current, speeds)
+    assert fmt_classes(p.best_classes) == "H200 0:4:0, L40S 1:2:1" and fmt(p.best) == fmt(p.current) == "1:6:1"
+    assert p.best_rps > 1.3 * p.current_rps
+    assert sorted(p.class_moves()) == [("decoder", "denoiser", "H200"), ("denoiser", "decoder", "L40S"),
+                                       ("denoiser", "encoder", "L40S"), ("encoder", "denoiser", "H200")]
+    assert p.lacking("H200") == "denoiser" and p.lacking("L40S") in ("encoder", "decoder")
+    # fixed devices stay, and every role keeps its minimum over all classes
+    p = plan_by_class(work, current, speeds, min_per_role=1, fixed={"H200": split(1, 0, 1)})
+    assert p.best_classes["H200"]["encoder"] == 1 and p.best_classes["H200"]["decoder"] == 1
+    for split_, _ in p.considered:
+        assert min(split_.values()) >= 1
+
+
+def test_a_device_class_is_read_from_a_gpus_name_or_a_simulated_devices_class():
+    assert class_of("NVIDIA H100 80GB HBM3").name == "H100" and class_of("NVIDIA H200").name == "H200"
+    assert class_of("NVIDIA L40S").name == "L40S" and class_of("NVIDIA L4").name == "L4" and class_of("l40s").name == "L40S"
+    assert class_of("") is None and class_of("NVIDIA A100-SXM4-80GB") is None
+
+
 # --- rebalance in the router, on a fake clock ---------------------------------------------------------------
 
 LAUNCHER = "host/1"
@@ -93,6 +134,8 @@ class Deployment:
         self.free: dict[str, int] = {}
         #: instance id -> the bytes of its weights, as its heartbeats say them once loaded
         self.weights: dict[str, int] = {}
+        #: instance id -> its device's class, as its heartbeats name it ("": none; its stage times are then H200's)
+        self.device: dict[str, str] = {}
 
     def add(self, role, iid=None, memory=0):
         iid = iid or f"{role}-{sum(1 for i in self.router.registry.by_id if i.startswith(role))}"
@@ -112,12 +155,14 @@ class Deployment:
     def tick(self, dt):
         self.now += dt
         for inst in self.router.registry.alive():  # the instances are alive all along; their weights as they said
-            memory = MemoryStats(free_bytes=self.free.get(inst.id, 0), weights_bytes=self.weights.get(inst.id, 0))
+            memory = MemoryStats(free_bytes=self.free.get(inst.id, 0), weights_bytes=self.weights.get(inst.id, 0),
+                                 device=self.device.get(inst.id, ""))
             self.role(inst.id, Heartbeat(instance_id=inst.id, memory=memory))
         return self.router.tick(self.now)
 
     def serve(self, steps, n, times=None):
-        """`n` requests of `steps` steps, each stage reporting the device time `times`, else FEW or MANY says."""
+        """`n` requests of `steps` steps, each stage reporting the device time `times`, else FEW or MANY says (over
+        its device class's speed)."""
         times = times or (FEW if steps == 2 else MANY)
         for _ in range(n):
             rid = f"r{self.n}"
@@ -126,14 +171,16 @@ class Deployment:
                 prompt="p", width=1024, height=1024, num_inference_steps=steps)), [], self.now)
             for role in ("encoder", "denoiser", "decoder"):
                 run = next(o for o in out if type(o.msg).__name__ == "Run" and o.msg.request_id == rid)
+                cls = class_of(self.device.get(run.to_instance, ""))
+                took = times[role] / (cls.speed if cls is not None else 1.0)
                 slot = SlotRef(instance_id=run.to_instance, offset=0, nbytes=256,
                                tensors=[TensorSpec("x", "float32", [64], 0, 256)])
                 if role == "decoder":
                     out = self.role(run.to_instance, Done(request_id=rid, attempt=1, num_images=1,
-                                                          compute_s=times[role], device_s=times[role]))
+                                                          compute_s=took, device_s=took))
                 else:
-                    out = self.role(run.to_instance, Staged(request_id=rid, attempt=1, slot=slot, compute_s=times[role],
-                                                            device_s=times[role]))
+                    out = self.role(run.to_instance, Staged(request_id=rid, attempt=1, slot=slot, compute_s=took,
+                                                            device_s=took))
 
 
 def two_encoders_moving() -> Deployment:
@@ -444,3 +491,45 @@ def test_a_planned_move_is_logged_as_a_move_and_advise_drops_a_stale_holding(cap
     assert "is dead" not in text, text
     for mover in movers:
         assert f"instance {mover} drained and stopped to move: its device becomes denoiser-" in text, text
+
+
+def test_auto_on_devices_of_two_classes_swaps_the_denoisers_onto_the_fast_ones():
+    """4 H200s and 4 L40Ss, 1:6:1 with the denoisers mostly on the L40Ss, 28-step images: by counts the split is
+    right; by class, the H200s' encoder and decoder swap with two L40S denoisers. The stage times each instance
+    reports are its class's; the plan reads them in H200-seconds. A move back on the same class is held by the
+    cooldown, a move of the other class is not."""
+    d = Deployment(mode="auto", cooldown_s=30.0)
+    for iid, cls in (("encoder-0", "H200"), ("denoiser-0", "H200"), ("denoiser-1", "H200"), ("decoder-0", "H200"),
+                     ("denoiser-2", "L40S"), ("denoiser-3", "L40S"), ("denoiser-4", "L40S"), ("denoiser-5", "L40S")):
+        d.add(iid.split("-")[0], iid=iid)
+        d.device[iid] = cls
+    d.poll()
+    d.tick(0.05)  # the heartbeats name the devices
+    d.serve(28, 12)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert (rb.current_classes, rb.recommended_classes) == ("H200 1:2:1, L40S 0:4:0", "H200 0:4:0, L40S 1:2:1"), rb
+    # the same counts (the split serving now lacks the two draining L40S denoisers)
+    assert (rb.recommended, rb.current) == ("1:6:1", "1:4:1") and rb.recommended_rps > 1.3 * rb.current_rps
+    assert rb.work_s["denoiser"] == pytest.approx(MANY["denoiser"], rel=0.01)  # in H200-seconds
+    # the lone H200 encoder and decoder wait for the L40S ones (each role keeps min_per_role)
+    assert sorted((m.instance_id in ("denoiser-2", "denoiser-3", "denoiser-4", "denoiser-5"), m.to_role)
+                  for m in rb.moving) == [(True, "decoder"), (True, "encoder")], rb.moving
+    for _ in range(3):
+        d.tick(0.05)
+        for o in d.poll().orders:
+            d.device[o.new_id] = d.device[o.instance_id]  # the same device
+            d.add(o.role, iid=o.new_id)
+        d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.current_classes == "H200 0:4:0, L40S 1:2:1" and rb.moves == 4 and rb.moving == [], rb
+    # the same deployment with no class known: planned by counts, as before, and nothing moves
+    d = Deployment(mode="auto")
+    for iid in ("encoder-0", "denoiser-0", "denoiser-1", "decoder-0", "denoiser-2", "denoiser-3", "denoiser-4",
+                "denoiser-5"):
+        d.add(iid.split("-")[0], iid=iid)
+    d.poll()
+    d.serve(28, 12)
+    d.tick(1.0)
+    rb = d.router.snapshot(d.now).rebalance
+    assert rb.recommended == "1:6:1" and rb.recommended_classes == "" and rb.moving == []

@@ -10,6 +10,7 @@ import logging
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.stats import GATEWAY_SILENCE_S
+from disagg.settings.devices import class_of
 from disagg.transport.wire.messages import (
     HEARTBEAT_INTERVAL_S,
     Alive,
@@ -100,6 +101,9 @@ class InstanceLifecycle:
         if msg.compile is not None:
             inst.compile = msg.compile
         if msg.memory is not None:
+            if msg.memory.device != inst.memory.device:
+                cls = class_of(msg.memory.device)
+                inst.speed = cls.speed if cls is not None else 1.0
             inst.memory = msg.memory
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now

@@ -301,7 +301,8 @@ class Router(InstanceLifecycle, RequestSteps):
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = cache_steps(msg)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
-        self.deadlines.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        self.deadlines.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
+                                        inst.speed)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -346,7 +347,8 @@ class Router(InstanceLifecycle, RequestSteps):
         for done in self.listeners.done:
             done(inst, req, msg, now)
         inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
-        self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s)
+        self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
+                                        inst.speed)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,

@@ -61,3 +61,11 @@ def parse_devices(spec: str) -> list[DeviceClass]:
             raise DeviceError(f"devices {spec!r}: no device class {name!r}; known: {', '.join(CLASSES)}")
         out += [cls] * int(count)
     return out
+
+
+def class_of(device_name: str) -> DeviceClass | None:
+    """The class of a device as its instance names it (MemoryStats.device): a simulated device's class, or a GPU's
+    name as torch gives it ("NVIDIA H100 80GB HBM3": a class name as one of its words); None when none matches
+    (the CPU, another GPU)."""
+    words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
+    return next((c for name, c in CLASSES.items() if name.lower() in words), None)

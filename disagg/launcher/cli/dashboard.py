@@ -131,13 +131,16 @@ def unavailable_engine_lines(report: StatusReport) -> list[Text]:
 
 def rebalance_line(rb) -> Text:
     """`rebalance`: the split, what it is predicted to serve, the recommendation and the moves in progress."""
+    # devices of several classes: the splits per class (a swap between classes keeps the counts)
+    current, recommended = (rb.current_classes, rb.recommended_classes) if rb.recommended_classes else \
+        (rb.current, rb.recommended)
     if not rb.recommended:
         advice = f"split {rb.current}  no recommendation yet ({rb.holding or 'too few requests'})"
-    elif rb.recommended == rb.current:
-        advice = f"split {rb.current} ({rb.current_rps:.2f} req/s predicted) is the best"
+    elif recommended == current:
+        advice = f"split {current} ({rb.current_rps:.2f} req/s predicted) is the best"
     else:
         gain = rb.recommended_rps / rb.current_rps - 1 if rb.current_rps else float("inf")
-        advice = (f"split {rb.current} ({rb.current_rps:.2f} req/s predicted)  recommended {rb.recommended} "
+        advice = (f"split {current} ({rb.current_rps:.2f} req/s predicted)  recommended {recommended} "
                   f"({rb.recommended_rps:.2f} req/s, {gain:+.0%})")
     moving = "".join(f"  {m.instance_id} -> {m.new_id} ({m.state})" for m in rb.moving)
     return Text.assemble(("rebalance ", "bold"), f"{rb.mode}  {advice}{moving}  moves {rb.moves}")

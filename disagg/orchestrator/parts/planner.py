@@ -8,11 +8,18 @@ request of the mix (the mean over its requests: sum of each request's stage seco
 spread over the slots that overlap them), a role serves n / w requests per second; the pipeline serves the
 least of its roles'. A split is `{role: devices}`; devices of instances that cannot move (several ranks, no
 launcher to restart them) still count, as `fixed`.
+
+Devices of several classes (an H200 beside L40Ss: their instances' heartbeats name their device) are planned by
+class (`plan_by_class`): a split is then `{class: {role: devices}}`, `w` is in H200-seconds, and a role serves the
+speed of its devices over `w` (disagg/settings/devices.py: an H200 is 1), which is the fluid model of `disagg plan`
+(disagg/orchestrator/parts/placements.py) for dedicated devices. A device then moves within its class, and two
+moves can swap the roles of two classes' devices with the counts per role unchanged.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 ROLES = ("encoder", "denoiser", "decoder")
@@ -103,6 +110,9 @@ class Plan:
     best: dict[str, int]
     best_rps: float
     considered: list[tuple[dict[str, int], float]] = field(default_factory=list)
+    #: planned by class (plan_by_class): the current and the best split per device class ({} otherwise)
+    current_classes: dict[str, dict[str, int]] = field(default_factory=dict)
+    best_classes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def gain(self) -> float:
@@ -116,6 +126,26 @@ class Plan:
         give = [r for r in ROLES for _ in range(max(self.current.get(r, 0) - self.best.get(r, 0), 0))]
         take = [r for r in ROLES for _ in range(max(self.best.get(r, 0) - self.current.get(r, 0), 0))]
         return list(zip(give, take))
+
+    def class_moves(self) -> list[tuple[str, str, str]]:
+        """(from role, to role, device class) for each device that changes role, fewest moves in each class ("":
+        not planned by class)."""
+        if not self.best_classes:
+            return [(a, b, "") for a, b in self.moves()]
+        out = []
+        for cls, best in self.best_classes.items():
+            now = self.current_classes.get(cls, {})
+            out += [(a, b, cls) for a, b in Plan(current=now, current_rps=0.0, best=best, best_rps=0.0).moves()]
+        return out
+
+    def lacking(self, cls: str = "") -> str | None:
+        """The role the plan wants most devices more of (in class `cls` where planned by class), if any."""
+        now, best = self.current, self.best
+        if self.best_classes and cls in self.best_classes:
+            now, best = self.current_classes.get(cls, {}), self.best_classes[cls]
+        short = {r: best.get(r, 0) - now.get(r, 0) for r in ROLES}
+        role = max(ROLES, key=lambda r: short[r])
+        return role if short[role] > 0 else None
 
 
 def plan(work: Work, current: dict[str, int], min_per_role: int = 1, fixed: dict[str, int] | None = None) -> Plan:
@@ -139,3 +169,65 @@ def plan(work: Work, current: dict[str, int], min_per_role: int = 1, fixed: dict
     considered.sort(key=lambda sr: (-round(sr[1], 9), distance(sr[0]), -sr[0]["denoiser"]))
     best, rps = considered[0]
     return Plan(current=dict(current), current_rps=now, best=best, best_rps=rps, considered=considered)
+
+
+def fmt_classes(split: dict[str, dict[str, int]]) -> str:
+    """A split by class as `H200 1:3:0, L40S 1:1:2` ("" when not by class)."""
+    return ", ".join(f"{cls} {fmt(roles)}" for cls, roles in sorted(split.items()))
+
+
+def class_throughput(split: dict[str, dict[str, int]], speeds: dict[str, float], work: Work) -> float:
+    """Requests per second a split by device class serves of the mix (`work` in H200-seconds): each role serves the
+    speed of its devices over its seconds per request; the slowest role bounds (0 when a role with work has no
+    device)."""
+    rates = []
+    for role in ROLES:
+        w = work.seconds.get(role, 0.0)
+        if w <= 0:
+            continue
+        rates.append(sum(roles.get(role, 0) * speeds[cls] for cls, roles in split.items()) / w)
+    return min(rates) if rates else 0.0
+
+
+#: past this many splits by class in all, each class's splits are searched only near its current one
+SEARCH_ALL_CLASSES = 20_000
+
+
+def plan_by_class(work: Work, current: dict[str, dict[str, int]], speeds: dict[str, float], min_per_role: int = 1,
+                  fixed: dict[str, dict[str, int]] | None = None) -> Plan:
+    """`plan` for devices of several classes: the split of each class's movable devices that serves the most of
+    `work`'s mix (in H200-seconds), each role with at least `min_per_role` devices over all classes. Of splits serving
+    equally much, the fewest moves away wins (then the most denoising speed)."""
+    fixed = fixed or {}
+    classes = sorted(current)
+
+    def total(split):
+        return {r: sum(split[c].get(r, 0) for c in split) for r in ROLES}
+
+    def distance(split):
+        return sum(abs(split[c][r] - current[c].get(r, 0)) for c in classes for r in ROLES)
+
+    options = []
+    for cls in classes:
+        budget = sum(current[cls].values()) - sum(fixed.get(cls, {}).values())
+        options.append(list(splits(budget, 0, fixed.get(cls))))
+    if math.prod(len(o) for o in options) > SEARCH_ALL_CLASSES:  # near each class's current split
+        options = [[s for s in o if all(abs(s[r] - current[c].get(r, 0)) <= NEAR for r in ROLES)]
+                   for c, o in zip(classes, options)]
+    now = class_throughput(current, speeds, work)
+    considered = []
+    for choice in itertools.product(*options):
+        split = dict(zip(classes, choice))
+        if all(n >= min_per_role for n in total(split).values()):
+            considered.append((split, class_throughput(split, speeds, work)))
+    base = Plan(current=total(current), current_rps=now, best=total(current), best_rps=now,
+                current_classes={c: dict(current[c]) for c in classes}, best_classes={c: dict(current[c]) for c in classes})
+    if not considered:
+        return base
+    considered.sort(key=lambda sr: (-round(sr[1], 9), distance(sr[0]),
+                                    -sum(sr[0][c]["denoiser"] * speeds[c] for c in classes)))
+    best, rps = considered[0]
+    base.best, base.best_rps, base.best_classes = total(best), rps, best
+    # what status lists: the best splits, as totals with their classes
+    base.considered = [(total(s), r) for s, r in considered]
+    return base

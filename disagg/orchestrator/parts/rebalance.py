@@ -17,6 +17,9 @@ launcher reports the device as idle in every LauncherPoll until an order gives i
 such a device takes it up as a move of its own (`adopt_idle`): to the role the plan lacks most, else back to the
 role it left. New ids never repeat one the deployment used: launchers report every id they started (`ids`).
 
+Devices of several classes (every instance's heartbeat names a device of a known class) are planned per class
+(`split_by_class`, planner.plan_by_class), from stage times in H200-seconds, and each moves within its class.
+
 Only instances of a launcher that polled in the last LAUNCHER_SILENCE_S move (a launcher that does not poll
 could not start them again), on one device each, and only to a role whose footprint fits their device's memory.
 """
@@ -30,9 +33,10 @@ from dataclasses import dataclass
 
 from disagg.orchestrator.outbox import to_client
 from disagg.orchestrator.parts.base import Part
-from disagg.orchestrator.parts.planner import ROLES, Plan, Work, fmt, plan
+from disagg.orchestrator.parts.planner import ROLES, Plan, Work, fmt, fmt_classes, plan, plan_by_class
 from disagg.orchestrator.scheduling.deadlines import shape
 from disagg.settings.choices import RebalanceMode
+from disagg.settings.devices import class_of
 from disagg.transport.wire.messages import LauncherPoll, RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
@@ -57,6 +61,8 @@ class Move:
     ordered_at: float = 0.0
     #: the registration of `inst` that was drained (0: an adopted device, none): another one means it restarted
     session: int = 0
+    #: its device's class, where the plan was by class ("" otherwise)
+    device_class: str = ""
 
 
 class Rebalance(Part):
@@ -78,7 +84,8 @@ class Rebalance(Part):
         self.moving: dict[str, Move] = {}
         self.moves_done = 0
         self.last_move_end: float | None = None
-        #: (when it ended, from role, to role) of the moves of the last cooldown_s: a move back is held that long
+        #: (when it ended, from role, to role, device class) of the moves of the last cooldown_s: a move back (on a
+        #: device of the same class) is held that long
         self.recent: collections.deque = collections.deque()
         self.holding = ""
         #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
@@ -146,7 +153,34 @@ class Rebalance(Part):
             current[m.to_role] += 1
         return current, fixed
 
-    def window_work(self, now: float) -> Work:
+    def split_by_class(self, now: float):
+        """Where the devices are of several known classes (their heartbeats' MemoryStats.device): devices per class
+        and role (a moving one counts for its new role), each class's speed, and the devices that cannot move. None
+        where they are of one class, or any is of none known: the plan is then by counts (`split_now`)."""
+        serving, fixed, speeds = {}, {}, {}
+        away = {m.new_id for m in self.moving.values()} | self.moving.keys()
+        for role in ROLES:
+            for inst in self.registry.of_role(role):
+                if inst.state not in ("ready", "starting") or inst.id in away:
+                    continue
+                cls = class_of(inst.memory.device)
+                if cls is None:
+                    return None
+                speeds[cls.name] = cls.speed
+                serving.setdefault(cls.name, dict.fromkeys(ROLES, 0))[role] += 1
+                fixed.setdefault(cls.name, dict.fromkeys(ROLES, 0))
+                if not self.movable(inst, now):
+                    fixed[cls.name][role] += 1
+        for m in self.moving.values():
+            if m.device_class not in serving:
+                return None  # a move planned by counts (the classes were not known then)
+            serving[m.device_class][m.to_role] += 1
+        if len(speeds) < 2:
+            return None
+        return serving, speeds, fixed
+
+    def window_work(self, now: float, at_speed_1: bool = False) -> Work:
+        """The window's mix and its seconds per request per role (`at_speed_1`: H200-seconds)."""
         while self.arrivals and self.arrivals[0][0] < now - self.config.rebalance.window_s:
             self.arrivals.popleft()
         merged: dict[tuple, list] = {}
@@ -163,14 +197,15 @@ class Rebalance(Part):
         # only shapes every role has measured: a shape's first estimate, scaled from others (a video's decode from
         # images'), can be far off, and a split planned on it would be undone a moment later
         def measured(entry) -> bool:
-            return all(self.core.deadlines.predictor.predict(r, entry[0], measured_only=True) is not None for r in ROLES)
+            return all(self.core.deadlines.predictor.predict(r, entry[0], True, at_speed_1) is not None for r in ROLES)
 
-        return Work.of([e for e in merged.values() if measured(e)], self.work_of, fetch, slots)
+        return Work.of([e for e in merged.values() if measured(e)], lambda r, p: self.work_of(r, p, at_speed_1),
+                       fetch, slots)
 
-    def work_of(self, role: str, params) -> float | None:
+    def work_of(self, role: str, params, at_speed_1: bool = False) -> float | None:
         """Predicted device seconds of `role` for a request: a decoder's counts each live preview the request asked
         for as one more decode of its size (previews.py: a preview is decoded on a decoder; videos take none)."""
-        seconds = self.core.deadlines.predictor.predict(role, params)
+        seconds = self.core.deadlines.predictor.predict(role, params, at_speed_1=at_speed_1)
         if seconds is not None and role == "decoder" and params.previews and not params.num_frames:
             seconds *= 1 + params.previews
         return seconds
@@ -183,13 +218,18 @@ class Rebalance(Part):
         if now < self.next_plan:
             return
         self.next_plan = now + self.config.rebalance.interval_s
-        work = self.window_work(now)
+        by_class = self.split_by_class(now)
+        work = self.window_work(now, at_speed_1=by_class is not None)  # by class: in H200-seconds
         current, fixed = self.split_now(now)
         self.plan_work = work
         if work.requests < self.config.rebalance.min_requests or not work.known:
             self.plan, self.holding = None, "too few requests measured in the window"
             return
-        self.plan = plan(work, current, self.config.rebalance.min_per_role, fixed)
+        if by_class is None:
+            self.plan = plan(work, current, self.config.rebalance.min_per_role, fixed)
+        else:
+            current_c, speeds, fixed_c = by_class
+            self.plan = plan_by_class(work, current_c, speeds, self.config.rebalance.min_per_role, fixed_c)
         # advise never moves: nothing holds it back once a plan is made (the last "too few requests" is stale)
         self.holding = self.maybe_move(now) if mode == RebalanceMode.AUTO else ""
 
@@ -200,40 +240,44 @@ class Rebalance(Part):
             return "moves in progress"
         if self.core.stopping or self.core.draining or self.core.recovering(now):
             return "the orchestrator is stopping or recovering"
-        if p.best == p.current:
+        if p.best == p.current and p.best_classes == p.current_classes:
             return "the current split is the best"
         if p.gain <= cfg.min_gain:
             return f"gain {p.gain:.1%} is not over min_gain {cfg.min_gain:.0%}"
         while self.recent and now - self.recent[0][0] >= cfg.cooldown_s:
             self.recent.popleft()
-        moves = p.moves()
-        back = [(at, a, b) for at, a, b in self.recent if (b, a) in moves]
+        moves = p.class_moves()
+        back = [(at, a, b) for at, a, b, cls in self.recent if (b, a, cls) in moves]
         if back:  # it would undo a recent move: hysteresis (moves onward, in the same direction, go at once)
             at, a, b = back[-1]
             return f"cooldown: a device moved {a} -> {b} {now - at:.0f} s ago ({cfg.cooldown_s - (now - at):.0f} s left)"
         started = []
-        for from_role, to_role in moves:
-            inst = self.pick_mover(from_role, to_role, now)
+        for from_role, to_role, device_class in moves:
+            inst = self.pick_mover(from_role, to_role, now, device_class)
             if inst is None:
                 continue
             new_id = self.new_instance_id(to_role, inst.id)
-            self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now, session=inst.session)
+            self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now, session=inst.session,
+                                        device_class=device_class)
             inst.state = "draining"  # no new work; shut down once idle (shutdown_drained)
             self.core.instances_changed()
             started.append(f"{inst.id} -> {new_id}")
         if not started:
             return "no instance can move (none movable, or the role's footprint does not fit)"
-        log.info("rebalance %s -> %s (predicted %.2f -> %.2f req/s): %s", fmt(p.current), fmt(p.best), p.current_rps,
-                 p.best_rps, ", ".join(started))
+        log.info("rebalance %s -> %s (predicted %.2f -> %.2f req/s): %s",
+                 fmt_classes(p.current_classes) or fmt(p.current), fmt_classes(p.best_classes) or fmt(p.best),
+                 p.current_rps, p.best_rps, ", ".join(started))
         return ""
 
-    def pick_mover(self, from_role: str, to_role: str, now: float):
-        """The instance of `from_role` with the least work in hand that can move and whose device fits `to_role`."""
+    def pick_mover(self, from_role: str, to_role: str, now: float, device_class: str = ""):
+        """The instance of `from_role` (on a device of `device_class`, where given) with the least work in hand that
+        can move and whose device fits `to_role`."""
         need = self.footprint(to_role)
         serving = [i for i in self.registry.of_role(from_role) if i.state in ("ready", "starting") and i.id not in self.moving]
         if len(serving) <= self.config.rebalance.min_per_role:
             return None
-        cands = [i for i in serving if i.state == "ready" and self.movable(i, now) and self.fits(i, need)]
+        cands = [i for i in serving if i.state == "ready" and self.movable(i, now) and self.fits(i, need)
+                 and (not device_class or (c := class_of(i.memory.device)) is not None and c.name == device_class)]
         return min(cands, key=lambda i: (self.work_in_hand(i, now), len(i.staged), i.id), default=None)
 
     @staticmethod
@@ -271,22 +315,22 @@ class Rebalance(Part):
         for device in idle:
             if device.instance_id in self.moving:
                 continue  # a move of ours: its order is on its way
-            to_role = self.role_lacking() or device.role
+            # its class: the instance it was, if this orchestrator saw it register
+            old = self.registry.get(device.instance_id)
+            cls = class_of(old.memory.device) if old is not None else None
+            to_role = self.role_lacking(cls.name if cls is not None else "") or device.role
             new_id = self.new_instance_id(to_role, device.instance_id)
             self.moving[device.instance_id] = Move(device.instance_id, new_id, device.role, to_role, launcher, now,
-                                                   state="restarting", ordered_at=now)
+                                                   state="restarting", ordered_at=now,
+                                                   device_class=cls.name if cls is not None else "")
             self.core.warnings.append(f"rebalance: {device.instance_id}'s device was between roles when the orchestrator "
                                  f"restarted; it serves as {new_id} now")
             log.warning("rebalance: %s's device was left between roles by an orchestrator restart; its launcher starts "
                         "%s there", device.instance_id, new_id)
 
-    def role_lacking(self) -> str | None:
-        """The role the last plan wants most devices more of, if any."""
-        if self.plan is None:
-            return None
-        short = {r: self.plan.best[r] - self.plan.current[r] for r in ROLES}
-        role = max(ROLES, key=lambda r: short[r])
-        return role if short[role] > 0 else None
+    def role_lacking(self, device_class: str = "") -> str | None:
+        """The role the last plan wants most devices more of (of `device_class`, where planned by class), if any."""
+        return self.plan.lacking(device_class) if self.plan is not None else None
 
     def follow_moves(self, now: float) -> None:
         for m in list(self.moving.values()):
@@ -306,7 +350,7 @@ class Rebalance(Part):
                     del self.moving[m.inst]
                     self.moves_done += 1
                     self.last_move_end = now
-                    self.recent.append((now, m.from_role, m.to_role))
+                    self.recent.append((now, m.from_role, m.to_role, m.device_class))
                     log.info("rebalance: %s serves as a %s (was %s, a %s)", m.new_id, m.to_role, m.inst, m.from_role)
                 elif now - m.ordered_at > RESTART_TIMEOUT_S:
                     del self.moving[m.inst]
@@ -341,4 +385,5 @@ class Rebalance(Part):
             st.current_rps = round(p.current_rps, 4)
             st.recommended, st.recommended_rps = fmt(p.best), round(p.best_rps, 4)
             st.considered = [SplitRate(split=fmt(s), rps=round(r, 4)) for s, r in p.considered[:8]]
+            st.current_classes, st.recommended_classes = fmt_classes(p.current_classes), fmt_classes(p.best_classes)
         return st

@@ -41,11 +41,17 @@ class StagePredictor:
         self.per_unit: dict[str, float] = {}
         #: role -> the last steps a request used when it named none (the model's default)
         self.default_steps: dict[str, int] = {}
+        #: as by_shape, in H200-seconds (each measurement x its device's speed, disagg/settings/devices.py), kept
+        #: once a device of a known class other than the H200 reported: `rebalance` plans devices of several
+        #: classes from them
+        self.at_speed_1: dict[tuple, float] = {}
+        self.scaled = False
 
     def _per_step(self, role: str, p) -> bool:
         return role in ("denoiser", "monolith") and bool(_steps(p))
 
-    def record(self, role: str, p, seconds: float) -> None:
+    def record(self, role: str, p, seconds: float, speed: float = 1.0) -> None:
+        """`seconds` measured on a device of `speed` (an H200's 1; 1 where unknown)."""
         if seconds <= 0:
             return
         per_step = self._per_step(role, p)
@@ -53,12 +59,21 @@ class StagePredictor:
         key = (role, shape(p), per_step)
         self.by_shape[key] = ewma(self.by_shape.get(key), value)
         self.per_unit[role] = ewma(self.per_unit.get(role), value / _units(p))
+        if speed != 1.0 or self.scaled:
+            self.scaled = True
+            self.at_speed_1[key] = ewma(self.at_speed_1.get(key), value * speed)
 
-    def predict(self, role: str, p, measured_only: bool = False) -> float | None:
+    def predict(self, role: str, p, measured_only: bool = False, at_speed_1: bool = False) -> float | None:
         """Seconds `role` should take request `p` alone; None before any measurement of that role (with
-        `measured_only`, of that role at `p`'s shape: no estimate scaled from other shapes)."""
+        `measured_only`, of that role at `p`'s shape: no estimate scaled from other shapes). `at_speed_1`: in
+        H200-seconds, from measurements at `p`'s shape only (by_shape's where no device of another speed reported)."""
         per_step = self._per_step(role, p)
+        if at_speed_1 and self.scaled:
+            value = self.at_speed_1.get((role, shape(p), per_step))
+            return None if value is None else value * _steps(p) if per_step else value
         value = self.by_shape.get((role, shape(p), per_step))
+        if value is None and at_speed_1:
+            return None
         if value is None and measured_only:
             return None
         if value is None:

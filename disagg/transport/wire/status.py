@@ -175,3 +175,8 @@ class RebalanceStatus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_move_s: float = -1.0
     #: why no move is made now (cooldown, gain under min_gain, ...), empty when one is
     holding: str = ""
+    #: devices of several classes (H200s beside L40Ss): the split the plan was made on and the recommended one, per
+    #: class ("H200 1:3:0, L40S 1:1:2"; empty where the devices are of one class, or of none known). `work_s` is
+    #: then in H200-seconds
+    current_classes: str = ""
+    recommended_classes: str = ""
