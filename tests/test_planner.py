@@ -520,7 +520,9 @@ def test_auto_on_devices_of_two_classes_swaps_the_denoisers_onto_the_fast_ones()
         for o in d.poll().orders:
             d.device[o.new_id] = d.device[o.instance_id]  # the same device
             d.add(o.role, iid=o.new_id)
-        d.tick(1.0)
+        d.now += 1.0
+        d.router.tick(d.now)  # before the new instances' first heartbeat: each is of its device's class already
+        assert d.router.snapshot(d.now).rebalance.recommended_classes
     rb = d.router.snapshot(d.now).rebalance
     assert rb.current_classes == "H200 0:4:0, L40S 1:2:1" and rb.moves == 4 and rb.moving == [], rb
     # the same deployment with no class known: planned by counts, as before, and nothing moves

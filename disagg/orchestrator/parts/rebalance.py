@@ -36,7 +36,7 @@ from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.parts.planner import ROLES, Plan, Work, fmt, fmt_classes, plan, plan_by_class
 from disagg.orchestrator.scheduling.deadlines import shape
 from disagg.settings.choices import RebalanceMode
-from disagg.settings.devices import class_of
+from disagg.settings.devices import CLASSES, class_of
 from disagg.transport.wire.messages import LauncherPoll, RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
@@ -88,6 +88,9 @@ class Rebalance(Part):
         #: device of the same class) is held that long
         self.recent: collections.deque = collections.deque()
         self.holding = ""
+        #: instance id -> its device's class, as its heartbeats named it, or a move's new instance's (before its
+        #: first heartbeat names it)
+        self.classes: dict[str, str] = {}
         #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
         self.launcher_ids: dict[str, frozenset[str]] = {}
 
@@ -164,13 +167,16 @@ class Rebalance(Part):
                 if inst.state not in ("ready", "starting") or inst.id in away:
                     continue
                 cls = class_of(inst.memory.device)
-                if cls is None:
+                if cls is not None:
+                    self.classes[inst.id] = cls.name
+                name = self.classes.get(inst.id)
+                if name is None:
                     return None
-                speeds[cls.name] = cls.speed
-                serving.setdefault(cls.name, dict.fromkeys(ROLES, 0))[role] += 1
-                fixed.setdefault(cls.name, dict.fromkeys(ROLES, 0))
+                speeds[name] = CLASSES[name].speed
+                serving.setdefault(name, dict.fromkeys(ROLES, 0))[role] += 1
+                fixed.setdefault(name, dict.fromkeys(ROLES, 0))
                 if not self.movable(inst, now):
-                    fixed[cls.name][role] += 1
+                    fixed[name][role] += 1
         for m in self.moving.values():
             if m.device_class not in serving:
                 return None  # a move planned by counts (the classes were not known then)
@@ -259,6 +265,8 @@ class Rebalance(Part):
             new_id = self.new_instance_id(to_role, inst.id)
             self.moving[inst.id] = Move(inst.id, new_id, from_role, to_role, inst.launcher, now, session=inst.session,
                                         device_class=device_class)
+            if device_class:
+                self.classes[new_id] = device_class
             inst.state = "draining"  # no new work; shut down once idle (shutdown_drained)
             self.core.instances_changed()
             started.append(f"{inst.id} -> {new_id}")
