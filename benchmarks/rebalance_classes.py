@@ -2,6 +2,7 @@
 
     python benchmarks/rebalance_classes.py                  # 3 runs of 3 deployments side by side (~12 min here)
     python benchmarks/rebalance_classes.py --runs 1 --duration-s 120
+    python benchmarks/rebalance_classes.py --report         # the table and plot again from the saved records
 
 sim:flux-h200 on 4 simulated H200s and 4 L40Ss (`devices: 4xH200,4xL40S`), 1024^2 images at 8 steps, closed loop.
 Each run starts three deployments side by side, so they share the machine alike:
@@ -11,9 +12,10 @@ Each run starts three deployments side by side, so they share the machine alike:
 - `bad, advise`: the same placement, left as it is (advise never moves; `auto` by counts made no move either).
 - `planned, advise`: the placement the by-class plan recommends (H200 0:4:0, L40S 1:2:1), from the start.
 
-Per deployment: completions per second over the last --measure-s of the run (auto has converged by then: the
+Per deployment: completions per second over the last --measure-s before the loop stops sending (auto has converged by then: the
 script checks that no move was in progress in that time), and the plan's predicted req/s of its placement. Medians
-of --runs. Writes benchmarks/results/rebalance-classes.{json,md}.
+of --runs. Writes benchmarks/results/rebalance-classes.{json,md,png} (the plot: the median auto run's completions
+per 5 s beside the two placements left as they are, run alike).
 """
 
 from __future__ import annotations
@@ -102,17 +104,24 @@ def one(name: str, mode: str, args) -> dict:
         finally:
             stop_all([proc])
     start = args.duration_s - args.measure_s
-    ok = [t for t, good, _ in rec["done"] if good and t >= start]
     last = [s for s in rec["samples"] if s["t"] >= start]
     moved_late = any(s["moving"] for s in last)
     final = rec["samples"][-1] if rec["samples"] else {}
     # the converged placement's predicted rate: the plan's current_rps once nothing moves
-    return {"placement": name, "mode": mode, "rps": len(ok) / args.measure_s, "failed": sum(1 for _, g, _ in rec["done"] if not g),
+    finished = [round(t, 3) for t, good, _ in rec["done"] if good]
+    return {"placement": name, "mode": mode, "rps": rate(finished, args), "failed": sum(1 for _, g, _ in rec["done"] if not g),
             "final": final.get("current", ""), "recommended": final.get("recommended", ""),
             "predicted_rps": final.get("current_rps", 0.0), "moves": final.get("moves", 0), "moved_late": moved_late,
             "converged_s": next((s["t"] for s in rec["samples"] if s["moves"] >= 1 and not s["moving"]
                                  and s["current"] == final.get("current")), None) if mode == "auto" else None,
-            "samples": rec["samples"]}
+            "samples": rec["samples"], "finished": finished}
+
+
+def rate(finished: list[float], args) -> float:
+    """Completions per second in the measured time: the last --measure-s before the loop stops sending (the requests
+    still in flight then finish after it, and are not counted)."""
+    start = args.duration_s - args.measure_s
+    return sum(1 for t in finished if start <= t < args.duration_s) / args.measure_s
 
 
 def main() -> None:
@@ -122,10 +131,17 @@ def main() -> None:
     ap.add_argument("--measure-s", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/rebalance-classes.json"))
+    ap.add_argument("--report", action="store_true", help="no runs: the table and plot again from --out's records")
     args = ap.parse_args()
     jobs = [("bad", "auto"), ("bad", "advise"), ("planned", "advise")]
     recs = []
-    for run in range(args.runs):
+    if args.report:
+        doc = json.loads(Path(args.out).read_text())
+        args = argparse.Namespace(**{**doc["args"], "out": args.out, "report": True})
+        recs = doc["raw"]
+        for r in recs:
+            r["rps"] = rate(r["finished"], args)
+    for run in range(0 if args.report else args.runs):
         with ThreadPoolExecutor(len(jobs)) as pool:
             recs += list(pool.map(lambda job: one(job[0], job[1], args), jobs))
         print(f"run {run + 1}: " + ", ".join(f"{r['placement']}/{r['mode']} {r['rps']:.3f} req/s ({r['final']})"
@@ -154,6 +170,57 @@ def main() -> None:
     print(text)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, "raw": recs}, indent=1))
     Path(args.out).with_suffix(".md").write_text(text + "\n")
+    plot(recs, len(jobs), args, Path(args.out).with_suffix(".png"))
+
+
+def plot(recs: list[dict], per_run: int, args, path: Path) -> None:
+    """Completions per 5 s over the run of the median auto run and of the two others of its run, drawn with Pillow,
+    the auto run's moves marked."""
+    from PIL import Image, ImageDraw
+
+    runs = [recs[k:k + per_run] for k in range(0, len(recs), per_run)]
+    runs.sort(key=lambda run: run[0]["rps"])
+    run = runs[len(runs) // 2]
+    bucket, end = 5.0, args.duration_s
+    series = []
+    for rec in run:
+        counts = [0] * int(end // bucket + 1)
+        for t in rec.get("finished", []):
+            counts[min(int(t // bucket), len(counts) - 1)] += 1
+        series.append((f"{rec['placement']}, {rec['mode']}", [c / bucket for c in counts[:-1]]))
+    top = max(max(v) for _, v in series) * 1.15 or 1.0
+    w, h, pad = 900, 440, 60
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    d.text((pad, 8), f"rebalance auto on 4 H200 + 4 L40S (sim:flux-h200, 1024^2 x {STEPS} steps): completions per "
+                     f"{bucket:g} s", fill="black")
+
+    def x(t):
+        return pad + (w - 2 * pad) * t / end
+
+    def y(v):
+        return h - pad - (h - 2 * pad) * v / top
+
+    d.line([(pad, h - pad), (w - pad, h - pad)], fill="black")
+    d.line([(pad, pad), (pad, h - pad)], fill="black")
+    for k in range(0, int(end) + 1, 30):
+        d.text((x(k) - 8, h - pad + 6), f"{k} s", fill="black")
+    for k in range(0, int(top) + 1):
+        d.text((8, y(k) - 6), f"{k} req/s", fill="black")
+    auto = run[0]
+    for s_prev, s in zip(auto["samples"], auto["samples"][1:]):
+        if s["moves"] > s_prev["moves"]:
+            d.line([(x(s["t"]), pad), (x(s["t"]), h - pad)], fill=(220, 220, 220))
+    start = end - args.measure_s
+    d.line([(x(start), pad), (x(start), h - pad)], fill=(150, 150, 150))
+    d.text((x(start) + 4, pad), "measured from here", fill=(100, 100, 100))
+    colors = [(200, 40, 40), (40, 40, 200), (40, 150, 40)]
+    for k, ((label, values), color) in enumerate(zip(series, colors)):
+        pts = [(x((i + 0.5) * bucket), y(v)) for i, v in enumerate(values)]
+        d.line(pts, fill=color, width=2)
+        d.text((w - pad - 230, pad + 14 * k + 14), label, fill=color)
+    d.text((pad, h - 22), "grey lines: auto's moves ending", fill=(120, 120, 120))
+    img.save(path)
 
 
 if __name__ == "__main__":
