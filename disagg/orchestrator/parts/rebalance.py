@@ -177,6 +177,9 @@ class Rebalance(Part):
                 fixed.setdefault(name, dict.fromkeys(ROLES, 0))
                 if not self.movable(inst, now):
                     fixed[name][role] += 1
+        if len(self.classes) > 2 * len(self.registry.by_id) + 64:  # forget instances long gone
+            keep = self.registry.by_id.keys() | {m.new_id for m in self.moving.values()}
+            self.classes = {i: c for i, c in self.classes.items() if i in keep}
         for m in self.moving.values():
             if m.device_class not in serving:
                 return None  # a move planned by counts (the classes were not known then)
