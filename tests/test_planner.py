@@ -498,6 +498,12 @@ def test_auto_on_devices_of_two_classes_swaps_the_denoisers_onto_the_fast_ones()
     right; by class, the H200s' encoder and decoder swap with two L40S denoisers. The stage times each instance
     reports are its class's; the plan reads them in H200-seconds. A move back on the same class is held by the
     cooldown, a move of the other class is not."""
+    import io
+
+    from rich.console import Console
+
+    from disagg.launcher.cli.dashboard import status_view
+
     d = Deployment(mode="auto", cooldown_s=30.0)
     for iid, cls in (("encoder-0", "H200"), ("denoiser-0", "H200"), ("denoiser-1", "H200"), ("decoder-0", "H200"),
                      ("denoiser-2", "L40S"), ("denoiser-3", "L40S"), ("denoiser-4", "L40S"), ("denoiser-5", "L40S")):
@@ -523,8 +529,14 @@ def test_auto_on_devices_of_two_classes_swaps_the_denoisers_onto_the_fast_ones()
         d.now += 1.0
         d.router.tick(d.now)  # before the new instances' first heartbeat: each is of its device's class already
         assert d.router.snapshot(d.now).rebalance.recommended_classes
-    rb = d.router.snapshot(d.now).rebalance
+    report = d.router.snapshot(d.now)
+    rb = report.rebalance
     assert rb.current_classes == "H200 0:4:0, L40S 1:2:1" and rb.moves == 4 and rb.moving == [], rb
+    # the live table: each instance's device class, and the split per class
+    console = Console(record=True, file=io.StringIO(), width=250)
+    console.print(status_view(report, width=250))
+    text = console.export_text()
+    assert "cpu [L40S]" in text and "cpu [H200]" in text and "split H200 0:4:0, L40S 1:2:1" in text, text
     # the same deployment with no class known: planned by counts, as before, and nothing moves
     d = Deployment(mode="auto")
     for iid in ("encoder-0", "denoiser-0", "denoiser-1", "decoder-0", "denoiser-2", "denoiser-3", "denoiser-4",

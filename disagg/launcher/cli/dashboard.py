@@ -31,8 +31,10 @@ def _cells(i) -> dict[str, str]:
         # while starting, its boot's phase and bytes so far: "downloading 3.20 GB", "loading", "compiling"
         "role": i.role, "id": i.id, "pid": str(i.pid), "host": i.host,
         "state": boot_state(i) if i.state == "starting" and i.boot.phase else i.state,
-        # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"
-        "device": f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device,
+        # an instance over several devices: each rank's device and the layout, e.g. "gpu0,gpu1 (ulysses 2)"; then
+        # the GPUs it was given as its host numbers them and its device's name (or simulated class), where known:
+        # "cuda:0 [GPU 3, NVIDIA H200]"
+        "device": _device(i),
         "free/cap": f"{i.free_slots}/{i.capacity}", "in flight": str(i.in_flight), "done": str(i.completed),
         "failed": str(i.failed), "engine": i.engine, "pool MiB used/total": f"{_mib(i.pool_used_bytes)}/{_mib(i.pool_bytes)}",
         "restarts": str(i.restarts),
@@ -42,6 +44,12 @@ def _cells(i) -> dict[str, str]:
         # LoRA adapters held / slots, then hits and loads: "2/8 A,B (hits 10, loads 2)"
         "adapters": _adapters(i.lora) if i.lora.slots and i.role != "encoder" else "",
     }
+
+
+def _device(i) -> str:
+    base = f"{','.join(i.devices)} ({i.parallel})" if i.parallel else i.device
+    extra = ", ".join(x for x in (f"GPU {i.visible_gpus}" if i.visible_gpus else "", i.memory.device) if x)
+    return f"{base} [{extra}]" if extra else base
 
 
 def _memory(m) -> str:
