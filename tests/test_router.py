@@ -65,6 +65,30 @@ def test_retryable_failure_gets_new_attempt():
     assert h.router.requests["r1"].attempt == 2
 
 
+def test_an_input_that_could_not_be_pulled_is_not_read_again_the_request_starts_over():
+    """A Slurm CI failure: a joining node's processes were killed; before its heartbeats stopped, a decoder's pull
+    from its denoiser failed three times in a row (each retry read the same dead pool) and the request gave up. An
+    attempt whose input could not be read (Failed.source_lost) starts over from the encoder, the input released."""
+    h = Harness()
+    [enc] = h.add("encoder", capacity=2)
+    [den] = h.add("denoiser")
+    h.add("decoder", 2)
+    h.submit("r1")
+    [(to, _)] = runs(h.role(enc, staged(enc, "r1")))
+    [(to, _)] = runs(h.role(den, staged(den, "r1", offset=512)))
+    assert to.startswith("decoder")
+    out = h.role(to, Failed(request_id="r1", attempt=1, error="TransferError: mooncake read failed", retryable=True,
+                            source_lost=True))
+    assert [(o.to_instance, o.msg.offset) for o in out if isinstance(o.msg, Release)] == [(den, 512)]
+    assert [(iid, h.router.requests["r1"].attempt) for iid, _ in runs(out)] == [(enc, 2)]
+    # the same failure without source_lost (a compute that failed after its pull): the decoder again
+    h.submit("r2")
+    [(to, _)] = runs(h.role(enc, staged(enc, "r2", offset=1024)))
+    [(to, _)] = runs(h.role(den, staged(den, "r2", offset=1536)))
+    out = h.role(to, Failed(request_id="r2", attempt=1, error="PoolFull: transient", retryable=True))
+    assert [iid.split("-")[0] for iid, _ in runs(out)] == ["decoder"]
+
+
 def test_admission_control_refuses_when_queue_full():
     h = Harness(max_queue=2)
     h.add("encoder")

@@ -120,3 +120,30 @@ def test_a_requests_adapters_are_unpinned_before_its_output_is_reported():
         for held in list(runner.staged.values()):
             pool.free(held.slot.offset)
         remove_segments(name)
+
+
+def test_a_failed_pull_of_the_input_says_source_lost_and_a_failed_compute_does_not():
+    """Failed.source_lost: the orchestrator starts such a request over instead of reading that input again."""
+    from disagg.roles.compute import StageRunner
+    from disagg.roles.pipelines.payload import PayloadAdapter
+    from disagg.roles.stage import Stage
+    from disagg.transport.wire.messages import Failed, GenerationParams, PoolInfo, Run, SlotRef, Source, TensorSpec
+
+    name = f"disagg-test-{uuid.uuid4().hex[:8]}"
+    pool = make_pool(name, 1 << 20, "cpu")
+    told = []
+    runner = StageRunner("decoder-0", pool, {}, lambda msg, *a: told.append(msg) if isinstance(msg, Failed) else None)
+    runner.stage = Stage("decoder", PayloadAdapter("decoder"))
+    try:
+        slot = SlotRef(instance_id="denoiser-1", offset=0, nbytes=256, tensors=[TensorSpec("x", "float32", [64], 0, 256)])
+        source = Source(slot=slot, pool=PoolInfo(host_id="h2", engines=["mooncake"], pool_name="p", pool_bytes=1 << 20),
+                        engine="mooncake")  # no such engine here: the pull fails with a TransferError
+        params = GenerationParams(prompt="p", width=8, height=8, seed=1)
+        runner.execute(Run(request_id="r1", attempt=1, params=params, source=source), [], 0.0)
+        # no input to pull: its compute fails (the payload decoder finds no latents), after the pull
+        runner.execute(Run(request_id="r2", attempt=1, params=params), [], 0.0)
+        assert [(f.request_id, f.retryable, f.source_lost) for f in told] == [("r1", True, True), ("r2", False, False)]
+        assert "TransferError" in told[0].error and "KeyError" in told[1].error
+        assert pool.free_bytes == 1 << 20  # the slot for the input that never came is free again
+    finally:
+        remove_segments(name)

@@ -377,7 +377,7 @@ class Router(InstanceLifecycle, RequestSteps):
             return
         inst.failed += 1
         if msg.retryable:
-            self.retry(req, cause, now, out)
+            self.retry(req, cause, now, out, source_lost=msg.source_lost)
         else:
             self.release_source(req, out)
             self.fail(req, cause, now, out)

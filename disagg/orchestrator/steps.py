@@ -172,8 +172,10 @@ class RequestSteps:
             self.fail(req, f"timed out after {limit:.1f} s in stage {req.stage} ({req.state})", now, out,
                       code=ErrorCode.TIMEOUT)
 
-    def retry(self, req: Request, cause: str, now: float, out: list[Out]) -> None:
-        """A new attempt from the last stage whose input still exists, else from the encoder."""
+    def retry(self, req: Request, cause: str, now: float, out: list[Out], source_lost: bool = False) -> None:
+        """A new attempt from the last stage whose input still exists, else from the encoder. `source_lost`: its
+        input could not be read (Failed.source_lost): its producer may be gone before its heartbeats stop, and an
+        attempt reading it again would fail alike, so it starts over."""
         if req.attempt > self.config.max_retries:
             self.release_source(req, out)
             self.fail(req, f"gave up after {req.attempt} attempts; last: {cause}", now, out)
@@ -181,7 +183,7 @@ class RequestSteps:
         req.attempt += 1
         log.info("request %s: attempt %d (%s)", req.id, req.attempt, cause)
         producer = self.registry.get(req.source.slot.instance_id) if req.source else None
-        stage = req.stage if producer is not None and producer.state != "dead" else self.first_stage
+        stage = req.stage if producer is not None and producer.state != "dead" and not source_lost else self.first_stage
         if stage == self.first_stage:
             self.release_source(req, out)
         self.enqueue(req, stage, now, front=True)

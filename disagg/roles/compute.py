@@ -258,9 +258,11 @@ class StageRunner:
         self.tick()
         local = []  # the input's slot in this instance's pool, once allocated
         lora_s, pinned = 0.0, []
+        fetched = False
         busy_from = self.meter.enter()
         try:
             inputs, fetch_s = self._fetch(run, frames, received, local)
+            fetched = True
             if run.params.loras and self.stage.role != "decoder":  # loaded while another request computes
                 lora_s, pinned = self._acquire_loras(run), [r.name for r in run.params.loras]
             out, ticket, computed, compute_s = self._compute(run, inputs)
@@ -278,7 +280,7 @@ class StageRunner:
             self._deliver(run, out, computed, dict(compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
                                                    lora_s=lora_s))
         except Exception as exc:  # the request's failure: report it and keep serving
-            self._failed(run, exc)
+            self._failed(run, exc, source_lost=not fetched and isinstance(exc, TransferError))
         finally:
             if pinned:
                 self.stage.loras.release(pinned)
@@ -357,8 +359,9 @@ class StageRunner:
         self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, **times, **out.cache_steps),
                     extra)
 
-    def _failed(self, run: Run, exc: Exception) -> None:
-        """Report a failed compute, by the exception's type (errors.py); the instance keeps serving."""
+    def _failed(self, run: Run, exc: Exception, source_lost: bool = False) -> None:
+        """Report a failed compute, by the exception's type (errors.py); the instance keeps serving. `source_lost`:
+        it failed pulling its input (Failed.source_lost)."""
         if isinstance(exc, Cancelled):  # nobody waits for it: free the slot, no retry
             self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=str(exc), retryable=False,
                                code=ErrorCode.CANCELLED))
@@ -375,4 +378,5 @@ class StageRunner:
         log.log(logging.INFO if invalid else logging.WARNING, "request %s attempt %d failed: %s: %s",
                 run.request_id, run.attempt, type(exc).__name__, exc, exc_info=not (retryable or invalid))
         self.report(Failed(request_id=run.request_id, attempt=run.attempt, error=f"{type(exc).__name__}: {exc}",
-                           retryable=retryable, code=code, param=exc.param if invalid else None))
+                           retryable=retryable, code=code, param=exc.param if invalid else None,
+                           source_lost=source_lost))

@@ -219,6 +219,9 @@ class Failed(_Msg, tag="failed", kw_only=True):
     #: instance; `param`: the request field at fault
     code: ErrorCode = ErrorCode.GENERATION_FAILED
     param: str | None = None
+    #: its input could not be read from the instance that staged it (a transfer error while pulling it: that
+    #: instance may be gone, not yet declared dead): another attempt does not read it again, it starts over
+    source_lost: bool = False
 
 
 class Shutdown(_Msg, tag="shutdown", kw_only=True):
