@@ -156,7 +156,8 @@ def main() -> None:
                      "moved_late": any(r["moved_late"] for r in mine), "failed": sum(r["failed"] for r in mine)})
     base = rows[1]["rps"]
     lines = [f"sim:flux-h200 on 4 H200s + 4 L40Ss, 1024^2 at {STEPS} steps, closed loop at concurrency "
-             f"{args.concurrency}; req/s over the last {args.measure_s:g} s of {args.duration_s:g}; medians of "
+             f"{args.concurrency}; req/s over the {args.measure_s:g} s before the loop stops sending (of "
+             f"{args.duration_s:g}); medians of "
              f"{args.runs} runs, the three deployments side by side in each", "",
              "| deployment | placement at the end (per class, E:D:K) | req/s (runs) | vs bad, advise | predicted req/s | "
              "moves | converged at s | failed |", "|---|---|---|---|---|---|---|---|"]
