@@ -288,7 +288,7 @@ class Rebalance(Part):
         if len(serving) <= self.config.rebalance.min_per_role:
             return None
         cands = [i for i in serving if i.state == "ready" and self.movable(i, now) and self.fits(i, need)
-                 and (not device_class or (c := class_of(i.memory.device)) is not None and c.name == device_class)]
+                 and (not device_class or self.classes.get(i.id) == device_class)]
         return min(cands, key=lambda i: (self.work_in_hand(i, now), len(i.staged), i.id), default=None)
 
     @staticmethod
@@ -326,14 +326,14 @@ class Rebalance(Part):
         for device in idle:
             if device.instance_id in self.moving:
                 continue  # a move of ours: its order is on its way
-            # its class: the instance it was, if this orchestrator saw it register
-            old = self.registry.get(device.instance_id)
-            cls = class_of(old.memory.device) if old is not None else None
-            to_role = self.role_lacking(cls.name if cls is not None else "") or device.role
+            # its class: the instance it was, if this orchestrator heard it name its device
+            device_class = self.classes.get(device.instance_id, "")
+            to_role = self.role_lacking(device_class) or device.role
             new_id = self.new_instance_id(to_role, device.instance_id)
             self.moving[device.instance_id] = Move(device.instance_id, new_id, device.role, to_role, launcher, now,
-                                                   state="restarting", ordered_at=now,
-                                                   device_class=cls.name if cls is not None else "")
+                                                   state="restarting", ordered_at=now, device_class=device_class)
+            if device_class:
+                self.classes[new_id] = device_class
             self.core.warnings.append(f"rebalance: {device.instance_id}'s device was between roles when the orchestrator "
                                  f"restarted; it serves as {new_id} now")
             log.warning("rebalance: %s's device was left between roles by an orchestrator restart; its launcher starts "
