@@ -103,7 +103,7 @@ class InstanceLifecycle:
         if msg.memory is not None:
             if msg.memory.device != inst.memory.device:
                 cls = class_of(msg.memory.device)
-                inst.speed = cls.speed if cls is not None else 1.0
+                inst.device_class, inst.speed = (cls.name, cls.speed) if cls is not None else ("", 1.0)
             inst.memory = msg.memory
         if msg.progress != inst.progress:
             inst.progress, inst.progress_at = msg.progress, now

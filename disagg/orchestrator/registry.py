@@ -81,8 +81,9 @@ class Instance:
     boot: BootStats = field(default_factory=BootStats)
     compile: CompileStats = field(default_factory=CompileStats)
     memory: MemoryStats = field(default_factory=MemoryStats)
-    #: its device's speed, an H200's 1, where its heartbeats name a device of a known class (disagg/settings/devices.py);
-    #: else 1. Its stage times x this are H200-seconds (StagePredictor.at_speed_1)
+    #: its device's class, where its heartbeats name a device of a known class (disagg/settings/devices.py; "" else),
+    #: and that class's speed, an H200's 1 (else 1): its stage times x this are H200-seconds (StagePredictor.at_speed_1)
+    device_class: str = ""
     speed: float = 1.0
     #: the registry's free-slot index, told of every change of `state` or `free_slots` (_Indexed)
     index: "FreeIndex | None" = field(default=None, repr=False, compare=False)

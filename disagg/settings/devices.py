@@ -14,7 +14,6 @@ Sources (NVIDIA's datasheets; "dense" is half the figure they print with 2:4 spa
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -64,7 +63,6 @@ def parse_devices(spec: str) -> list[DeviceClass]:
     return out
 
 
-@functools.lru_cache(maxsize=256)  # rebalance asks for every instance's on every plan
 def class_of(device_name: str) -> DeviceClass | None:
     """The class of a device as its instance names it (MemoryStats.device): a simulated device's class, or a GPU's
     name as torch gives it ("NVIDIA H100 80GB HBM3": a class name as one of its words); None when none matches

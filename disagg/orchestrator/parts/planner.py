@@ -101,6 +101,13 @@ def splits(budget: int, min_per_role: int = 1, fixed: dict[str, int] | None = No
             yield split
 
 
+def moves_between(current: dict[str, int], best: dict[str, int]) -> list[tuple[str, str]]:
+    """(from role, to role) for each device that changes role from split `current` to `best`, fewest moves."""
+    give = [r for r in ROLES for _ in range(max(current.get(r, 0) - best.get(r, 0), 0))]
+    take = [r for r in ROLES for _ in range(max(best.get(r, 0) - current.get(r, 0), 0))]
+    return list(zip(give, take))
+
+
 @dataclass
 class Plan:
     """The current split, the best one, and what each considered split serves (req/s), best first."""
@@ -123,9 +130,7 @@ class Plan:
 
     def moves(self) -> list[tuple[str, str]]:
         """(from role, to role) for each device that changes role, fewest moves."""
-        give = [r for r in ROLES for _ in range(max(self.current.get(r, 0) - self.best.get(r, 0), 0))]
-        take = [r for r in ROLES for _ in range(max(self.best.get(r, 0) - self.current.get(r, 0), 0))]
-        return list(zip(give, take))
+        return moves_between(self.current, self.best)
 
     def class_moves(self) -> list[tuple[str, str, str]]:
         """(from role, to role, device class) for each device that changes role, fewest moves in each class ("":
@@ -134,8 +139,7 @@ class Plan:
             return [(a, b, "") for a, b in self.moves()]
         out = []
         for cls, best in self.best_classes.items():
-            now = self.current_classes.get(cls, {})
-            out += [(a, b, cls) for a, b in Plan(current=now, current_rps=0.0, best=best, best_rps=0.0).moves()]
+            out += [(a, b, cls) for a, b in moves_between(self.current_classes.get(cls, {}), best)]
         return out
 
     def lacking(self, cls: str = "") -> str | None:

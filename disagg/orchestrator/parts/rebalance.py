@@ -36,7 +36,7 @@ from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.parts.planner import ROLES, Plan, Work, fmt, fmt_classes, plan, plan_by_class
 from disagg.orchestrator.scheduling.deadlines import shape
 from disagg.settings.choices import RebalanceMode
-from disagg.settings.devices import CLASSES, class_of
+from disagg.settings.devices import CLASSES
 from disagg.transport.wire.messages import LauncherPoll, RebalanceStatus, Rerole, Reroles, RoleMove, SplitRate
 
 log = logging.getLogger("disagg.orchestrator")
@@ -88,8 +88,8 @@ class Rebalance(Part):
         #: device of the same class) is held that long
         self.recent: collections.deque = collections.deque()
         self.holding = ""
-        #: instance id -> its device's class, as its heartbeats named it, or a move's new instance's (before its
-        #: first heartbeat names it)
+        #: instance id -> its device's class (Instance.device_class), or a move's new instance's (before its first
+        #: heartbeat names it)
         self.classes: dict[str, str] = {}
         #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
         self.launcher_ids: dict[str, frozenset[str]] = {}
@@ -166,9 +166,8 @@ class Rebalance(Part):
             for inst in self.registry.of_role(role):
                 if inst.state not in ("ready", "starting") or inst.id in away:
                     continue
-                cls = class_of(inst.memory.device)
-                if cls is not None:
-                    self.classes[inst.id] = cls.name
+                if inst.device_class:
+                    self.classes[inst.id] = inst.device_class
                 name = self.classes.get(inst.id)
                 if name is None:
                     return None
