@@ -21,12 +21,25 @@ _NEXT = {**dict(zip(STAGES, STAGES[1:] + (None,))), MONOLITH: None}
 _PREVIOUS = dict(zip(STAGES[1:], STAGES))
 
 
+class Names:
+    """The names of a role's marks and timings in a request (`staged_denoiser`, ...), built once per role: the
+    Router writes a dozen per stage."""
+
+    def __init__(self, role: str):
+        previous = _PREVIOUS.get(role)
+        self.queued, self.run, self.staged = f"queued_{role}", f"run_{role}", f"staged_{role}"
+        self.queue, self.stage, self.compute = f"queue_{role}", f"stage_{role}", f"compute_{role}"
+        self.fetch, self.lora, self.handoff = f"fetch_{role}", f"lora_{role}", f"handoff_{role}"
+        #: the previous stage's staged mark (None for the first stage)
+        self.previous_staged = f"staged_{previous}" if previous else None
+
+
+#: role -> its Names
+NAMES = {role: Names(role) for role in ROLES}
+
+
 def next_stage(role: str) -> str | None:
     return _NEXT[role]
-
-
-def previous_stage(role: str) -> str | None:
-    return _PREVIOUS.get(role)
 
 
 @dataclass

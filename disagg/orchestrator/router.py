@@ -20,7 +20,7 @@ from disagg.orchestrator.parts.previews import Previews
 from disagg.orchestrator.parts.rebalance import Rebalance
 from disagg.orchestrator.parts.recovery import Recovery, cache_steps
 from disagg.orchestrator.registry import Registry
-from disagg.orchestrator.requests import MONOLITH, ROLES, Request, next_stage, over_limits, previous_stage
+from disagg.orchestrator.requests import MONOLITH, NAMES, ROLES, Request, next_stage, over_limits
 from disagg.orchestrator.scheduling.admission import Admission
 from disagg.orchestrator.scheduling.deadlines import Deadlines
 from disagg.orchestrator.scheduling.dispatch import make_policy
@@ -290,17 +290,18 @@ class Router(InstanceLifecycle, RequestSteps):
             return
         self.release_source(req, out)  # its input, in case the Fetched was lost (an orchestrator restart)
         role = inst.role
+        names = NAMES[role]
         inst.completed += 1
-        req.mark(f"staged_{role}", now)
-        req.span(f"stage_{role}", f"run_{role}", f"staged_{role}")
-        req.timings[f"compute_{role}"] = msg.compute_s
+        req.mark(names.staged, now)
+        req.span(names.stage, names.run, names.staged)
+        req.timings[names.compute] = msg.compute_s
         if msg.lora_s:
-            req.timings[f"lora_{role}"] = msg.lora_s
+            req.timings[names.lora] = msg.lora_s
         for staged in self.listeners.staged:
             staged(inst, req, msg, now)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = cache_steps(msg)
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{role}", 0.0), msg.device_s, req.id)
+        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
         self.deadlines.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
                                         inst.speed)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
@@ -312,13 +313,14 @@ class Router(InstanceLifecycle, RequestSteps):
         if req is None or req.attempt != msg.attempt or req.assigned != sender:
             return
         inst = self.registry.get(sender)
-        req.timings[f"fetch_{inst.role}"] = msg.fetch_s
+        names = NAMES[inst.role]
+        req.timings[names.fetch] = msg.fetch_s
         # learnt from inputs that did fit: one that cannot must not block the instance for good
         inst.largest_input = max(inst.largest_input, req.source.slot.nbytes if req.source else 0)
         # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
-        previous = previous_stage(inst.role)
-        if previous and f"staged_{previous}" in req.marks:
-            req.timings[f"handoff_{inst.role}"] = round(now - req.marks[f"staged_{previous}"], 6)
+        staged_at = req.marks.get(names.previous_staged) if names.previous_staged else None
+        if staged_at is not None:
+            req.timings[names.handoff] = round(now - staged_at, 6)
         self.release_source(req, out)
 
     def folded_fetch(self, sender, msg: Staged | Done, now, out) -> None:
@@ -339,14 +341,15 @@ class Router(InstanceLifecycle, RequestSteps):
             return
         self.release_source(req, out)
         inst.completed += 1
+        names = NAMES[inst.role]
         req.mark("done", now)
-        req.span(f"stage_{inst.role}", f"run_{inst.role}", "done")
-        req.timings[f"compute_{inst.role}"] = msg.compute_s
+        req.span(names.stage, names.run, "done")
+        req.timings[names.compute] = msg.compute_s
         if msg.lora_s:
-            req.timings[f"lora_{inst.role}"] = msg.lora_s
+            req.timings[names.lora] = msg.lora_s
         for done in self.listeners.done:
             done(inst, req, msg, now)
-        inst.record_stage_time(msg.compute_s + req.timings.get(f"fetch_{inst.role}", 0.0), msg.device_s, req.id)
+        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
         self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
                                         inst.speed)
         req.timings["total"] = round(now - req.submitted_at, 6)

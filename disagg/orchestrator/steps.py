@@ -11,7 +11,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import ROLES, Request
+from disagg.orchestrator.requests import NAMES, ROLES, Request
 from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
@@ -71,7 +71,7 @@ class RequestSteps:
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         """`req` waits for an instance of `role` (at the front: a retry already waited its turn once)."""
         req.stage, req.state, req.assigned = role, "queued", None
-        mark = f"queued_{role}"
+        mark = NAMES[role].queued
         fresh = mark not in req.marks
         req.marks[mark] = now
         self.queue.push(req, role, now, front, fresh)
@@ -103,8 +103,9 @@ class RequestSteps:
         inst.free_slots -= 1
         inst.running[req.id] = req.attempt
         req.state, req.assigned = "running", inst.id
-        req.mark(f"run_{inst.role}", now)
-        req.span(f"queue_{inst.role}", f"queued_{inst.role}", f"run_{inst.role}")
+        names = NAMES[inst.role]
+        req.mark(names.run, now)
+        req.span(names.queue, names.queued, names.run)
         if req.params.loras and not req.lora_sources:  # resumed by a restarted orchestrator
             req.lora_sources = self.lora_catalog.resolve(req.params.loras)[0]
         if req.params.loras and inst.role in AFFINITY_ROLES:
