@@ -4,7 +4,7 @@ bench reports the orchestrator's CPU time per request (psutil: its user + system
 warm-up included).
 
     git worktree add /tmp/before BASE_COMMIT
-    python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--out FILE]
+    python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--benches c1,c8,c64] [--out FILE]
 
 Each side runs its own `python -m disagg launch` and `python -m disagg bench` from its folder.
 """
@@ -71,9 +71,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--port", type=int, default=24800)
     ap.add_argument("--out", default="")
+    ap.add_argument("--benches", default=",".join(BENCHES), help="which benches, comma-separated (c1, c8, c64)")
     args = ap.parse_args()
+    benches = {b: BENCHES[b] for b in args.benches.split(",")}
     sides = {"before": args.before.resolve(), "after": ROOT}
-    procs, endpoints, runs = {}, {}, {s: {b: [] for b in BENCHES} for s in sides}
+    procs, endpoints, runs = {}, {}, {s: {b: [] for b in benches} for s in sides}
     try:
         for i, (side, tree) in enumerate(sides.items()):
             port = args.port + 2 * i
@@ -86,7 +88,7 @@ def main() -> None:
         orchs = {side: orchestrator(procs[side]) for side in sides}
         for r in range(args.rounds):
             for side, tree in sides.items():
-                for bench, bargs in BENCHES.items():
+                for bench, bargs in benches.items():
                     cpu0 = cpu_s(orchs[side])
                     res = subprocess.run(cli(tree, "bench", "--endpoint", endpoints[side], *bargs, "--json"), cwd=tree,
                                          capture_output=True, text=True)

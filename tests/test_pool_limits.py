@@ -8,7 +8,8 @@ import pytest
 
 from disagg.client import Client
 from disagg.transport.wire.messages import GenerationParams
-from tests.conftest import Launched
+from disagg.orchestrator.server import HOLD_RELEASES_ABOVE
+from tests.conftest import Launched, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -52,3 +53,18 @@ def test_oversized_payload_fails_alone_with_both_sizes(deployment):
     for inst in report.instances:
         assert inst.pool_used_bytes == 0 and inst.pool_free_bytes == inst.pool_bytes, inst
         assert inst.free_slots == inst.capacity
+
+
+def test_under_load_held_releases_free_each_slot_before_the_run_that_needs_it(deployment):
+    """More in flight than HOLD_RELEASES_ABOVE: a Release rides with the next message to its role, ahead of it (or
+    leaves at the next tick). Outputs of 4 MiB in pools of 16, so the orchestrator dispatches on room that only the
+    Releases make: one that never reached its role would fail a Run with PoolFull, and leave the pools full."""
+    params = [GenerationParams(prompt=f"load {i}", width=1024, height=1024, seed=i) for i in range(24)]
+    with Client(deployment.endpoint) as client:
+        outcomes = client.run_all(params, concurrency=3 * HOLD_RELEASES_ABOVE)
+        assert [o.error for o in outcomes if not o.ok] == []
+        assert len(outcomes) == len(params)
+        report = wait_until(lambda: (lambda r: r if all(i.pool_used_bytes == 0 for i in r.instances) else None)(
+            client.status()), timeout=10, why=lambda: [(i.id, i.pool_used_bytes) for i in client.status().instances])
+    for inst in report.instances:
+        assert inst.free_slots == inst.capacity, inst

@@ -43,6 +43,8 @@ TICK_S = 0.05
 # handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
 # it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
 # plane). Under load the loop is busy anyway and the CPU is better left to the roles.
+#: with more requests than this in flight, a Release waits for the next message to its role (send)
+HOLD_RELEASES_ABOVE = 4
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
 #: role socket identities whose parse is remembered (past it, the memory starts again)
@@ -144,6 +146,7 @@ class OrchestratorServer:
             if now >= next_tick:
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
+                self.outbox.release_held()
                 next_tick = now + TICK_S
                 if launcher.gone():  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
@@ -334,12 +337,17 @@ class OrchestratorServer:
 
     def send(self, outs: list[Out]) -> None:
         """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer.
-        A Release is never urgent: the peers waiting on the rest are served first."""
+        A Release is never urgent. With few requests in flight it leaves last, and the role, idle anyway, frees
+        the slot meanwhile; under load it goes with the next message to its role, or within a tick (TICK_S), so
+        the role does not wake for it alone (BENCHMARKS.md, "Control plane, a fourth pass")."""
         if len(outs) > 1:
-            outs = sorted(outs, key=lambda out: isinstance(out.msg, Release))
+            outs = sorted(outs, key=lambda out: type(out.msg) is Release)
+        hold = len(self.router.requests) > HOLD_RELEASES_ABOVE
         for out in outs:
             if out.to_client is not None:
                 self.outbox.add((True, out.to_client), out.msg, out.frames)
+            elif hold and type(out.msg) is Release:
+                self.outbox.hold((False, out.to_instance.encode()), out.msg, out.frames)
             else:
                 self.outbox.add((False, out.to_instance.encode()), out.msg, out.frames)
 
