@@ -7,8 +7,8 @@ import time
 import pytest
 
 from disagg.client import Client
-from disagg.transport.wire.messages import GenerationParams
 from disagg.orchestrator.server import HOLD_RELEASES_ABOVE
+from disagg.transport.wire.messages import GenerationParams
 from tests.conftest import Launched, wait_until
 
 pytestmark = pytest.mark.e2e
