@@ -9,7 +9,7 @@ import msgspec
 from disagg.settings.process import OrchestratorSettings as RouterConfig  # noqa: F401 - the router's settings
 
 
-@dataclass
+@dataclass(slots=True)
 class Out:
     """One message to send: to a client (by socket identity) or to an instance (by id)."""
 

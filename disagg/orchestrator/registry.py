@@ -220,15 +220,29 @@ class FreeIndex:
         old = self._where.pop(key, None)
         if old is not None:
             role, free, host = old
-            hosts = self.buckets[role][free]
-            del hosts[host][inst.id]
-            if not hosts[host]:
+            by_free = self.buckets[role]
+            hosts = by_free[free]
+            group = hosts[host]
+            del group[inst.id]
+            if not group:
                 del hosts[host]
                 if not hosts:
-                    del self.buckets[role][free]
-        if inst.state == "ready" and inst.free_slots > 0:
-            self.buckets.setdefault(inst.role, {}).setdefault(inst.free_slots, {}).setdefault(inst.host, {})[inst.id] = inst
-            self._where[key] = (inst.role, inst.free_slots, inst.host)
+                    del by_free[free]
+        d = inst.__dict__  # (the values _Indexed keeps: read without the class's attribute lookup)
+        free = d["free_slots"]
+        if free > 0 and d["state"] == "ready":
+            role, host = inst.role, inst.host
+            by_free = self.buckets.get(role)
+            if by_free is None:
+                by_free = self.buckets[role] = {}
+            hosts = by_free.get(free)
+            if hosts is None:
+                hosts = by_free[free] = {}
+            group = hosts.get(host)
+            if group is None:
+                group = hosts[host] = {}
+            group[inst.id] = inst
+            self._where[key] = (role, free, host)
 
     def remove(self, inst: Instance) -> None:
         inst.__dict__["state"] = "gone"

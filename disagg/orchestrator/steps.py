@@ -30,9 +30,12 @@ class RequestSteps:
 
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         """Place what waits in each role's queue, in the queue's order, until none can take the next."""
+        queues = self.queues
+        if not any(queues.values()):  # (asked after every message: most find nothing waiting)
+            return
         any_room = self.registry.free.any_room
         for role in ROLES:
-            if not self.queues[role]:
+            if not queues[role]:
                 continue
             # where no instance could take a request, the chain would say None for the head: skip it (and the
             # sort), only dropping the entries at the head that ended or moved on

@@ -258,15 +258,15 @@ class Recovery(Part):
 
     def claim(self, req: Request, now: float, out: list[Out]) -> bool:
         """Resume `req` from the furthest stage some role holds for it; False if none holds anything."""
+        records = self.orphans.pop(req.id, None)
+        if not records:
+            return False  # what a new request finds: nothing held for it
         registry = self.router.registry
 
         def usable(r: Orphan) -> bool:
             inst = registry.get(r.instance_id)
             return r.kind == "done" or (inst is not None and inst.state != "dead")
 
-        records = self.orphans.pop(req.id, None)
-        if not records:
-            return False  # what a new request finds: nothing held for it
         records = [r for r in records if usable(r)]
         previews = [r for r in records if r.kind == "preview"]  # copies of latents: never what a request resumes from
         records = [r for r in records if r.kind != "preview"]

@@ -27,6 +27,10 @@ def _units(p) -> float:
     return (p.width or 1024) * (p.height or 1024) * max(p.num_frames or 1, 1) * p.num_images_per_prompt
 
 
+#: the roles whose time is per denoising step
+_PER_STEP_ROLES = ("denoiser", "monolith")
+
+
 def _steps(p) -> int:
     return p.num_inference_steps or 0
 
@@ -48,14 +52,15 @@ class StagePredictor:
         self.scaled = False
 
     def _per_step(self, role: str, p) -> bool:
-        return role in ("denoiser", "monolith") and bool(_steps(p))
+        return role in _PER_STEP_ROLES and bool(_steps(p))
 
     def record(self, role: str, p, seconds: float, speed: float = 1.0) -> None:
         """`seconds` measured on a device of `speed` (an H200's 1; 1 where unknown)."""
         if seconds <= 0:
             return
-        per_step = self._per_step(role, p)
-        value = seconds / _steps(p) if per_step else seconds
+        steps = p.num_inference_steps  # (_per_step and _steps inline: three stages of every request come here)
+        per_step = bool(steps) and role in _PER_STEP_ROLES
+        value = seconds / steps if per_step else seconds
         key = (role, shape(p), per_step)
         self.by_shape[key] = ewma(self.by_shape.get(key), value)
         self.per_unit[role] = ewma(self.per_unit.get(role), value / _units(p))

@@ -110,7 +110,9 @@ class MaxFreeSlots(TieRotation):
     def _pick_indexed(self, role: str, prefer_host: str | None):
         """The most free slots, the producer's host first among equals, equals in turn: from the buckets."""
         buckets = self.index.buckets.get(role)
-        for free in sorted(buckets, reverse=True) if buckets else ():
+        if not buckets:
+            return None
+        for free in sorted(buckets, reverse=True) if len(buckets) > 1 else buckets:
             hosts = buckets[free]
             preferred = hosts.get(prefer_host)
             for group in (preferred,) if preferred is not None else ():
