@@ -54,6 +54,10 @@ MAX_ROUTES = 4096
 EXIT_WATCH_S = 1.0
 
 
+def _is_release(out: Out) -> bool:
+    return type(out.msg) is Release
+
+
 class OrchestratorServer:
     """Owns the sockets and the loop; every decision is the Router's."""
 
@@ -99,6 +103,8 @@ class OrchestratorServer:
         self._known_senders: set[str] = set()
         #: a role socket's identity -> (its route, deployment, instance id), parsed once
         self._routes: dict[bytes, tuple[str, str, str]] = {}
+        #: instance id -> its destination in the outbox, (False, the id as bytes)
+        self._destinations: dict[str, tuple[bool, bytes]] = {}
         #: instance id -> (pid, watch until): roles whose lane closed, watched until their process exited
         self._exits: dict[str, tuple[int, float]] = {}
         self._stop_requested = False
@@ -340,16 +346,25 @@ class OrchestratorServer:
         A Release is never urgent. With few requests in flight it leaves last, and the role, idle anyway, frees
         the slot meanwhile; under load it goes with the next message to its role, or within a tick (TICK_S), so
         the role does not wake for it alone (BENCHMARKS.md, "Control plane, a fourth pass")."""
-        if len(outs) > 1:
-            outs = sorted(outs, key=lambda out: type(out.msg) is Release)
+        if not outs:
+            return
         hold = len(self.router.requests) > HOLD_RELEASES_ABOVE
+        if len(outs) > 1 and not hold:
+            outs = sorted(outs, key=_is_release)
+        add, destinations = self.outbox.add, self._destinations
         for out in outs:
             if out.to_client is not None:
-                self.outbox.add((True, out.to_client), out.msg, out.frames)
-            elif hold and type(out.msg) is Release:
-                self.outbox.hold((False, out.to_instance.encode()), out.msg, out.frames)
+                add((True, out.to_client), out.msg, out.frames)
+                continue
+            destination = destinations.get(out.to_instance)
+            if destination is None:
+                if len(destinations) >= MAX_ROUTES:
+                    destinations.clear()
+                destination = destinations[out.to_instance] = (False, out.to_instance.encode())
+            if hold and type(out.msg) is Release:
+                self.outbox.hold(destination, out.msg, out.frames)
             else:
-                self.outbox.add((False, out.to_instance.encode()), out.msg, out.frames)
+                add(destination, out.msg, out.frames)
 
     def flush(self) -> None:
         self.outbox.flush(self._send_frames)

@@ -33,13 +33,16 @@ class RequestSteps:
         queues = self.queues
         if not any(queues.values()):  # (asked after every message: most find nothing waiting)
             return
-        any_room = self.registry.free.any_room
+        free = self.registry.free
+        any_room, buckets = free.any_room, free.buckets
         for role in ROLES:
             if not queues[role]:
                 continue
             # where no instance could take a request, the chain would say None for the head: skip it (and the
-            # sort), only dropping the entries at the head that ended or moved on
-            room = len(self.queues[role]) < 2 or any_room(role)  # (one waiting: the chain finds out as fast)
+            # sort), only dropping the entries at the head that ended or moved on. The index of instances with a
+            # free slot says so at once (under load a role's queue often holds one request while every instance is
+            # busy); with one waiting, the chain finds out about pool room as fast as any_room would
+            room = bool(buckets.get(role)) and (len(queues[role]) < 2 or any_room(role))
             queue = self.queue.ordered(role, now) if room else self.queues[role]
             candidates = None
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
@@ -69,6 +72,8 @@ class RequestSteps:
                     continue
                 queue.popleft()
                 self.assign(req, inst, now, out)
+                if queue:  # (the one it took may have been the last with room)
+                    room = bool(buckets.get(role)) and (len(queue) < 2 or any_room(role))
             queue.extendleft(reversed(deferred))
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:

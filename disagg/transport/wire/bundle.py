@@ -86,7 +86,10 @@ class Outbox:
         return bool(self._pending)
 
     def add(self, destination, msg: msgspec.Struct, frames=()) -> None:
-        self._pending.setdefault(destination, []).append((encode(msg), list(frames)))
+        items = self._pending.get(destination)
+        if items is None:
+            items = self._pending[destination] = []
+        items.append((encode(msg), list(frames)))
 
     def hold(self, destination, msg: msgspec.Struct, frames=()) -> None:
         self._held.setdefault(destination, []).append((encode(msg), list(frames)))
