@@ -290,20 +290,12 @@ class Router(InstanceLifecycle, RequestSteps):
             return
         self.release_source(req, out)  # its input, in case the Fetched was lost (an orchestrator restart)
         role = inst.role
-        names = NAMES[role]
-        inst.completed += 1
-        req.mark(names.staged, now)
-        req.span(names.stage, names.run, names.staged)
-        req.timings[names.compute] = msg.compute_s
-        if msg.lora_s:
-            req.timings[names.lora] = msg.lora_s
+        names = self.reported(inst, req, msg, NAMES[role].staged, now)
         for staged in self.listeners.staged:
             staged(inst, req, msg, now)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = cache_steps(msg)
-        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
-        self.deadlines.predictor.record(role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
-                                        inst.speed)
+        self.measured(inst, req, msg, names)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -340,18 +332,10 @@ class Router(InstanceLifecycle, RequestSteps):
             self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)
             return
         self.release_source(req, out)
-        inst.completed += 1
-        names = NAMES[inst.role]
-        req.mark("done", now)
-        req.span(names.stage, names.run, "done")
-        req.timings[names.compute] = msg.compute_s
-        if msg.lora_s:
-            req.timings[names.lora] = msg.lora_s
+        names = self.reported(inst, req, msg, "done", now)
         for done in self.listeners.done:
             done(inst, req, msg, now)
-        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
-        self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
-                                        inst.speed)
+        self.measured(inst, req, msg, names)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,

@@ -1,7 +1,8 @@
 """The Router's request state machine steps: a request queued, placed (the placement chain chooses the instance,
-disagg/orchestrator/scheduling/placement.py) and assigned, a run's report closing its slot, a source released, a request failed,
-ended or given a new attempt, its Result sent. A mixin of Router (disagg/orchestrator/router.py): it works on the
-Router's requests, registry and queue, and tells its parts (disagg/orchestrator/parts/base.py) what ended."""
+disagg/orchestrator/scheduling/placement.py) and assigned, a run's report closing its slot and recorded (its timings,
+its stage time), a source released, a request failed, ended or given a new attempt, its Result sent. A mixin of Router
+(disagg/orchestrator/router.py): it works on the Router's requests, registry and queue, and tells its parts
+(disagg/orchestrator/parts/base.py) what ended."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import NAMES, ROLES, Request
+from disagg.orchestrator.requests import NAMES, ROLES, Names, Request
 from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
@@ -137,6 +138,23 @@ class RequestSteps:
         if req is None or req.ended or req.attempt != attempt or req.assigned != inst.id:
             return None
         return req
+
+    def reported(self, inst, req: Request, msg, end: str, now: float) -> Names:
+        """A current report of `inst`'s stage of `req` (its mark `end`): its timings; the role's Names."""
+        names = NAMES[inst.role]
+        inst.completed += 1
+        req.mark(end, now)
+        req.span(names.stage, names.run, end)
+        req.timings[names.compute] = msg.compute_s
+        if msg.lora_s:
+            req.timings[names.lora] = msg.lora_s
+        return names
+
+    def measured(self, inst, req: Request, msg, names: Names) -> None:
+        """What a report tells of the stage's time: the instance's and the role's predictor's."""
+        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
+        self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
+                                        inst.speed)
 
     def is_source(self, request_id: str, instance_id: str, offset: int) -> bool:
         """Whether that staged output is what its request reads next."""
