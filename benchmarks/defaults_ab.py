@@ -37,6 +37,10 @@ VARIANTS = {
     "zero cap 4,2,4": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4"], BENCHES),
     "zero cap 4,2,4 no busy-poll": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4", "--busy-poll", "0"],
                                     BENCHES),
+    "zero cap 4,2,4 busy-poll 1 ms": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4", "--busy-poll", "0.001"],
+                                      BENCHES),
+    "zero cap 4,2,4 busy-poll 2 ms": (["--model", "sim:zero", "-d", "1", "--capacity", "4,2,4", "--busy-poll", "0.002"],
+                                      BENCHES),
     # on simulated devices, one per instance: one instance's computes take turns on its device, as on a GPU
     "flux cap 1,1,1": (["--model", "sim:flux-h200", "-e", "1", "-d", "2", "-k", "1", "--gpus", "0,1,2,3",
                         "--capacity", "1,1,1"], FLUX_BENCHES),
