@@ -195,6 +195,13 @@ def test_a_held_message_leaves_first_with_the_next_to_its_destination_or_when_re
     box.release_held()
     box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
     assert [(d, m.offset) for d, items in sent for m, _ in items] == [("a", 2)]
+    sent.clear()
+    box.hold("a", Release(request_id="r3", offset=3))
+    box.drop_held("a")  # a peer that registered again: what it holds, its Register says
+    box.release_held()
+    box.add("a", Shutdown())
+    box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
+    assert [type(m) for _, items in sent for m, _ in items] == [Shutdown]
 
 
 def test_a_folder_others_can_write_into_is_refused(tmp_path):

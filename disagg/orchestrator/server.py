@@ -333,6 +333,9 @@ class OrchestratorServer:
                 # also before it registers: a successor's "not registered" must reach a role at once
                 self._known_senders.add(sender)
                 self._route[sender.encode()] = route.encode()
+                # Releases held for it were for the pool it had: its Register lists what it holds now, and the
+                # Router releases what nothing reads (Recovery.on_register)
+                self.outbox.drop_held((False, sender.encode()))
             self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 
     def _drop(self, where: str, why: str) -> None:

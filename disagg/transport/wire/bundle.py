@@ -94,6 +94,10 @@ class Outbox:
     def hold(self, destination, msg: msgspec.Struct, frames=()) -> None:
         self._held.setdefault(destination, []).append((encode(msg), list(frames)))
 
+    def drop_held(self, destination) -> None:
+        """Forget what is held for `destination` (a peer that starts over: what it holds, it says again)."""
+        self._held.pop(destination, None)
+
     def release_held(self) -> None:
         """Everything held leaves at the next flush."""
         held, self._held = self._held, {}
