@@ -26,7 +26,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_instance
 from disagg.orchestrator.parts.base import Part
-from disagg.orchestrator.requests import MONOLITH, STAGES, Request, next_stage
+from disagg.orchestrator.requests import MONOLITH, NAMES, STAGES, Request, next_stage
 from disagg.transport.wire.messages import (
     Done,
     Failed,
@@ -318,7 +318,7 @@ class Recovery(Part):
             req.source = Source(slot=source.slot, pool=producer.pool, engine="")
         req.stage, req.state, req.assigned = inst.role, "running", inst.id
         inst.running[req.id] = best.attempt
-        req.mark(f"run_{inst.role}", now)
+        req.mark(NAMES[inst.role].run, now)
         log.info("request %s: still running on %s (attempt %d)", req.id, inst.id, best.attempt)
         return True
 

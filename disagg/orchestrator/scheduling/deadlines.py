@@ -15,6 +15,7 @@ import math
 
 from disagg.common import urgency
 from disagg.common.averages import ewma
+from disagg.orchestrator.requests import NAMES
 from disagg.transport.wire.messages import SLACK_BUCKETS_S, SloCount
 
 
@@ -141,7 +142,7 @@ class Deadlines:
             done = inst.steps.get(req.id) if inst is not None else None
             if done and done[1]:
                 return seconds * max(1 - done[0] / done[1], 0.0)
-            return max(seconds - (now - req.marks.get(f"run_{role}", now)), 0.0)
+            return max(seconds - (now - req.marks.get(NAMES[role].run, now)), 0.0)
         return seconds
 
     def predicted_left(self, req, now: float) -> float:
@@ -165,7 +166,7 @@ class Deadlines:
         """The request's place in its role's queue (disagg/common/urgency.py `key`): effective priority (aging by
         the time waited in this queue), then those that can still meet their deadline, least slack first, then
         those without one, then the late ones; then arrival."""
-        waited = now - req.marks.get(f"queued_{req.stage}", now)
+        waited = now - req.marks.get(NAMES[req.stage].queued, now)
         return urgency.key(req.params.priority, waited, self.config.schedule.aging_s, self.slack(req, now),
                            req.submitted_at)
 

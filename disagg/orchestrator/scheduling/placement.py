@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from disagg.common.averages import ewma
 from disagg.orchestrator.parts.base import Part
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import ROLES, Request
+from disagg.orchestrator.requests import NAMES, ROLES, Request
 from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES, _free
 from disagg.orchestrator.scheduling.loras import evicts, expected_finish, holds, in_host, pick_by_affinity, reload_s
 from disagg.settings.choices import LoraAffinity, Schedule
@@ -122,7 +122,7 @@ class LoraPatience(Step):
         patience = self.loads.load_s.get(inst.role, 0.0)
         if in_host(inst, names):
             patience = min(patience, inst.lora.restore_s or patience)
-        if now - req.marks.get(f"queued_{inst.role}", now) >= patience:
+        if now - req.marks.get(NAMES[inst.role].queued, now) >= patience:
             return False
         return any(i.state == "ready" and holds(i, names) for i in candidates)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 
+from disagg.orchestrator.requests import NAMES
 from disagg.settings.choices import Schedule
 
 
@@ -144,7 +145,7 @@ class QueueOrder:
             if req.slo_deadline is not None:
                 self.forget(role)
                 return
-            until = min(until, _next_boost(req.marks.get(f"queued_{role}", now), now, aging_s))
+            until = min(until, _next_boost(req.marks.get(NAMES[role].queued, now), now, aging_s))
         if ranked:
             self.known[role] = (until, ranked[-1][0])
         else:
