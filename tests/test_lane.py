@@ -176,34 +176,6 @@ def test_outbox_sends_one_message_per_destination_in_order_and_bounded():
     assert to_b[1][1] is big
 
 
-def test_a_held_message_leaves_first_with_the_next_to_its_destination_or_when_released():
-    box = Outbox()
-    box.hold("a", Release(request_id="r1", offset=1))
-    box.add("b", Shutdown())
-    sent = []
-    box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
-    assert [d for d, _ in sent] == ["b"]  # nothing for "a" this turn: its Release waits
-    sent.clear()
-    box.add("a", Shutdown())
-    box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
-    ((dest, items),) = sent
-    assert dest == "a" and [type(m) for m, _ in items] == [Release, Shutdown]  # ahead of what it rode with
-    sent.clear()
-    box.hold("a", Release(request_id="r2", offset=2))
-    box.flush(lambda dest, frames: sent.append(dest))
-    assert not sent
-    box.release_held()
-    box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
-    assert [(d, m.offset) for d, items in sent for m, _ in items] == [("a", 2)]
-    sent.clear()
-    box.hold("a", Release(request_id="r3", offset=3))
-    box.drop_held("a")  # a peer that registered again: what it holds, its Register says
-    box.release_held()
-    box.add("a", Shutdown())
-    box.flush(lambda dest, frames: sent.append((dest, decode_frames(frames, OrchestratorCommand))))
-    assert [type(m) for _, items in sent for m, _ in items] == [Shutdown]
-
-
 def test_a_folder_others_can_write_into_is_refused(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o777)

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from disagg.client import Client
-from disagg.orchestrator.server import HOLD_RELEASES_ABOVE
 from disagg.transport.wire.messages import GenerationParams
 from tests.conftest import Launched, wait_until
 
@@ -55,13 +54,12 @@ def test_oversized_payload_fails_alone_with_both_sizes(deployment):
         assert inst.free_slots == inst.capacity
 
 
-def test_under_load_held_releases_free_each_slot_before_the_run_that_needs_it(deployment):
-    """More in flight than HOLD_RELEASES_ABOVE: a Release rides with the next message to its role, ahead of it (or
-    leaves at the next tick). Outputs of 4 MiB in pools of 16, so the orchestrator dispatches on room that only the
-    Releases make: one that never reached its role would fail a Run with PoolFull, and leave the pools full."""
+def test_many_in_flight_on_pools_only_releases_make_room_in_all_succeed_and_the_pools_drain(deployment):
+    """12 in flight, outputs of 4 MiB in pools of 16: the orchestrator dispatches on room that only the Releases
+    make, so a Release that never reached its role would fail a Run with PoolFull and leave a pool full."""
     params = [GenerationParams(prompt=f"load {i}", width=1024, height=1024, seed=i) for i in range(24)]
     with Client(deployment.endpoint) as client:
-        outcomes = client.run_all(params, concurrency=3 * HOLD_RELEASES_ABOVE)
+        outcomes = client.run_all(params, concurrency=12)
         assert [o.error for o in outcomes if not o.ok] == []
         assert len(outcomes) == len(params)
         report = wait_until(lambda: (lambda r: r if all(i.pool_used_bytes == 0 for i in r.instances) else None)(

@@ -43,8 +43,6 @@ TICK_S = 0.05
 # handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
 # it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
 # plane). Under load the loop is busy anyway and the CPU is better left to the roles.
-#: with more requests than this in flight, a Release waits for the next message to its role (send)
-HOLD_RELEASES_ABOVE = 4
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
 #: role socket identities whose parse is remembered (past it, the memory starts again)
@@ -152,7 +150,6 @@ class OrchestratorServer:
             if now >= next_tick:
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
-                self.outbox.release_held()
                 next_tick = now + TICK_S
                 if launcher.gone():  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
@@ -333,9 +330,6 @@ class OrchestratorServer:
                 # also before it registers: a successor's "not registered" must reach a role at once
                 self._known_senders.add(sender)
                 self._route[sender.encode()] = route.encode()
-                # Releases held for it were for the pool it had: its Register lists what it holds now, and the
-                # Router releases what nothing reads (Recovery.on_register)
-                self.outbox.drop_held((False, sender.encode()))
             self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 
     def _drop(self, where: str, why: str) -> None:
@@ -346,13 +340,12 @@ class OrchestratorServer:
 
     def send(self, outs: list[Out]) -> None:
         """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer.
-        A Release is never urgent. With few requests in flight it leaves last, and the role, idle anyway, frees
-        the slot meanwhile; under load it goes with the next message to its role, or within a tick (TICK_S), so
-        the role does not wake for it alone (BENCHMARKS.md, "Control plane, a fourth pass")."""
+        A Release is never urgent: the peers waiting on the rest are served first. It is not held back for a later
+        turn, though: one that an orchestrator killed meanwhile never sent would keep its slot taken for the
+        successor's grace period (BENCHMARKS.md, "Control plane, a fourth pass")."""
         if not outs:
             return
-        hold = len(self.router.requests) > HOLD_RELEASES_ABOVE
-        if len(outs) > 1 and not hold:
+        if len(outs) > 1:
             outs = sorted(outs, key=_is_release)
         add, destinations = self.outbox.add, self._destinations
         for out in outs:
@@ -364,10 +357,7 @@ class OrchestratorServer:
                 if len(destinations) >= MAX_ROUTES:
                     destinations.clear()
                 destination = destinations[out.to_instance] = (False, out.to_instance.encode())
-            if hold and type(out.msg) is Release:
-                self.outbox.hold(destination, out.msg, out.frames)
-            else:
-                add(destination, out.msg, out.frames)
+            add(destination, out.msg, out.frames)
 
     def flush(self) -> None:
         self.outbox.flush(self._send_frames)

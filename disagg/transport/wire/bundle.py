@@ -71,16 +71,10 @@ class Outbox:
     """Messages waiting for the end of a loop turn, per destination, in order.
 
     `flush(send)` calls `send(destination, frames)` once per destination (see bundle_frames), so a
-    turn that handled many messages answers each peer with one ZeroMQ message.
-
-    A message that is not urgent can be `hold`-ed instead: it leaves, ahead of the rest, with the next
-    message to its destination, or at the next `release_held` (a timer) if none comes first. A peer then
-    wakes once for both, not once for each."""
+    turn that handled many messages answers each peer with one ZeroMQ message."""
 
     def __init__(self):
         self._pending: dict[object, list[tuple[bytes, list]]] = {}
-        #: destination -> messages held for its next message (or the next release_held)
-        self._held: dict[object, list[tuple[bytes, list]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
@@ -91,23 +85,7 @@ class Outbox:
             items = self._pending[destination] = []
         items.append((encode(msg), list(frames)))
 
-    def hold(self, destination, msg: msgspec.Struct, frames=()) -> None:
-        self._held.setdefault(destination, []).append((encode(msg), list(frames)))
-
-    def drop_held(self, destination) -> None:
-        """Forget what is held for `destination` (a peer that starts over: what it holds, it says again)."""
-        self._held.pop(destination, None)
-
-    def release_held(self) -> None:
-        """Everything held leaves at the next flush."""
-        held, self._held = self._held, {}
-        for destination, items in held.items():
-            self._pending[destination] = items + self._pending.get(destination, [])
-
     def flush(self, send) -> None:
-        if self._held:
-            for destination in self._pending.keys() & self._held.keys():
-                self._pending[destination] = self._held.pop(destination) + self._pending[destination]
         pending, self._pending = self._pending, {}
         for destination, items in pending.items():
             if len(items) == 1:  # the common case: no chunks to size

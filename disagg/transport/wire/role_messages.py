@@ -183,9 +183,7 @@ class Preview(_Msg, tag="preview", kw_only=True):
 
 
 class Release(_Msg, tag="release", kw_only=True):
-    """Orchestrator tells a producer that a slot of its pool may be reused. With more than a few requests in flight
-    it travels with the orchestrator's next message to the producer, ahead of it (before the Run whose room it
-    makes), or within a tick (50 ms)."""
+    """Orchestrator tells a producer that a slot of its pool may be reused."""
 
     request_id: Id
     offset: Count
