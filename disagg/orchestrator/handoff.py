@@ -19,13 +19,22 @@ class InlineNeeds:
         self.answers: dict[tuple, bool] = {}
         #: role -> its ready consumers' kinds of pool
         self.kinds: dict[str, dict] = {}
+        #: producer id -> its answer (asked on every Run)
+        self.by_producer: dict[str, bool] = {}
 
     def clear(self) -> None:
         self.answers.clear()
         self.kinds.clear()
+        self.by_producer.clear()
 
     def __call__(self, producer) -> bool:
         """Whether some ready consumer of `producer`'s output can only be reached inline."""
+        cached = self.by_producer.get(producer.id)
+        if cached is None:
+            cached = self.by_producer[producer.id] = self._answer(producer)
+        return cached
+
+    def _answer(self, producer) -> bool:
         role = next_stage(producer.role)
         if role is None:
             return False

@@ -183,6 +183,8 @@ class InstanceLifecycle:
 
     def not_ready(self, now: float) -> str:
         """Why Submits are refused now: a role without an instance for join_wait_s ("" when none is)."""
+        if not self.unserved_since:  # (every Submit asks)
+            return ""
         wait = self.config.join_wait
         gone = [(role, now - since) for role, since in self.unserved_since.items() if now - since >= wait]
         if not gone:

@@ -277,7 +277,7 @@ class Router(InstanceLifecycle, RequestSteps):
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
         if msg.fetch_s is not None:
             self.folded_fetch(sender, msg, now, out)
-        inst = self.registry.get(sender)
+        inst = self.registry.by_id[sender]  # (handle_instance found it)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
@@ -290,12 +290,11 @@ class Router(InstanceLifecycle, RequestSteps):
             return
         self.release_source(req, out)  # its input, in case the Fetched was lost (an orchestrator restart)
         role = inst.role
-        names = self.reported(inst, req, msg, NAMES[role].staged, now)
+        self.reported(inst, req, msg, NAMES[role].staged, now)
         for staged in self.listeners.staged:
             staged(inst, req, msg, now)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
             req.cache_steps = cache_steps(msg)
-        self.measured(inst, req, msg, names)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
         self.enqueue(req, next_stage(role), now)
@@ -304,7 +303,7 @@ class Router(InstanceLifecycle, RequestSteps):
         req = self.requests.get(msg.request_id)
         if req is None or req.attempt != msg.attempt or req.assigned != sender:
             return
-        inst = self.registry.get(sender)
+        inst = self.registry.by_id[sender]
         names = NAMES[inst.role]
         req.timings[names.fetch] = msg.fetch_s
         # learnt from inputs that did fit: one that cannot must not block the instance for good
@@ -322,7 +321,7 @@ class Router(InstanceLifecycle, RequestSteps):
                                 (), now, out)
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
-        inst = self.registry.get(sender)
+        inst = self.registry.by_id[sender]
         if self.claimed(inst, msg, frames, now, out):
             return
         if msg.fetch_s is not None:
@@ -332,10 +331,9 @@ class Router(InstanceLifecycle, RequestSteps):
             self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)
             return
         self.release_source(req, out)
-        names = self.reported(inst, req, msg, "done", now)
+        self.reported(inst, req, msg, "done", now)
         for done in self.listeners.done:
             done(inst, req, msg, now)
-        self.measured(inst, req, msg, names)
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(
             request_id=req.id,
@@ -351,7 +349,7 @@ class Router(InstanceLifecycle, RequestSteps):
         self.send_result(req, result, frames, out)
 
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:
-        inst = self.registry.get(sender)
+        inst = self.registry.by_id[sender]
         if self.claimed(inst, msg, frames, now, out):
             return
         req = self.finish_run(inst, msg.request_id, msg.attempt)

@@ -12,7 +12,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import NAMES, ROLES, Names, Request
+from disagg.orchestrator.requests import NAMES, ROLES, Request
 from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
@@ -88,7 +88,7 @@ class RequestSteps:
     def assign(self, req: Request, inst: Instance, now: float, out: list[Out]) -> None:
         source, frames = None, []
         if req.source is not None:
-            producer = self.registry.get(req.source.slot.instance_id)
+            producer = self.registry.by_id.get(req.source.slot.instance_id)
             chosen = inst.engines_from.get(producer.id)
             if chosen is None or chosen[0] != producer.session:
                 chosen = inst.engines_from[producer.id] = (producer.session, *choose_engine(
@@ -139,20 +139,18 @@ class RequestSteps:
             return None
         return req
 
-    def reported(self, inst, req: Request, msg, end: str, now: float) -> Names:
-        """A current report of `inst`'s stage of `req` (its mark `end`): its timings; the role's Names."""
+    def reported(self, inst, req: Request, msg, end: str, now: float) -> None:
+        """A current report (Staged, Done) of `inst`'s stage of `req`, its mark `end`: the request's timings, the
+        instance's stage time and the role's predictor."""
         names = NAMES[inst.role]
         inst.completed += 1
         req.mark(end, now)
         req.span(names.stage, names.run, end)
-        req.timings[names.compute] = msg.compute_s
+        timings = req.timings
+        timings[names.compute] = msg.compute_s
         if msg.lora_s:
-            req.timings[names.lora] = msg.lora_s
-        return names
-
-    def measured(self, inst, req: Request, msg, names: Names) -> None:
-        """What a report tells of the stage's time: the instance's and the role's predictor's."""
-        inst.record_stage_time(msg.compute_s + req.timings.get(names.fetch, 0.0), msg.device_s, req.id)
+            timings[names.lora] = msg.lora_s
+        inst.record_stage_time(msg.compute_s + timings.get(names.fetch, 0.0), msg.device_s, req.id)
         self.deadlines.predictor.record(inst.role, req.params, msg.device_s if msg.device_s is not None else msg.compute_s,
                                         inst.speed)
 
@@ -166,7 +164,7 @@ class RequestSteps:
         if req.source is None:
             return
         slot = req.source.slot
-        producer = self.registry.get(slot.instance_id)
+        producer = self.registry.by_id.get(slot.instance_id)
         if producer is not None and producer.staged.pop(slot.offset, None) is not None:
             out.append(to_instance(producer.id, Release(request_id=req.id, offset=slot.offset)))
         req.source, req.source_frames = None, []
