@@ -260,3 +260,24 @@ def test_cancel_of_a_running_request_tells_its_role_and_the_slot_comes_back_when
     assert h.router.registry.get(enc).free_slots == 0  # until the role says it stopped
     h.role(enc, Failed(request_id="r1", attempt=1, error="cancelled"))
     assert h.router.registry.get(enc).free_slots == 1
+
+
+def test_status_lists_the_pairs_that_handed_over_most_recently_at_most_max_pairs():
+    from types import SimpleNamespace
+
+    from disagg.orchestrator.stats import MAX_PAIRS, Stats
+
+    stats = Stats()
+    enc = [SimpleNamespace(id=f"encoder-{i}", role="encoder", host="h") for i in range(MAX_PAIRS + 10)]
+    den = SimpleNamespace(id="denoiser-0", role="denoiser", host="g")
+    for e in enc[:MAX_PAIRS]:
+        stats.transferred(e, den, "shm", 100)
+    stats.transferred(enc[0], den, "shm", 100)  # the oldest hands over again: now the most recent
+    for e in enc[MAX_PAIRS:]:  # ten more pairs: the ten least recent go, encoder-1 to encoder-10
+        stats.transferred(e, den, "shm", 100)
+    assert len(stats.pairs) == MAX_PAIRS
+    assert ("encoder-0", "denoiser-0") in stats.pairs and stats.pairs[("encoder-0", "denoiser-0")][1] == 2
+    assert ("encoder-1", "denoiser-0") not in stats.pairs  # the least recent went
+    assert ("encoder-11", "denoiser-0") in stats.pairs
+    # every handoff still counts in the per-edge totals
+    assert stats.transfers[("encoder", "denoiser", "shm")] == [MAX_PAIRS + 11, (MAX_PAIRS + 11) * 100]

@@ -22,6 +22,9 @@ THROUGHPUT_WINDOW_S = 10.0
 STAGE_PHASES = ("queue", "compute", "fetch")
 #: a gateway not heard from for this long is no longer listed in status
 GATEWAY_SILENCE_S = 5.0
+#: the producer-consumer pairs status lists, the ones that handed over most recently (a large deployment's pairs
+#: would grow with every instance of one role times every one of the next)
+MAX_PAIRS = 1024
 #: a timing's name -> (role, phase), or () for one that is not a stage's phase (Stats.record)
 _STAGE_PHASE: dict[str, tuple] = {}
 
@@ -38,7 +41,8 @@ class Stats:
         self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
         #: (producer role, consumer role, engine) -> [handoffs, bytes]
         self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-        #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]
+        #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]: the MAX_PAIRS that handed
+        #: over last, the least recent first
         self.pairs: dict[tuple[str, str], list] = {}
         self._finish_times: collections.deque[float] = collections.deque()
 
@@ -69,9 +73,13 @@ class Stats:
         edge = self.transfers[(producer.role, consumer.role, engine)]
         edge[0] += 1
         edge[1] += nbytes
-        pair = self.pairs.get((producer.id, consumer.id))
+        pairs, key = self.pairs, (producer.id, consumer.id)
+        pair = pairs.pop(key, None)
         if pair is None:
-            pair = self.pairs[(producer.id, consumer.id)] = [engine, 0, producer.host, consumer.host]
+            pair = [engine, 0, producer.host, consumer.host]
+            if len(pairs) >= MAX_PAIRS:
+                del pairs[next(iter(pairs))]
+        pairs[key] = pair  # (last: the most recent)
         pair[0] = engine
         pair[1] += 1
 

@@ -147,7 +147,8 @@ class StatusReport(_Msg, tag="status_report", kw_only=True):
     throughput_rps: float = 0.0
     #: bytes moved between stages, per edge and engine
     transfers: list[TransferCount] = []
-    #: per pair of instances that handed data over: the engine chosen for it (per host: mooncake across)
+    #: per pair of instances that handed data over: the engine chosen for it (per host: mooncake across); the
+    #: 1,024 pairs that handed over most recently
     pairs: list[PairEngine] = []
     #: the HTTP gateways serving this deployment
     gateways: list[GatewayStatus] = []

@@ -88,7 +88,8 @@ class TransferCount(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bytes: int
 
 class PairEngine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Handoffs from one instance to another since start, and the engine they took (hosts: where each runs)."""
+    """Handoffs from one instance to another since start, and the engine they took (hosts: where each runs). Status
+    lists the 1,024 pairs that handed over most recently (disagg/orchestrator/stats.py MAX_PAIRS)."""
 
     source: str
     target: str
