@@ -105,8 +105,8 @@ def main() -> None:
     print(f"\n| side | bench | req/s (median of {args.rounds}) | p50 ms | orchestrator µs CPU/request |\n"
           "|---|---|---|---|---|")
     medians = {}
-    for side, benches in runs.items():
-        for bench, rows in benches.items():
+    for side, side_runs in runs.items():
+        for bench, rows in side_runs.items():
             m = {k: statistics.median(x[k] for x in rows) for k in ("rps", "p50_ms", "orch_cpu_us")}
             medians[f"{side}/{bench}"] = m
             print(f"| {side} | {bench} | {m['rps']:.1f} | {m['p50_ms']:.3f} | {m['orch_cpu_us']:.1f} |")

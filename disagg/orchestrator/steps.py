@@ -43,8 +43,8 @@ class RequestSteps:
             # sort), only dropping the entries at the head that ended or moved on. The index of instances with a
             # free slot says so at once (under load a role's queue often holds one request while every instance is
             # busy); with one waiting, the chain finds out about pool room as fast as any_room would
-            room = bool(buckets.get(role)) and (len(queues[role]) < 2 or any_room(role))
-            queue = self.queue.ordered(role, now) if room else self.queues[role]
+            room = any_room(role) if len(queues[role]) > 1 else bool(buckets.get(role))
+            queue = self.queue.ordered(role, now) if room else queues[role]
             candidates = None
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
             #: requests a placement step has wait (DEFER); the requests behind them are placed meanwhile, and
@@ -74,7 +74,7 @@ class RequestSteps:
                 queue.popleft()
                 self.assign(req, inst, now, out)
                 if queue:  # (the one it took may have been the last with room)
-                    room = bool(buckets.get(role)) and (len(queue) < 2 or any_room(role))
+                    room = any_room(role) if len(queue) > 1 else bool(buckets.get(role))
             queue.extendleft(reversed(deferred))
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
