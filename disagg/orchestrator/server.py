@@ -43,6 +43,14 @@ TICK_S = 0.05
 # handled messages is followed by polling without sleeping: the reply to what it just sent often comes within
 # it, and a loop that never slept answers with warm caches instead of paying a wake-up (BENCHMARKS.md, control
 # plane). Under load the loop is busy anyway and the CPU is better left to the roles.
+
+
+def busy_polls(before: int, after: int, most: int) -> bool:
+    """Whether a turn that handled messages opens a busy-poll window: with `before` requests in flight at its start
+    and `after` at its end, some request was in flight (a reply is coming: a role's report, or after a Result the
+    closed-loop client's next Submit) and at most `most` are now. A turn of an idle deployment (heartbeats) does
+    not: the heartbeats of 1,000 instances, spread over the second, would otherwise keep the loop spinning."""
+    return 0 < max(before, after) and after <= most
 #: how long a Stop waits for the Shutdown messages to leave before the sockets close
 STOP_LINGER_MS = 500
 #: role socket identities whose parse is remembered (past it, the memory starts again)
@@ -136,8 +144,7 @@ class OrchestratorServer:
                 events = dict(poller.poll(0))
             if not events:  # clients' messages still waiting: look, but do not sleep
                 events = dict(poller.poll(0 if self.inbox else TICK_S * 1000))
-            if events and busy_poll and len(self.router.requests) <= busy_max:
-                busy_until = time.perf_counter() + busy_poll
+            turn_start, before = time.perf_counter(), len(self.router.requests)
             self.serve_clients()  # a new turn: what clients sent past the last turns' budgets first
             for fd in events:
                 if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
@@ -156,6 +163,8 @@ class OrchestratorServer:
                     self.orphaned = True
                     self.send(self.router.handle_client(b"", Stop(), [], now))
             self.flush()
+            if events and busy_poll and busy_polls(before, len(self.router.requests), busy_max):
+                busy_until = turn_start + busy_poll
             if self.router.stopping:
                 break
         if self.router.stopping:

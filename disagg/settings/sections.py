@@ -248,8 +248,8 @@ class BusyPollSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     seconds: Annotated[float, Meta(ge=0, le=0.01, description=(
         "Seconds the orchestrator polls without sleeping after each event while few requests are in flight "
-        "(busy_poll.max_in_flight): the next message is taken without a thread wake-up, for about a core's "
-        "CPU while it lasts. 0: always sleep in poll."),
+        "(busy_poll.max_in_flight; none while none is: an idle deployment's heartbeats do not): the next message "
+        "is taken without a thread wake-up, for about a core's CPU while it lasts. 0: always sleep in poll."),
         extra=use("orchestrator", flag="--busy-poll", legacy="busy_poll"))] = 0.0003
     max_in_flight: Annotated[int, Meta(ge=0, le=1 << 20, description=(
         "Busy polling stops while more requests than this are in flight (then messages arrive close together "
