@@ -87,6 +87,10 @@ class Turns:
     def acquire(self, t: Ticket) -> None:
         """Wait until `t` is the most urgent of those waiting and the device is free; then it holds the turn."""
         with self._cond:
+            if self._holder is None and not self._waiting:  # the device is free and nobody waits: no order to make
+                self._holder = t
+                t._took = self.clock()
+                return
             t.waiting_since = self.clock()
             self._waiting.append(t)
             try:
