@@ -21,6 +21,7 @@ from disagg.transport.wire.lane import WELCOME, Lane, LaneClosed, LaneError, Lan
 from disagg.transport.wire.messages import (
     MAX_FRAMES_BYTES,
     MAX_MESSAGE_BYTES,
+    Alive,
     ClientMessage,
     ErrorCode,
     MessageError,
@@ -119,6 +120,8 @@ class OrchestratorServer:
         self._dropped = 0
         #: replies gathered during a loop turn: each peer gets one ZeroMQ message per turn
         self.outbox = Outbox()
+        #: the heartbeats' answers (Alive), sent together at the next tick (send)
+        self._alives: list[Out] = []
         #: clients' messages waiting to be handled, within a budget per turn (disagg/orchestrator/inbox.py)
         self.inbox = ClientInbox()
 
@@ -157,6 +160,7 @@ class OrchestratorServer:
             if now >= next_tick:
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
+                self.send_alives()
                 next_tick = now + TICK_S
                 if launcher.gone():  # the launcher was killed: do not linger as an orphan
                     log.warning("launcher is gone; stopping the roles and exiting")
@@ -347,17 +351,23 @@ class OrchestratorServer:
         if self._dropped <= 20 or self._dropped % 1000 == 0:
             log.warning("dropped a bad message on the %s socket (%d so far): %s", where, self._dropped, why[:200])
 
-    def send(self, outs: list[Out]) -> None:
+    def send(self, outs: list[Out], alives_now: bool = False) -> None:
         """Queue replies; they leave at the end of the loop turn (flush), one ZeroMQ message per peer.
         A Release is never urgent: the peers waiting on the rest are served first. It is not held back for a later
         turn, though: one that an orchestrator killed meanwhile never sent would keep its slot taken for the
-        successor's grace period (BENCHMARKS.md, "Control plane, a fourth pass")."""
+        successor's grace period (BENCHMARKS.md, "Control plane, a fourth pass"). An Alive (a heartbeat's answer)
+        waits for the next tick, with the others (`alives_now`: that tick's send): a role needs one within
+        timeouts.heartbeat, and the heartbeats of many instances, spread over the second, are then answered
+        with one wake-up of ZeroMQ's I/O thread per tick instead of one each (benchmarks/idle_beats.py)."""
         if not outs:
             return
         if len(outs) > 1:
             outs = sorted(outs, key=_is_release)
         add, destinations = self.outbox.add, self._destinations
         for out in outs:
+            if type(out.msg) is Alive and not alives_now:
+                self._alives.append(out)
+                continue
             if out.to_client is not None:
                 add((True, out.to_client), out.msg, out.frames)
                 continue
@@ -367,6 +377,11 @@ class OrchestratorServer:
                     destinations.clear()
                 destination = destinations[out.to_instance] = (False, out.to_instance.encode())
             add(destination, out.msg, out.frames)
+
+    def send_alives(self) -> None:
+        """The heartbeats' answers gathered since the last tick (send): they leave with this turn."""
+        alives, self._alives = self._alives, []
+        self.send(alives, alives_now=True)
 
     def flush(self) -> None:
         self.outbox.flush(self._send_frames)
