@@ -50,7 +50,8 @@ def cli(tree: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "disagg", *args]
 
 
-def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180) -> None:
+def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180, count: int = 1) -> dict:
+    """The deployment's status once at least `count` instances are registered and every one is ready."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -59,8 +60,8 @@ def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180) -> None:
                              text=True)
         if res.returncode == 0:
             doc = json.loads(res.stdout)
-            if doc["instances"] and all(i["state"] == "ready" for i in doc["instances"]):
-                return
+            if len(doc["instances"]) >= count and all(i["state"] == "ready" for i in doc["instances"]):
+                return doc
         time.sleep(1)
     raise SystemExit(f"{tree}: not ready")
 

@@ -26,28 +26,10 @@ import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.before_after import orchestrator  # noqa: E402
+from benchmarks.before_after import orchestrator, ready  # noqa: E402
 from benchmarks.sim_suite import stop_all  # noqa: E402
 from disagg.roles.limits import served_model  # noqa: E402
 from disagg.transport.wire.messages import Heartbeat, PoolInfo, Register, encode  # noqa: E402
-
-
-def status(endpoint: str) -> dict | None:
-    res = subprocess.run([sys.executable, "-m", "disagg", "status", "--endpoint", endpoint, "--json"],
-                         capture_output=True, text=True)
-    return json.loads(res.stdout) if res.returncode == 0 else None
-
-
-def wait_ready(endpoint: str, count: int, proc, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"launch exited {proc.returncode}")
-        doc = status(endpoint)
-        if doc and len(doc["instances"]) >= count and all(i["state"] == "ready" for i in doc["instances"]):
-            return doc
-        time.sleep(1)
-    raise SystemExit(f"{endpoint}: {count} instances not ready in {timeout_s:.0f} s")
 
 
 class Beats:
@@ -113,14 +95,14 @@ def main() -> None:
                             stderr=subprocess.DEVNULL, start_new_session=True)
     rows = []
     try:
-        doc = wait_ready(endpoint, 3, proc)
+        doc = ready(ROOT, endpoint, proc, count=3)
         orch = orchestrator(proc)
         for n in map(int, args.instances.split(",")):
             beats = Beats(endpoint, doc["orchestrator"]["deployment_id"], n) if n else None
             try:
                 if beats is not None:
                     beats.run(2.0)  # registered, heartbeating, ready
-                    wait_ready(endpoint, 3 + n, proc)
+                    ready(ROOT, endpoint, proc, count=3 + n)
                 windows = []
                 for _ in range(args.runs):
                     c0, t0 = cpu_s(orch), time.monotonic()
