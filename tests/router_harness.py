@@ -34,12 +34,14 @@ class Harness:
         self.now = 100.0
         self.router = Router(RouterConfig(**cfg), now=self.now)
 
-    def add(self, role, n=1, capacity=1, host="h", engines=("shm", "inline")):
+    def add(self, role, n=1, capacity=1, host="h", engines=("shm", "inline"), peer_lane=False):
+        """`n` ready instances of `role`; `peer_lane`: each takes Forwards (Register.peer_lane)."""
         ids = []
         for i in range(n):
             iid = f"{role}-{len(self.router.registry.of_role(role))}"
             pool = PoolInfo(host_id=host, engines=list(engines), pool_name=f"p-{iid}", pool_bytes=1 << 20)
-            out = self.role(iid, Register(role=role, instance_id=iid, pid=1000 + i, host_id=host, device="cpu", capacity=capacity, pool=pool))
+            out = self.role(iid, Register(role=role, instance_id=iid, pid=1000 + i, host_id=host, device="cpu", capacity=capacity,
+                                          pool=pool, peer_lane=f"/lanes/peer-{iid}.sock" if peer_lane else ""))
             assert isinstance(out[0].msg, Registered)
             self.role(iid, Heartbeat(instance_id=iid, ready=True))
             ids.append(iid)

@@ -32,6 +32,8 @@ class Instance:
     staged: dict[int, int] = field(default_factory=dict)
     completed: int = 0
     failed: int = 0
+    #: where it takes Forwards (Register.peer_lane); empty: it takes none
+    peer_lane: str = ""
     engine: str = ""
     #: producer id -> (its session, the engine and warning of choose_engine for its outputs to this instance): the
     #: pools of one registration never change
@@ -117,6 +119,7 @@ class Instance:
             memory_bytes=msg.memory_bytes,
             visible_gpus=msg.visible_gpus,
             unavailable_engines=dict(msg.unavailable_engines),
+            peer_lane=msg.peer_lane,
         )
 
     def record_stage_time(self, seconds: float, device_s: float | None = None, request_id: str = "") -> None:

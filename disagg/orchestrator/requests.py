@@ -70,6 +70,12 @@ class Request:
     slo_deadline: float | None = None
     #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
     cache_steps: dict = field(default_factory=dict)
+    #: instances reserved for its next stages, in order, each as (id, session): their Runs travel inside the Run of
+    #: the stage before (Run.then) and that stage's instance sends them on (disagg/orchestrator/forwards.py)
+    reserved: list[tuple[str, int]] = field(default_factory=list)
+    #: reports of a reserved instance that came before the Staged of the stage before it: (sender, msg, frames),
+    #: handled once that Staged is
+    early: list[tuple] = field(default_factory=list)
 
     @functools.cached_property
     def conditioning_key(self) -> str | None:

@@ -12,13 +12,14 @@ import uuid
 
 import msgspec
 
+from disagg.orchestrator.forwards import Forwards
 from disagg.orchestrator.handoff import InlineNeeds
 from disagg.orchestrator.instances import InstanceLifecycle
 from disagg.orchestrator.outbox import Out, RouterConfig, to_client, to_instance
 from disagg.orchestrator.parts.base import Listeners
 from disagg.orchestrator.parts.previews import Previews
 from disagg.orchestrator.parts.rebalance import Rebalance
-from disagg.orchestrator.parts.recovery import Recovery, cache_steps
+from disagg.orchestrator.parts.recovery import Recovery
 from disagg.orchestrator.registry import Registry
 from disagg.orchestrator.requests import MONOLITH, NAMES, ROLES, Request, next_stage, over_limits
 from disagg.orchestrator.scheduling.admission import Admission
@@ -36,6 +37,7 @@ from disagg.transport.wire.messages import (
     ErrorCode,
     Failed,
     Fetched,
+    Forward,
     GatewayBeat,
     Heartbeat,
     Register,
@@ -50,11 +52,12 @@ from disagg.transport.wire.messages import (
     Stop,
     StopHost,
     Submit,
+    cache_report,
 )
 
 log = logging.getLogger("disagg.orchestrator")
 
-class Router(InstanceLifecycle, RequestSteps):
+class Router(InstanceLifecycle, RequestSteps, Forwards):
     """The request and instance state machine (this file, steps.py, instances.py), composed with its parts: the queue
     the `schedule` setting chooses (queues.py) with admission beside it (admission.py), the placement chain ending in
     the dispatch policy (placement.py, dispatch.py), and the parts that hear its events (parts.py): previews,
@@ -77,6 +80,9 @@ class Router(InstanceLifecycle, RequestSteps):
         #: the model every instance must serve (foreign_model)
         self.model = self.config.model_identity
         self.requests: dict[str, Request] = {}
+        #: (instance id, request id) -> attempt of each instance reserved for a request's next stage, until its
+        #: producer's Staged comes or it is withdrawn (disagg/orchestrator/forwards.py)
+        self.reservations: dict[tuple[str, str], int] = {}
         self.stats = Stats()
         self.started_at = now
         self.id = new_id()  # a restarted orchestrator is a different one
@@ -132,6 +138,7 @@ class Router(InstanceLifecycle, RequestSteps):
             Done: self.handle_done,
             Failed: self.handle_failed,
             Dead: self.handle_dead,
+            Forward: self.handle_forward,
         }
         for part in self.parts:
             self._handlers.update({kind: getattr(part, name) for kind, name in part.messages.items()})
@@ -177,6 +184,8 @@ class Router(InstanceLifecycle, RequestSteps):
                 # meanwhile is handled once it has (an output it staged is released then, not lost)
                 self.recovery.keep_early(sender, msg, frames, now, pid=inst.pid)
                 return [to_instance(sender, Rejected(reason="declared dead: register again", code=ErrorCode.NOT_REGISTERED))]
+            if self.reservations and self.park_early(sender, msg, frames):
+                return []  # a reserved instance's report that overtook its producer's Staged: handled after it
         self._handlers[type(msg)](sender, msg, frames, now, out)
         self.dispatch_queued(now, out)
         return out
@@ -270,7 +279,7 @@ class Router(InstanceLifecycle, RequestSteps):
             out.append(to_instance(req.assigned, Cancel(request_id=req.id, attempt=req.attempt)))
         self.release_source(req, out)
         log.info("request %s cancelled by its client (%s %s)", req.id, req.state, req.stage)
-        self.end(req, "cancelled", now)
+        self.end(req, "cancelled", now, out)
 
     # --- role messages ----------------------------------------------------------------------
 
@@ -294,9 +303,11 @@ class Router(InstanceLifecycle, RequestSteps):
         for staged in self.listeners.staged:
             staged(inst, req, msg, now)
         if msg.steps_computed is not None:  # a step cache's: the Result's resolved parameters report them
-            req.cache_steps = cache_steps(msg)
+            req.cache_steps = cache_report(msg)
         req.source = Source(slot=msg.slot, pool=inst.pool, engine="")
         req.source_frames = list(frames)
+        if req.reserved and self.forwarded(req, inst, msg, now, out):
+            return  # it sent the next stage's Run on itself (disagg/orchestrator/forwards.py)
         self.enqueue(req, next_stage(role), now)
 
     def handle_fetched(self, sender, msg: Fetched, frames, now, out) -> None:
@@ -345,7 +356,7 @@ class Router(InstanceLifecycle, RequestSteps):
             timings=req.timings,
             resolved={**msg.resolved, **req.cache_steps},
         )
-        self.end(req, "done", now)
+        self.end(req, "done", now, out)
         self.send_result(req, result, frames, out)
 
     def handle_failed(self, sender, msg: Failed, frames, now, out) -> None:

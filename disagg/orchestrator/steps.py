@@ -17,7 +17,6 @@ from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.settings.choices import Transfer
-from disagg.transport.data.selection import choose_engine
 from disagg.transport.wire.messages import ErrorCode, Release, Result, Run
 
 log = logging.getLogger("disagg.orchestrator")
@@ -89,11 +88,7 @@ class RequestSteps:
         source, frames = None, []
         if req.source is not None:
             producer = self.registry.by_id.get(req.source.slot.instance_id)
-            chosen = inst.engines_from.get(producer.id)
-            if chosen is None or chosen[0] != producer.session:
-                chosen = inst.engines_from[producer.id] = (producer.session, *choose_engine(
-                    self.config.transfer, producer.pool, inst.pool))
-            _, engine, warning = chosen
+            engine, warning = self.engine_for(producer, inst)
             if engine == Transfer.INLINE and not req.source_frames:
                 self.release_source(req, out)
                 self.fail(req, f"no transfer engine can move tensors from {producer.id} to {inst.id}: {warning}", now, out)
@@ -111,10 +106,7 @@ class RequestSteps:
         inst.alone = req.id if not inst.running else None  # a request that runs alone measures solo_s
         inst.free_slots -= 1
         inst.running[req.id] = req.attempt
-        req.state, req.assigned = "running", inst.id
-        names = NAMES[inst.role]
-        req.mark(names.run, now)
-        req.span(names.queue, names.queued, names.run)
+        self.began(req, inst, now)
         if req.params.loras and not req.lora_sources:  # resumed by a restarted orchestrator
             req.lora_sources = self.lora_catalog.resolve(req.params.loras)[0]
         if req.params.loras and inst.role in AFFINITY_ROLES:
@@ -123,7 +115,19 @@ class RequestSteps:
                   inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
                   stage_deadline_s=self.deadlines.stage_deadline(req, inst.role, now) if req.slo_deadline is not None else None,
                   carry=req.cache_steps if inst.role == "decoder" else {})
+        if inst.peer_lane:  # the next stages' instances reserved, where they may be (disagg/orchestrator/forwards.py)
+            run = self.with_forwards(req, inst, run, now)
         out.append(to_instance(inst.id, run, frames))
+
+    def began(self, req: Request, inst: Instance, now: float, queued: float | None = None) -> None:
+        """`req`'s stage runs on `inst` from now (its slot taken already). `queued`: it never waited in a queue,
+        reserved ahead at that time (a forwarded Run)."""
+        req.stage, req.state, req.assigned = inst.role, "running", inst.id
+        names = NAMES[inst.role]
+        if queued is not None:
+            req.marks[names.queued] = queued
+        req.mark(names.run, now)
+        req.span(names.queue, names.queued, names.run)
 
     def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
         for client in req.clients:
@@ -175,10 +179,10 @@ class RequestSteps:
         req.timings["total"] = round(now - req.submitted_at, 6)
         result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
                         timings=req.timings, stopping=stopping, code=code, param=param)
-        self.end(req, state, now)
+        self.end(req, state, now, out)
         self.send_result(req, result, (), out)
 
-    def end(self, req: Request, state: str, now: float) -> None:
+    def end(self, req: Request, state: str, now: float, out: list[Out]) -> None:
         if req.state == "queued":  # its id stays in the queue until dispatch meets it
             self.queue.ended(req)
         req.state = state
@@ -187,6 +191,8 @@ class RequestSteps:
         for ended in self.listeners.ended:
             ended(req, state, now)
         self.stats.record(state, now, req.timings)
+        if req.reserved:  # its forwards are taken back (disagg/orchestrator/forwards.py)
+            self.withdraw(req, out, now=now)
 
     def expire_requests(self, now: float, out: list[Out]) -> None:
         """Requests past their deadline (timeouts.request, or the Submit's own) fail now, as timed out."""
@@ -207,6 +213,8 @@ class RequestSteps:
             return
         req.attempt += 1
         log.info("request %s: attempt %d (%s)", req.id, req.attempt, cause)
+        if req.reserved:  # what was reserved for the last attempt is taken back (disagg/orchestrator/forwards.py)
+            self.withdraw(req, out, now=now)
         producer = self.registry.get(req.source.slot.instance_id) if req.source else None
         stage = req.stage if producer is not None and producer.state != "dead" and not source_lost else self.first_stage
         if stage == self.first_stage:

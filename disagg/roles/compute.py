@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Callable
 
+import msgspec
+
 from disagg.roles.errors import GroupBroken, RequestError
 from disagg.roles.extensions.lora_backends import LoraError
 from disagg.roles.stage import Stage, StageOutput
@@ -25,11 +27,13 @@ from disagg.transport.wire.messages import (
     ErrorCode,
     Failed,
     Fetched,
+    Forward,
     Held,
     HeldPreview,
     Preview,
     Run,
     Staged,
+    cache_report,
 )
 
 log = logging.getLogger("disagg.role")
@@ -42,6 +46,8 @@ RUN_INLINE_BELOW_S = 0.005
 #: and died with before the Result left is sent again to the next one (disagg/orchestrator/parts/recovery.py)
 KEEP_RESULTS_S = 10.0
 KEEP_RESULTS_BYTES = 64 * 2**20
+#: attempts withdrawn before they ran here, remembered (Withdraw)
+MAX_WITHDRAWN = 4096
 
 
 def preview_steps(steps: int, previews: int) -> dict[int, int]:
@@ -132,6 +138,10 @@ class StageRunner:
         self.broken = False
         #: the last computes' times (short_computes and fold_fetched read them)
         self.recent: collections.deque[float] = collections.deque(maxlen=32)
+        #: sends a Forward (Run.then) on to its instance, after the Staged that says so (disagg/roles/peers.py)
+        self.forward: Callable[[Forward], None] | None = None
+        #: (request id, attempt) withdrawn before it ran here (Withdraw): not run when its Forward comes
+        self.withdrawn: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
 
     @property
     def short_computes(self) -> bool:
@@ -156,6 +166,22 @@ class StageRunner:
         if self.stage is not None and self.stage.turns is not None:
             self.stage.turns.wake()  # one waiting for the device stops waiting now
         return True
+
+    def withdraw(self, request_id: str, attempt: int) -> bool:
+        """The orchestrator takes back a forwarded Run (Withdraw): True if it runs now (it stops at its next step and
+        reports, cancelled); False: it is not running, and will not run if its Forward comes later."""
+        with self.lock:
+            if self.busy.get(request_id) == attempt:
+                self.cancelled[request_id] = attempt
+                running = True
+            else:
+                self.withdrawn[(request_id, attempt)] = None
+                while len(self.withdrawn) > MAX_WITHDRAWN:
+                    self.withdrawn.popitem(last=False)
+                running = False
+        if running and self.stage is not None and self.stage.turns is not None:
+            self.stage.turns.wake()
+        return running
 
     def check_cancelled(self, run: Run) -> None:
         if self.cancelled.get(run.request_id) == run.attempt:
@@ -248,11 +274,14 @@ class StageRunner:
         `self.epoch` then (a Run of before the last Register is dropped, see `registered`)."""
         with self.lock:
             stale = epoch is not None and epoch != self.epoch
-            if not stale:
+            withdrawn = (run.request_id, run.attempt) in self.withdrawn
+            if not (stale or withdrawn):
                 self.busy[run.request_id] = run.attempt
-        if stale:
-            log.info("request %s attempt %d: not run: handed over before this instance registered again",
-                     run.request_id, run.attempt)
+            epoch = self.epoch  # a Run.then is sent on only while it is still this registration's (_deliver)
+        if stale or withdrawn:
+            log.info("request %s attempt %d: not run: %s", run.request_id, run.attempt,
+                     "withdrawn by the orchestrator" if withdrawn else
+                     "handed over before this instance registered again")
             self.report(None)
             return
         self.tick()
@@ -278,7 +307,7 @@ class StageRunner:
             else:  # under schedule slo the device was this request's while it held the turn
                 device_s = ticket.held_s if ticket is not None and self.stage.turns is not None else share
             self._deliver(run, out, computed, dict(compute_s=compute_s, fetch_s=fetch_s, device_s=device_s,
-                                                   lora_s=lora_s))
+                                                   lora_s=lora_s), epoch)
         except Exception as exc:  # the request's failure: report it and keep serving
             self._failed(run, exc, source_lost=not fetched and isinstance(exc, TransferError))
         finally:
@@ -341,8 +370,10 @@ class StageRunner:
             compute_s = time.perf_counter() - t0
         return out, ticket, computed, compute_s
 
-    def _deliver(self, run: Run, out: StageOutput, computed, times: dict) -> None:
-        """A decoder's images as Done (kept a while), another role's tensors staged for the next (Staged)."""
+    def _deliver(self, run: Run, out: StageOutput, computed, times: dict, epoch: int | None = None) -> None:
+        """A decoder's images as Done (kept a while), another role's tensors staged for the next (Staged), and
+        the next stage's Run sent on to the instance reserved for it (Run.then), while this is still the
+        registration `epoch` the Run came to."""
         if out.images:
             done = Done(request_id=run.request_id, attempt=run.attempt, num_images=len(out.images),
                         image_format=out.image_format, resolved={**out.resolved, **out.cache_steps, **run.carry},
@@ -356,8 +387,20 @@ class StageRunner:
             self.staged[slot.offset] = Held(request_id=run.request_id, attempt=run.attempt, role=self.stage.role,
                                             slot=slot, seed=run.params.seed, **out.cache_steps)
         extra = [self.inline_bytes(slot)] if run.inline_output else []
-        self.report(Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, **times, **out.cache_steps),
-                    extra)
+        staged = Staged(request_id=run.request_id, attempt=run.attempt, slot=slot, **times, **out.cache_steps)
+        then = run.then if self.forward is not None and not run.inline_output and epoch == self.epoch else None
+        staged.forwarded = then is not None
+        self.report(staged, extra)
+        if then is not None:  # after the Staged: the orchestrator learns where it went before it hears from there
+            self.forward(self.forward_of(then, staged))
+
+    @staticmethod
+    def forward_of(then: Forward, staged: Staged) -> Forward:
+        """`then` with its Run reading the slot `staged` names (and a decoder's carrying its step-cache report)."""
+        run = then.run
+        carry = {**run.carry, **cache_report(staged)} if staged.steps_computed is not None else run.carry
+        source = msgspec.structs.replace(run.source, slot=staged.slot)
+        return msgspec.structs.replace(then, run=msgspec.structs.replace(run, source=source, carry=carry))
 
     def _failed(self, run: Run, exc: Exception, source_lost: bool = False) -> None:
         """Report a failed compute, by the exception's type (errors.py); the instance keeps serving. `source_lost`:

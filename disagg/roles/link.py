@@ -23,6 +23,8 @@ class Link:
 
     def flush(self) -> None:
         self.outbox.flush(lambda _dest, frames: self.send_frames(frames))
+        if self.pending_forwards:  # after the Staged that tells of them (disagg/roles/peers.py)
+            self.send_forwards()
 
     def open_lane(self, path: str) -> None:
         """Take the orchestrator's fast lane when it is on this host (its socket file is here)."""

@@ -58,6 +58,7 @@ class SelfReport:
                 visible_gpus=self.spec.gpu_ids[:1024],
                 unavailable_engines=self.engine_problems,
                 lora=self.lora_stats(),
+                peer_lane=self.peers.path if self.peers is not None else "",
                 **self.limits,
             )
         )

@@ -26,6 +26,7 @@ from disagg.roles.boot import phase as boot_phase
 from disagg.roles.compute import StageRunner
 from disagg.roles.limits import model_limits, served_model
 from disagg.roles.link import Link
+from disagg.roles.peers import PeerLink, Peers
 from disagg.roles.reports import SelfReport
 from disagg.roles.spec import WorkerSpec
 from disagg.transport.data.engines import EngineOptions, TransferEngine, make_engines
@@ -50,6 +51,7 @@ from disagg.transport.wire.messages import (
     Release,
     Run,
     Shutdown,
+    Withdraw,
     encode,
 )
 from disagg.transport.wire.role_stats import CompileStats
@@ -62,7 +64,7 @@ REPORTS = "inproc://reports"
 INLINE_BUDGET_S = 0.1
 
 
-class Worker(Link, SelfReport):
+class Worker(Link, PeerLink, SelfReport):
     """Drives a StageRunner from the orchestrator's messages."""
 
     def __init__(self, spec: WorkerSpec, load_stage, pool: Pool):
@@ -102,6 +104,19 @@ class Worker(Link, SelfReport):
         self.limits = model_limits(spec.model)
         self.identity = served_model(spec.model, spec.dtype)
         self.orchestrator_id = ""
+        #: this registration's number with that orchestrator (Registered.session): a Forward names the one it is for
+        self.session = 0
+        #: the peer lane: Forwards come in on it, and go out from it (disagg/roles/peers.py); None with lane off
+        self.peers: Peers | None = None
+        if spec.lane:
+            try:
+                self.peers = Peers(spec.instance_id, self.log)
+            except OSError as exc:
+                self.log.warning("no peer lane (%s): the orchestrator sends this instance every Run itself", exc)
+        #: Forwards of this loop turn's computes, sent after its reports (PeerLink.send_forwards)
+        self.pending_forwards: list = []
+        if self.peers is not None:
+            self.runner.forward = self.forward_run
         self.stop = False
         #: the launcher went away (killed): on the way out, clean what nobody else will
         self.orphaned = False
@@ -117,6 +132,7 @@ class Worker(Link, SelfReport):
             Shutdown: self.handle_shutdown,
             Rejected: self.handle_rejected,
             Cancel: self.handle_cancel,
+            Withdraw: self.handle_withdraw,
         }
 
     # --- socket side (loop thread only) ----------------------------------------------------
@@ -163,6 +179,9 @@ class Worker(Link, SelfReport):
         poller.register(self.sock, zmq.POLLIN)
         if self.lane is not None:
             poller.register(self.lane.fd, zmq.POLLIN)
+        peers = self.peers
+        if peers is not None:
+            poller.register(peers.fileno(), zmq.POLLIN)
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
         while not self.stop:
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
@@ -173,6 +192,8 @@ class Worker(Link, SelfReport):
                 self.drain_lane()
             if self.sock in events:
                 self.drain_inbox()
+            if peers is not None:
+                self.drain_peers(events)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S
@@ -253,7 +274,7 @@ class Worker(Link, SelfReport):
                 self.send(done, images)
             self.log.info("the orchestrator restarted; told the new one what we hold (%d outputs, %d recent results)",
                           len(self.runner.staged), len(results))
-        self.orchestrator_id = msg.orchestrator_id
+        self.orchestrator_id, self.session = msg.orchestrator_id, msg.session
         self.open_lane(msg.lane)
         self.backoff_s = HEARTBEAT_INTERVAL_S
         self.log.info("registered, session %d", msg.session)
@@ -340,6 +361,8 @@ class Worker(Link, SelfReport):
     def close(self) -> None:
         self.flush()
         self.close_lane()
+        if self.peers is not None:
+            self.peers.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         for engine in self.engines.values():
             engine.close()

@@ -29,6 +29,7 @@ from disagg.settings.sections import (  # noqa: F401 - the schema's parts, impor
     BusyPollSettings,
     CompileSettings,
     Degree,
+    ForwardSettings,
     HttpSettings,
     LoraSettings,
     ParallelLayout,
@@ -134,6 +135,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "measurements nothing is refused. off: every request is taken."),
         extra=use("orchestrator"))] = Admission.OFF
     busy_poll: BusyPollSettings = msgspec.field(default_factory=BusyPollSettings)
+    forward: ForwardSettings = msgspec.field(default_factory=ForwardSettings)
     keys: Annotated[str, Meta(description=(
         "CurveZMQ keys directory (`disagg keys generate DIR`): only holders of the client key may submit or "
         "register. Empty: no authentication (keep host on 127.0.0.1 then)."),

@@ -31,7 +31,6 @@ from disagg.transport.wire.messages import (
     Done,
     Failed,
     Fetched,
-    Held,
     HeldPreview,
     Preview,
     Register,
@@ -40,6 +39,7 @@ from disagg.transport.wire.messages import (
     SlotRef,
     Source,
     Staged,
+    cache_report,
 )
 
 log = logging.getLogger("disagg.orchestrator")
@@ -88,15 +88,6 @@ class Orphan:
     @property
     def nbytes(self) -> int:
         return sum(map(len, self.frames))
-
-
-def cache_steps(report: Held | Staged) -> dict:
-    """A denoiser output's step-cache report (its Staged, or its Held in a Register: the same fields), as the
-    Result's resolved parameters spell it; empty without one."""
-    if report.steps_computed is None:
-        return {}
-    return {"cache": report.cache or "", "steps_computed": report.steps_computed,
-            "steps_skipped": report.steps_skipped or 0}
 
 
 class Recovery(Part):
@@ -171,7 +162,7 @@ class Recovery(Part):
                     continue  # its report came first (keep_output, keep_preview): one record, one Release
                 self._add(held.request_id, Orphan(held.request_id, "preview" if held.preview else "staged", inst.id,
                                                   held.role, held.attempt, now, slot=held.slot, seed=held.seed,
-                                                  preview=held.preview, cache_steps=cache_steps(held)))
+                                                  preview=held.preview, cache_steps=cache_report(held)))
             elif self.router.is_source(held.request_id, inst.id, held.slot.offset) or (
                     held.preview is not None and self.router.previews.reads(inst.id, held.slot.offset)):
                 inst.staged[held.slot.offset] = held.slot.nbytes  # told again: still what its request reads
@@ -209,7 +200,7 @@ class Recovery(Part):
             return True
         records = self.orphans.get(msg.request_id, [])
         same = [r for r in records if r.kind == "staged" and r.instance_id == inst.id and r.slot.offset == msg.slot.offset]
-        steps = cache_steps(msg)
+        steps = cache_report(msg)
         for r in same:  # told by its Register already: the report adds its step-cache counts
             r.cache_steps = r.cache_steps or steps
         if not same:
@@ -303,7 +294,7 @@ class Recovery(Part):
                             seed=seed if isinstance(seed, int) else req.params.seed, attempts=req.attempt,
                             timings=req.timings, resolved=done.resolved)
             log.info("request %s: its result came back from %s", req.id, best.instance_id)
-            router.end(req, "done", now)
+            router.end(req, "done", now, out)
             router.send_result(req, result, best.frames, out)
             return True
         inst = registry.get(best.instance_id)

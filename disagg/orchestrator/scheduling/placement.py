@@ -173,7 +173,7 @@ class SloPlacement(Step):
 
     def place(self, p: Placing, next):
         if p.req.slo_deadline is not None and self.decides(p.req, p.role):
-            p.candidates, p.narrowed = self.soonest(p.req, p.candidates, p.now), True
+            p.candidates, p.narrowed = self.soonest(p.req, p.role, p.candidates, p.now), True
         return next(p)
 
     def decides(self, req: Request, role: str) -> bool:
@@ -181,9 +181,10 @@ class SloPlacement(Step):
         return not core.registry.batching(role) and not (
             req.params.loras and affinity_rule(core.config, core.registry) and role in AFFINITY_ROLES)
 
-    def soonest(self, req, candidates: list, now: float) -> list:
+    def soonest(self, req, role: str, candidates: list, now: float) -> list:
+        """Of `candidates`, where `req` gets the device of `role` soonest (`role`: its stage, or the next one for
+        an instance reserved ahead of it: disagg/orchestrator/chains.py)."""
         deadlines, requests = self.core.deadlines, self.core.requests
-        role = req.stage
         mine = deadlines.urgency(req, now)
         best, chosen = float("inf"), []
         for inst in candidates:

@@ -40,9 +40,14 @@ class LaneError(ValueError):
     """A packet that is not a well-formed message."""
 
 
+def lane_folder() -> str:
+    """This user's private folder of lanes under the temp dir (the orchestrators' and the roles' peer lanes)."""
+    return os.path.join(tempfile.gettempdir(), f"disagg-{os.getuid()}")
+
+
 def lane_path(port: int) -> str:
     """Where the orchestrator listening on `port` puts its lane (a private directory under the temp dir)."""
-    return os.path.join(tempfile.gettempdir(), f"disagg-{os.getuid()}", f"lane-{port}.sock")
+    return os.path.join(lane_folder(), f"lane-{port}.sock")
 
 
 def _private_folder(path: str) -> None:
@@ -181,13 +186,13 @@ def lane_in_use(path: str) -> bool:
 
 
 class LaneListener:
-    """The orchestrator's end: a listening socket that accepts lanes."""
+    """The orchestrator's end (or a role's peer lane: disagg/roles/peers.py): a listening socket that accepts lanes."""
 
     def __init__(self, path: str):
         self.path = path
         _private_folder(path)
         if lane_in_use(path):  # e.g. an orchestrator on another address with the same port: its lane stays its own
-            raise OSError(f"{path} is in use by another orchestrator")
+            raise OSError(f"{path} is in use by another process")
         try:
             os.unlink(path)  # an orchestrator before us on this port is gone (we hold the port now)
         except FileNotFoundError:

@@ -33,6 +33,7 @@ from disagg.transport.wire.role_messages import (  # noqa: F401 - role <-> orche
     Done,
     Failed,
     Fetched,
+    Forward,
     Heartbeat,
     Preview,
     Register,
@@ -41,6 +42,8 @@ from disagg.transport.wire.role_messages import (  # noqa: F401 - role <-> orche
     Run,
     Shutdown,
     Staged,
+    Withdraw,
+    cache_report,
 )
 from disagg.transport.wire.role_stats import BootStats, CacheStats, CompileStats, LoraStats, MemoryStats  # noqa: F401 - inside Heartbeat
 from disagg.transport.wire.status import (  # noqa: F401
@@ -289,9 +292,11 @@ class Reroles(_Msg, tag="reroles", kw_only=True):
 
 ClientMessage = Union[Submit, StatusQuery, Stop, StopHost, Cancel, RequestQuery, GatewayBeat, LauncherPoll]
 ServerReply = Union[Result, Partial, Rejected, StatusReport, Stopping, RequestStates, Reroles]
-RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Preview, Done, Failed, Dead]
-OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel]
-KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand)
+RoleMessage = Union[Register, Heartbeat, Fetched, Staged, Preview, Done, Failed, Dead, Forward]
+OrchestratorCommand = Union[Registered, Alive, Run, Release, Shutdown, Rejected, Cancel, Withdraw]
+#: what one role sends another on its peer lane (disagg/roles/peers.py)
+PeerMessage = Union[Forward]
+KINDS = (ClientMessage, ServerReply, RoleMessage, OrchestratorCommand, PeerMessage)
 
 _encoder = msgspec.msgpack.Encoder()
 #: by the union's id: hashing a typing.Union costs more than the lookup it serves (decode runs per message)

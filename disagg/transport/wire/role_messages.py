@@ -34,6 +34,9 @@ class Register(_Msg, tag="register", kw_only=True):
     #: outputs staged in its pool and not yet released (a decoder sends its recent Done messages again
     #: right after registering with an orchestrator that restarted)
     held: Annotated[list[Held], Meta(max_length=65_536)] = []
+    #: where it takes Forward messages from the instances before it in the pipeline (a Unix socket on its host,
+    #: disagg/roles/peers.py); empty: it takes none (lane off), and the orchestrator sends it every Run itself
+    peer_lane: Annotated[str, Meta(max_length=1024)] = ""
     #: how often the launcher restarted this instance
     restarts: Count = 0
     #: the deployment this instance belongs to; an orchestrator refuses instances of another one
@@ -137,6 +140,34 @@ class Run(_Msg, tag="run", kw_only=True):
     #: `steps_skipped`): a decoder returns it in its Done's `resolved`, so a result that outlives the orchestrator
     #: that sent this Run still reports it
     carry: dict[Annotated[str, Meta(max_length=64)], str | int | float] = {}
+    #: the next stage's Run, for the instance the orchestrator reserved for it: this role sends it there itself
+    #: (its `run.source` naming the slot it staged) as soon as its output is staged, and tells so in Staged
+    #: (`forwarded`), so the request goes on without a round trip through the orchestrator
+    then: Forward | None = None
+
+
+class Forward(_Msg, tag="forward", kw_only=True):
+    """A stage's Run handed from the instance before it in the pipeline straight to the instance the orchestrator
+    reserved for it, on that instance's peer lane. Made by the orchestrator (inside the producer's Run: `Run.then`);
+    the producer fills in the slot it staged. The instance runs it only while it is still the registration the
+    orchestrator reserved it with (`orchestrator_id`, `session`) and the orchestrator has not withdrawn it."""
+
+    instance_id: Id
+    #: the instance's peer lane (Register.peer_lane)
+    lane: Annotated[str, Meta(max_length=1024)]
+    #: the orchestrator that reserved it, and the instance's registration there (Registered.session)
+    orchestrator_id: Annotated[str, Meta(max_length=64)]
+    session: Count
+    run: Run
+
+
+class Withdraw(_Msg, tag="withdraw", kw_only=True):
+    """The orchestrator takes back a Forward it reserved this instance for (its request ended or went on to another
+    attempt first). The instance answers with one report: if it runs that attempt, it stops it (Failed, cancelled);
+    if it has not, it will not run it, and says so (Failed, cancelled); either way its slot comes back."""
+
+    request_id: Id
+    attempt: Count
 
 
 class Fetched(_Msg, tag="fetched", kw_only=True):
@@ -165,6 +196,17 @@ class Staged(_Msg, tag="staged", kw_only=True):
     cache: Annotated[str, Meta(max_length=1024)] | None = None
     steps_computed: Count | None = None
     steps_skipped: Count | None = None
+    #: it sent the next stage's Run on to the instance reserved for it (Run.then): the orchestrator sends none
+    forwarded: bool = False
+
+
+def cache_report(report: Held | Staged) -> dict:
+    """A denoiser output's step-cache report (its Staged, or its Held in a Register: the same fields), as a Result's
+    resolved parameters and a decoder's Run.carry spell it; empty without one."""
+    if report.steps_computed is None:
+        return {}
+    return {"cache": report.cache or "", "steps_computed": report.steps_computed,
+            "steps_skipped": report.steps_skipped or 0}
 
 
 class Preview(_Msg, tag="preview", kw_only=True):
