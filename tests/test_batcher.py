@@ -117,7 +117,7 @@ def test_a_model_without_step_batching_refuses_max_batch():
 
 
 def test_busy_meter_splits_overlapping_work_so_shares_sum_to_busy_time():
-    from disagg.roles.compute import BusyMeter
+    from disagg.roles.meter import BusyMeter
 
     now = [0.0]  # an injected clock: the shares do not depend on how the machine schedules this test
     meter = BusyMeter(clock=lambda: now[0])
