@@ -118,3 +118,12 @@ def test_a_forward_that_cannot_be_sent_on_goes_to_the_orchestrator(pair):
     enc.send_forwards()
     [(relayed, _)] = [item for f in frames for item in decode_frames(f, RoleMessage)]
     assert isinstance(relayed, Forward) and relayed.run.source.slot == staged.slot
+
+
+def test_a_lane_to_an_instance_that_went_away_is_forgotten(pair):
+    enc, den = pair
+    fwd = forward_for(den, enc)
+    assert enc.peers.send(fwd) and fwd.lane in enc.peers.outbound
+    den.peers.close()  # its process ended: the listener and the lanes to it are gone
+    sends = [enc.peers.send(fwd) for _ in range(2)]
+    assert sends[-1] is False and fwd.lane not in enc.peers.outbound

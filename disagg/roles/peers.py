@@ -110,7 +110,11 @@ class Peers:
                     self.outbound.pop(forward.lane, None)
                     return False
                 self.outbound[forward.lane] = lane
-            return lane.send(frames)
+            if lane.send(frames):
+                return True
+            if lane.closed:  # its instance is gone (a restart binds another path): forget the lane
+                self.outbound.pop(forward.lane, None)
+            return False
 
     def close(self) -> None:
         for entry in self.inbound.values():
