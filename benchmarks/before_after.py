@@ -6,13 +6,16 @@ warm-up included).
     git worktree add /tmp/before BASE_COMMIT
     python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--benches c1,c8,c64] [--out FILE]
 
-Each side runs its own `python -m disagg launch` and `python -m disagg bench` from its folder.
+Each side runs its own `python -m disagg launch` and `python -m disagg bench` from its folder. `--before-set
+DISAGG_X=V` (repeatable) sets a setting's variable for the before side's deployment only: with `--before .`, one
+checkout with a setting against its default (`--before . --before-set DISAGG_FORWARD_MAX_WAIT_MS=0`: forwards off).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -73,7 +76,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=24800)
     ap.add_argument("--out", default="")
     ap.add_argument("--benches", default=",".join(BENCHES), help="which benches, comma-separated (c1, c8, c64)")
+    ap.add_argument("--before-set", action="append", default=[], metavar="DISAGG_X=V",
+                    help="a setting's environment variable for the before side's deployment only (repeatable)")
     args = ap.parse_args()
+    before_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.before_set))
     benches = {b: BENCHES[b] for b in args.benches.split(",")}
     sides = {"before": args.before.resolve(), "after": ROOT}
     procs, endpoints, runs = {}, {}, {s: {b: [] for b in benches} for s in sides}
@@ -83,6 +89,7 @@ def main() -> None:
             endpoints[side] = f"tcp://127.0.0.1:{port}"
             procs[side] = subprocess.Popen(cli(tree, "launch", "--model", "sim:zero", "-d", "1", "--spares", "0",
                                                "--no-dashboard", "--port", str(port)), cwd=tree,
+                                           env=before_env if side == "before" else None,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         for side, tree in sides.items():
             ready(tree, endpoints[side], procs[side])

@@ -59,6 +59,7 @@ def test_each_stage_sends_the_next_run_on_and_the_orchestrator_sends_none():
     assert res.to_client == CLIENT and res.msg.ok and res.frames == [b"png"]
     assert "queue_denoiser" in res.msg.timings and "stage_decoder" in res.msg.timings
     assert h.router.reservations == {} and all(i.free_slots == i.capacity for i in h.router.registry.alive())
+    assert h.router.snapshot(h.now).orchestrator["forwarded"] == 2
 
 
 def test_a_stage_that_sent_nothing_on_leaves_the_next_to_the_orchestrator():

@@ -142,6 +142,7 @@ class Forwards:
             return False
         req.reserved.pop(0)
         del self.reservations[(inst_id, req.id)]
+        self.forwarded_hops += 1
         engine, _ = self.engine_for(producer, inst)
         inst.engine = engine
         self.stats.transferred(producer, inst, engine, msg.slot.nbytes)

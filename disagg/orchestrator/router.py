@@ -83,6 +83,8 @@ class Router(InstanceLifecycle, RequestSteps, Forwards):
         #: (instance id, request id) -> attempt of each instance reserved for a request's next stage, until its
         #: producer's Staged comes or it is withdrawn (disagg/orchestrator/forwards.py)
         self.reservations: dict[tuple[str, str], int] = {}
+        #: stage boundaries crossed by a Forward since start (status: orchestrator.forwarded)
+        self.forwarded_hops = 0
         self.stats = Stats()
         self.started_at = now
         self.id = new_id()  # a restarted orchestrator is a different one

@@ -102,6 +102,8 @@ def snapshot(router, now: float) -> StatusReport:
             "lane": router.lane,
             "restarts": router.restarts,
             "uptime_s": round(now - router.started_at, 3),
+            #: stage boundaries a stage's instance forwarded the next Run across itself (disagg/orchestrator/forwards.py)
+            "forwarded": router.forwarded_hops,
             "state": "draining" if (router.draining or router.stopping) else "ready",
             "host_id": router.config.host_id,
             "model": router.model.name if router.model is not None else "",
