@@ -35,10 +35,13 @@ from disagg.transport.wire.messages import (
 from tests.test_worker_staged import sent
 
 
-def worker(role: str) -> tuple[Worker, str]:
+def worker(role: str, made: list) -> Worker:
+    """A registered worker of `role` on its own pool; [worker, pool name] goes into `made` first, for the clean-up."""
     name = f"disagg-test-{uuid.uuid4().hex[:8]}"
-    w = Worker(WorkerSpec(role=role, instance_id=f"{role}-0", endpoint="tcp://127.0.0.1:1", model="payload",
-                          transfer="shm"), lambda: None, make_pool(name, 1 << 20, "cpu"))
+    entry = [None, name]
+    made.append(entry)
+    w = entry[0] = Worker(WorkerSpec(role=role, instance_id=f"{role}-0", endpoint="tcp://127.0.0.1:1", model="payload",
+                                     transfer="shm"), lambda: None, make_pool(name, 1 << 20, "cpu"))
     w.connect()
     w.handle_registered(Registered(session=3, heartbeat_interval_s=1.0, orchestrator_id="orch"), [])
     w.runner.stage = Stage(role, PayloadAdapter(role))
@@ -46,17 +49,19 @@ def worker(role: str) -> tuple[Worker, str]:
     w.poller = zmq.Poller()
     w.poller.register(w.peers.fileno(), zmq.POLLIN)
     sent(w)  # its Register
-    return w, name
+    return w
 
 
 @pytest.fixture
 def pair():
-    enc, a = worker("encoder")
-    den, b = worker("denoiser")
-    yield enc, den
-    for w, name in ((enc, a), (den, b)):
-        w.close()
-        remove_segments(name)
+    made: list = []
+    try:
+        yield worker("encoder", made), worker("denoiser", made)
+    finally:
+        for w, name in made:
+            if w is not None:
+                w.close()
+            remove_segments(name)
 
 
 def forward_for(den: Worker, enc: Worker, rid: str = "r1", attempt: int = 1, session: int = 3) -> Forward:
