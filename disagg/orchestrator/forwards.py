@@ -8,10 +8,12 @@ while the stages before the reserved one are predicted, from measured stage time
 `forward.max_wait_ms`: a reserved slot waits idle that long at most. The reserved Run is placed by the same
 placement chain, among the instances that qualify.
 
-The producer, once its output is staged, sends the Forward on the consumer's peer lane (disagg/roles/peers.py)
-with the slot filled in, then its Staged with `forwarded` set; the orchestrator then marks the request running on
-the reserved instance (`forwarded`) and sends nothing. A producer that sent none says so (`forwarded` false,
-e.g. it registered again meanwhile), and the orchestrator places the next stage itself.
+The producer, once its output is staged, reports its Staged with `forwarded` set, then sends the Forward, its slot
+filled in, on the consumer's peer lane (disagg/roles/peers.py; in that order: the consumer, woken first, would take
+the CPU before the Staged left, BENCHMARKS.md "Forwards"). The orchestrator then marks the request running on the
+reserved instance (`forwarded`) and sends nothing. A producer that forwards nothing says so (`forwarded` false, e.g.
+it registered again meanwhile), and the orchestrator places the next stage itself; a Forward that cannot be sent
+on (the consumer's lane gone or full) goes to the orchestrator, which sends its Run there (`handle_forward`).
 
 What keeps this exact under faults:
 - A report of a reserved instance can overtake its producer's Staged (they travel on different sockets): it waits
@@ -20,10 +22,13 @@ What keeps this exact under faults:
   and keeps its slot until the instance answers with a report of that attempt: it stops it if it runs it, and
   otherwise will not run it (it remembers the attempt) and says so. Every such report frees the slot once
   (`finish_run` frees only what it holds), and is otherwise stale.
-- An instance runs a Forward only for the registration it was reserved with (`orchestrator_id`, `session`): a
-  successor orchestrator, or one that declared it dead, never has it run a stage it did not place; a producer
+- An instance runs a Forward only for the registration it was reserved with (`orchestrator_id`, `session`): once
+  it registered again (with a successor, or after it was declared dead) it drops one made before; a producer
   forwards only if it has not registered again since its Run came. What a restarted orchestrator learns back
   (Register.busy and held) is what it learns of a Run it sent itself (disagg/orchestrator/parts/recovery.py).
+- A reserved instance lost (dead, or registered again) before its producer's Staged: the next stage is placed
+  under a new attempt, so what the lost one may still run (declared dead, not yet told) and the withdrawn ones'
+  answers are stale reports, never taken for the new placement's.
 """
 
 from __future__ import annotations
