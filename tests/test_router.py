@@ -281,17 +281,3 @@ def test_status_lists_the_pairs_that_handed_over_most_recently_at_most_max_pairs
     assert ("encoder-11", "denoiser-0") in stats.pairs
     # every handoff still counts in the per-edge totals
     assert stats.transfers[("encoder", "denoiser", "shm")] == [MAX_PAIRS + 11, (MAX_PAIRS + 11) * 100]
-
-
-def test_messages_handled_without_dispatch_are_placed_by_one_dispatch_after_them():
-    """The server handles a turn's messages with dispatch=False and places the queues once after them."""
-    h = Harness()
-    [enc] = h.add("encoder", capacity=2)
-    h.add("denoiser", capacity=2), h.add("decoder")
-    for rid in ("r1", "r2"):
-        assert h.router.handle_client(CLIENT, Submit(request_id=rid, params=GenerationParams(prompt="p")), [], h.now,
-                                      dispatch=False) == []
-    assert sorted(run.request_id for _, run in runs(h.router.dispatch(h.now))) == ["r1", "r2"]
-    assert h.router.handle_instance(enc, staged(enc, "r1"), [], h.now, dispatch=False) == []
-    [(den, run)] = runs(h.router.dispatch(h.now))
-    assert den.startswith("denoiser") and run.request_id == "r1" and run.source.slot.instance_id == enc

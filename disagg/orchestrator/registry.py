@@ -253,7 +253,7 @@ class FreeIndex:
 
     def any_room(self, role: str) -> bool:
         """Whether some instance of the role is dispatchable (ready, a free slot, room in its pool)."""
-        buckets = self.buckets.get(role)  # (loops, not a generator: dispatch asks after every turn)
+        buckets = self.buckets.get(role)  # (loops, not a generator: dispatch asks after every message)
         if buckets:
             for hosts in buckets.values():
                 for group in hosts.values():

@@ -162,23 +162,13 @@ class Router(InstanceLifecycle, RequestSteps, StageReports, Forwards):
         if restarts:
             self.recovery.begin(now)
 
-    def handle_client(self, identity: bytes, msg, frames: list[bytes], now: float, dispatch: bool = True) -> list[Out]:
-        """A client's message; then what waits in the queues is placed (`dispatch` False: the caller calls `dispatch`
-        once for several messages, as the server does once per loop turn)."""
+    def handle_client(self, identity: bytes, msg, frames: list[bytes], now: float) -> list[Out]:
         out: list[Out] = []
         self._handlers[type(msg)](identity, msg, frames, now, out)
-        if dispatch:
-            self.dispatch_queued(now, out)
-        return out
-
-    def dispatch(self, now: float) -> list[Out]:
-        """Place what waits in the queues (after messages handled with `dispatch` False)."""
-        out: list[Out] = []
         self.dispatch_queued(now, out)
         return out
 
-    def handle_instance(self, sender: str, msg, frames: list[bytes], now: float, dispatch: bool = True) -> list[Out]:
-        """A role's message; `dispatch` as in handle_client."""
+    def handle_instance(self, sender: str, msg, frames: list[bytes], now: float) -> list[Out]:
         out: list[Out] = []
         if not isinstance(msg, Register):
             inst = self.registry.by_id.get(sender)
@@ -196,8 +186,7 @@ class Router(InstanceLifecycle, RequestSteps, StageReports, Forwards):
             if self.reservations and self.park_early(sender, msg, frames):
                 return []  # a reserved instance's report that overtook its producer's Staged: handled after it
         self._handlers[type(msg)](sender, msg, frames, now, out)
-        if dispatch:
-            self.dispatch_queued(now, out)
+        self.dispatch_queued(now, out)
         return out
 
     def tick(self, now: float) -> list[Out]:

@@ -122,8 +122,6 @@ class OrchestratorServer(LaneServing):
         self._alives: list[Out] = []
         #: clients' messages waiting to be handled, within a budget per turn (disagg/orchestrator/inbox.py)
         self.inbox = ClientInbox()
-        #: messages were handled this turn: the queues are placed once at its end (Router.dispatch)
-        self._dispatch_due = False
 
     def request_stop(self, *_args) -> None:
         self._stop_requested = True
@@ -157,9 +155,6 @@ class OrchestratorServer(LaneServing):
             if self.frontend in events and not self.inbox.full:
                 self.drain_inbox(self.frontend, self.handle_frontend_frames)
             now = time.monotonic()
-            if self._dispatch_due:  # once a turn, after all its messages (the tick dispatches too)
-                self._dispatch_due = False
-                self.send(self.router.dispatch(now))
             if now >= next_tick:
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
@@ -203,8 +198,7 @@ class OrchestratorServer(LaneServing):
                 continue
             now = self.inbox.spend(identity, msg)
             if now:  # within this turn's budget, nothing of the clients' waiting: at once
-                self.send(self.router.handle_client(identity, msg, rest, time.monotonic(), dispatch=False))
-                self._dispatch_due = True
+                self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
             elif now is False:  # handled in a later turn (serve_clients)
                 refused = self.inbox.add(identity, msg, rest)
                 if refused is not None:
@@ -216,8 +210,7 @@ class OrchestratorServer(LaneServing):
         self.inbox.new_turn()
         for identity, msg, rest in self.inbox.take():
             self.inbox.turn_total += 1
-            self.send(self.router.handle_client(identity, msg, rest, time.monotonic(), dispatch=False))
-            self._dispatch_due = True
+            self.send(self.router.handle_client(identity, msg, rest, time.monotonic()))
 
     def handle_backend_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -255,8 +248,7 @@ class OrchestratorServer(LaneServing):
                 # also before it registers: a successor's "not registered" must reach a role at once
                 self._known_senders.add(sender)
                 self._route[sender.encode()] = route.encode()
-            self.send(self.router.handle_instance(sender, msg, rest, time.monotonic(), dispatch=False))
-            self._dispatch_due = True
+            self.send(self.router.handle_instance(sender, msg, rest, time.monotonic()))
 
     def _drop(self, where: str, why: str) -> None:
         self._dropped += 1

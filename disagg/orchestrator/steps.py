@@ -31,7 +31,7 @@ class RequestSteps:
     def dispatch_queued(self, now: float, out: list[Out]) -> None:
         """Place what waits in each role's queue, in the queue's order, until none can take the next."""
         queues = self.queues
-        if not any(queues.values()):  # (asked after every turn: most find nothing waiting)
+        if not any(queues.values()):  # (asked after every message: most find nothing waiting)
             return
         free = self.registry.free
         any_room, buckets = free.any_room, free.buckets
