@@ -130,6 +130,9 @@ def test_nothing_is_forwarded_where_it_would_not_pay_or_could_not_work():
     h = deployment(capacity=8, forward=ForwardSettings(max_in_flight=2))
     first = [runs(h.submit(f"r{k}"))[0][1] for k in range(3)]
     assert [r.then is not None for r in first] == [True, True, False]  # a third in flight: over max_in_flight
+    h = deployment()
+    then = runs(h.submit("r1", previews=2))[0][1].then
+    assert then.instance_id == "denoiser-0" and then.run.then is None  # its previews come first: the decoder is not
     h = deployment(forward=ForwardSettings(max_wait_ms=0.05))  # the encoder's measured 0.1 ms is over it
     assert runs(h.submit("r1"))[0][1].then is None
     h = deployment(forward=ForwardSettings(max_wait_ms=0))

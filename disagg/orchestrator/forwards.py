@@ -89,7 +89,8 @@ class Forwards:
 
     def _reserve(self, req: Request, producer: Instance, ahead: float, wait_s: float, now: float) -> Forward | None:
         role = next_stage(producer.role)
-        if role is None or self.queues[role]:
+        if role is None or self.queues[role] or (role == "decoder" and req.params.previews):
+            # (a request's previews are decoded on the orchestrator's word as they come: its final decode too, after them)
             return None
         took = self.deadlines.predictor.predict(producer.role, req.params)
         if took is None or ahead + took > wait_s:

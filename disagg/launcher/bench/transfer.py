@@ -4,7 +4,8 @@ For each engine a deployment of the compute-free `payload` model starts (orchest
 denoiser, decoder as real processes, forced to that engine); the encoder stages N bytes and the
 denoiser pulls them. `median_us` is the consumer's time from receiving `Run` to the tensors being
 usable in its own pool; `hop_median_us` is the orchestrator's time from the producer's `Staged`
-to the consumer's `Fetched`, i.e. including both control messages. Both are compared with an
+to the consumer's `Fetched`, i.e. including both control messages (its deployments forward no Run: every hop
+goes through the orchestrator). Both are compared with an
 in-process memcpy of the same size, measured in the same run.
 """
 
@@ -25,6 +26,7 @@ from disagg.launcher.deployment import Deployment
 from disagg.launcher.ports import free_port_pair
 from disagg.settings import RolePool, Settings
 from disagg.settings.choices import Transfer
+from disagg.settings.sections import ForwardSettings
 
 SIZES = (16 * 1024, 512 * 1024, 4 * 1024**2, 10 * 1024**2, 30 * 1024**2)
 WIDTHS = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
@@ -83,6 +85,9 @@ def bench_engine(engine: str, sizes, repeats: int, warmup: int, gpus: list[int],
         model="payload", port=free_port_pair(), transfer=Transfer(engine), gpus=[] if engine == Transfer.SHM else gpus,
         encoders=RolePool(count=1, pool_mib=pool_mib), denoisers=RolePool(count=1, pool_mib=pool_mib),
         decoders=RolePool(count=1),
+        # every hop through the orchestrator, as hop_median_us says: a stage that forwards its Run
+        # (disagg/orchestrator/forwards.py) starts its consumer before the orchestrator hears of its Staged
+        forward=ForwardSettings(max_wait_ms=0),
     )
     run_dir = Path(tempfile.mkdtemp(prefix=f"disagg-bench-{engine}-"))
     dep = Deployment(config, run_dir)
