@@ -42,7 +42,6 @@ from disagg.orchestrator.registry import Instance
 from disagg.orchestrator.requests import Request, next_stage
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.settings.choices import Transfer
-from disagg.transport.data.selection import choose_engine
 from disagg.transport.wire.messages import (
     Done,
     Failed,
@@ -67,14 +66,6 @@ RESERVED_REPORTS = (Staged, Done, Failed, Fetched, Preview)
 class Forwards:
     """Methods of Router; see disagg/orchestrator/router.py for the state they use (`reservations`: (instance id,
     request id) -> attempt of every reservation not yet taken up)."""
-
-    def engine_for(self, producer: Instance, inst: Instance) -> tuple[str, str]:
-        """The engine (and warning) for `producer`'s outputs to `inst`, chosen once per pair of registrations."""
-        chosen = inst.engines_from.get(producer.id)
-        if chosen is None or chosen[0] != producer.session:
-            chosen = inst.engines_from[producer.id] = (producer.session, *choose_engine(
-                self.config.transfer, producer.pool, inst.pool))
-        return chosen[1], chosen[2]
 
     def with_forwards(self, req: Request, producer: Instance, run: Run, now: float) -> Run:
         """`run`, for `producer`, with the next stages' Runs inside for the instances reserved for them, where the
@@ -106,20 +97,13 @@ class Forwards:
         engine, _ = self.engine_for(producer, inst)
         if engine not in FORWARD_ENGINES:
             return None
-        if not inst.running:
-            inst.progress_at = now
-        inst.free_slots -= 1
-        inst.running[req.id] = req.attempt
+        self.take_slot(inst, req, now)
         req.reserved.append((inst.id, inst.session))
         self.reservations[(inst.id, req.id)] = req.attempt
         # the slot is the producer's to fill in; the deadline counts from now, so the stage gets the producer's
         # time too (at most forward.max_wait_ms)
-        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(role),
-                  source=Source(slot=SlotRef(instance_id=producer.id, offset=0, nbytes=0, tensors=[]),
-                                pool=producer.pool, engine=engine),
-                  lora_sources=req.lora_sources,
-                  stage_deadline_s=self.deadlines.stage_deadline(req, role, now) if req.slo_deadline is not None else None,
-                  carry=req.cache_steps if role == "decoder" else {})
+        run = self.run_for(req, role, Source(slot=SlotRef(instance_id=producer.id, offset=0, nbytes=0, tensors=[]),
+                                             pool=producer.pool, engine=engine), now)
         then = self._reserve(req, inst, ahead + took, wait_s, now)
         if then is not None:
             run = msgspec.structs.replace(run, then=then)
@@ -192,8 +176,7 @@ class Forwards:
                 continue
             if sent:
                 out.append(to_instance(inst_id, Withdraw(request_id=req.id, attempt=attempt)))
-            elif inst.running.get(req.id) == attempt:
-                del inst.running[req.id]
-                inst.free_slots = min(inst.capacity, inst.free_slots + 1)
+            else:
+                self.finish_run(inst, req.id, attempt)
         req.reserved = []
         self.replay_early(req, out, now)  # stale now: each frees its slot, and its output is released

@@ -17,7 +17,8 @@ from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
 from disagg.settings.choices import Transfer
-from disagg.transport.wire.messages import ErrorCode, Release, Result, Run
+from disagg.transport.data.selection import choose_engine
+from disagg.transport.wire.messages import ErrorCode, Release, Result, Run, Source
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -101,23 +102,39 @@ class RequestSteps:
             self.stats.transferred(producer, inst, engine, req.source.slot.nbytes)
             source = msgspec.structs.replace(req.source, engine=engine)
             frames = req.source_frames if engine == Transfer.INLINE else []
-        if not inst.running:
-            inst.progress_at = now  # an idle instance's progress clock starts with its work
         inst.alone = req.id if not inst.running else None  # a request that runs alone measures solo_s
-        inst.free_slots -= 1
-        inst.running[req.id] = req.attempt
+        self.take_slot(inst, req, now)
         self.began(req, inst, now)
         if req.params.loras and not req.lora_sources:  # resumed by a restarted orchestrator
             req.lora_sources = self.lora_catalog.resolve(req.params.loras)[0]
         if req.params.loras and inst.role in AFFINITY_ROLES:
             note_assigned(inst, [r.name for r in req.params.loras])
-        run = Run(request_id=req.id, attempt=req.attempt, params=req.params_for(inst.role), source=source,
-                  inline_output=self.needs_inline(inst), lora_sources=req.lora_sources,
-                  stage_deadline_s=self.deadlines.stage_deadline(req, inst.role, now) if req.slo_deadline is not None else None,
-                  carry=req.cache_steps if inst.role == "decoder" else {})
+        run = self.run_for(req, inst.role, source, now, inline_output=self.needs_inline(inst))
         if inst.peer_lane:  # the next stages' instances reserved, where they may be (disagg/orchestrator/forwards.py)
             run = self.with_forwards(req, inst, run, now)
         out.append(to_instance(inst.id, run, frames))
+
+    def engine_for(self, producer: Instance, inst: Instance) -> tuple[str, str]:
+        """The engine (and warning) for `producer`'s outputs to `inst`, chosen once per pair of registrations."""
+        chosen = inst.engines_from.get(producer.id)
+        if chosen is None or chosen[0] != producer.session:
+            chosen = inst.engines_from[producer.id] = (producer.session, *choose_engine(
+                self.config.transfer, producer.pool, inst.pool))
+        return chosen[1], chosen[2]
+
+    def take_slot(self, inst: Instance, req: Request, now: float) -> None:
+        """A compute slot of `inst` taken for `req`'s attempt (finish_run gives it back)."""
+        if not inst.running:
+            inst.progress_at = now  # an idle instance's progress clock starts with its work
+        inst.free_slots -= 1
+        inst.running[req.id] = req.attempt
+
+    def run_for(self, req: Request, role: str, source: Source | None, now: float, inline_output: bool = False) -> Run:
+        """The Run of `req`'s stage of `role`, reading `source`."""
+        return Run(request_id=req.id, attempt=req.attempt, params=req.params_for(role), source=source,
+                   inline_output=inline_output, lora_sources=req.lora_sources,
+                   stage_deadline_s=self.deadlines.stage_deadline(req, role, now) if req.slo_deadline is not None else None,
+                   carry=req.cache_steps if role == "decoder" else {})
 
     def began(self, req: Request, inst: Instance, now: float, queued: float | None = None) -> None:
         """`req`'s stage runs on `inst` from now (its slot taken already). `queued`: it never waited in a queue,

@@ -137,18 +137,14 @@ class StageRunner:
     def withdraw(self, request_id: str, attempt: int) -> bool:
         """The orchestrator takes back a forwarded Run (Withdraw): True if it runs now (it stops at its next step and
         reports, cancelled); False: it is not running, and will not run if its Forward comes later."""
-        with self.lock:
-            if self.busy.get(request_id) == attempt:
-                self.cancelled[request_id] = attempt
-                running = True
-            else:
+        with self.lock:  # (execute marks a run busy under it: either it runs now, or it sees this)
+            if self.busy.get(request_id) != attempt:
                 self.withdrawn[(request_id, attempt)] = None
                 while len(self.withdrawn) > MAX_WITHDRAWN:
                     self.withdrawn.popitem(last=False)
-                running = False
-        if running and self.stage is not None and self.stage.turns is not None:
-            self.stage.turns.wake()
-        return running
+                return False
+        self.cancel(request_id, attempt)  # (one that ended meanwhile has reported: that report answers)
+        return True
 
     def check_cancelled(self, run: Run) -> None:
         if self.cancelled.get(run.request_id) == run.attempt:

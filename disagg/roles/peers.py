@@ -16,6 +16,7 @@ import threading
 
 import zmq
 
+from disagg.transport.data.shm import pid_alive
 from disagg.transport.wire.lane import Lane, LaneClosed, LaneError, LaneListener, connect, lane_folder
 from disagg.transport.wire.messages import (
     ErrorCode,
@@ -45,7 +46,7 @@ def remove_dead_peer_lanes(folder: str) -> list[str]:
         return removed
     for name in names:
         m = _PEER_FILE.match(name)
-        if m is None or os.path.exists(f"/proc/{m.group(1)}"):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             os.unlink(os.path.join(folder, name))
@@ -143,7 +144,7 @@ class PeerLink:
         for fwd in pending:
             if not self.peers.send(fwd):
                 self.send(fwd)
-        self.outbox.flush(lambda _dest, frames: self.send_frames(frames))
+        self.flush()  # those that go to the orchestrator
 
     def drain_peers(self, events: dict) -> None:
         """New peer lanes, and the Forwards on those that have some."""
