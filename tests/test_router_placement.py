@@ -259,7 +259,11 @@ def test_a_repeated_prompt_goes_to_the_encoder_that_encoded_it_when_it_has_room(
     h.role(busy_case, staged(busy_case, "r4", offset=512))
     assert h.router.placement.step(ConditioningAffinity).holders[h.router.requests["r4"].conditioning_key] == busy_case
     # an image request has no key: the policy decides
-    from disagg.transport.wire.params import conditioning_key
+    from disagg.orchestrator.requests import Request
 
-    assert conditioning_key(GenerationParams(prompt="a red fox", image=b"1")) is None
-    assert conditioning_key(GenerationParams(prompt="a red fox", guidance_scale=5)) != h.router.requests["r1"].conditioning_key
+    def key(**params):
+        return Request(id="k", params=GenerationParams(**params), clients=[], submitted_at=0.0, deadline=1.0).conditioning_key
+
+    assert key(prompt="a red fox", image=b"1") is None
+    assert key(prompt="a red fox") == h.router.requests["r1"].conditioning_key
+    assert key(prompt="a red fox", guidance_scale=5) != h.router.requests["r1"].conditioning_key

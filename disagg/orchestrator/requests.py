@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from disagg.transport.wire.messages import GenerationParams, Source
-from disagg.transport.wire.params import conditioning_key
+from disagg.transport.wire.params import lora_key
 
 STAGES = ("encoder", "denoiser", "decoder")
 #: a colocated instance runs all three stages of a request in one process
@@ -78,9 +78,15 @@ class Request:
     early: list[tuple] = field(default_factory=list)
 
     @functools.cached_property
-    def conditioning_key(self) -> str | None:
-        """What its encoding depends on (transport.params.conditioning_key); None with an input image."""
-        return conditioning_key(self.params)
+    def conditioning_key(self) -> int | None:
+        """What its encoding depends on (the fields transport.params.conditioning_key reads: prompts, guidance, images
+        per prompt, adapters), as Python's hash of them: requests with equal keys may reuse one encoding
+        (ConditioningAffinity sends them to one encoder; a collision only misplaces a hint). None with an input image
+        or mask, whose encoding is the image's too."""
+        p = self.params
+        if p.image is not None or p.mask is not None:
+            return None
+        return hash((p.prompt, p.negative_prompt, p.guidance_scale, p.num_images_per_prompt, lora_key(p.loras)))
 
     def params_for(self, role: str) -> GenerationParams:
         """What a stage's Run carries: the input image and mask go to the first stage only."""

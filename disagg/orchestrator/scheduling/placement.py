@@ -136,7 +136,7 @@ class ConditioningAffinity(Step):
     def __init__(self, core, chain):
         super().__init__(core, chain)
         #: prompts' conditioning key -> the encoder that encoded them last (bounded, oldest out)
-        self.holders: dict[str, str] = {}
+        self.holders: dict[int, str] = {}
 
     def place(self, p: Placing, next):
         inst = next(p)
