@@ -4,7 +4,7 @@
 
 Every variant is a deployment started once; the rounds alternate between them (round 1 of every variant, then
 round 2, ...), so each comparison is within one run of this script on this machine. Per bench run it records
-throughput, p50 latency and the orchestrator's CPU time per request (psutil, before and after the bench). Prints
+throughput, p50 latency and the orchestrator's CPU time per request (before_after.cpu_s, before and after the bench). Prints
 a table of medians.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.before_after import cpu_s  # noqa: E402
 from benchmarks.sim_suite import disagg, stop_all, summary, wait_ready  # noqa: E402
 
 SMALL = ["--width", "256", "--height", "256", "--steps", "4"]
@@ -52,8 +53,7 @@ VARIANTS = {
 def orchestrator_cpu_s(endpoint: str) -> float:
     res = subprocess.run(disagg("status", "--endpoint", endpoint, "--json"), capture_output=True, text=True, check=True)
     pid = int(json.loads(res.stdout)["orchestrator"]["pid"])
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+    return cpu_s(psutil.Process(pid))
 
 
 def main() -> None:

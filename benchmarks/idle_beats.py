@@ -7,7 +7,7 @@ busy-poll window each of them opens.
 
 The N instances are one process of ZeroMQ sockets that speak the role protocol (Register, then a Heartbeat every
 second, each answered Alive): a load generator, as `disagg bench` is one for requests. Prints the orchestrator's
-CPU in milliseconds per second (psutil: user + system) for each N, the median of `--runs` windows of `--seconds`.
+CPU in milliseconds per second (its threads' time on a CPU: benchmarks/before_after.py cpu_s) for each N, the median of `--runs` windows of `--seconds`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.before_after import orchestrator, ready  # noqa: E402
+from benchmarks.before_after import cpu_s, orchestrator, ready  # noqa: E402
 from benchmarks.sim_suite import stop_all  # noqa: E402
 from disagg.roles.limits import served_model  # noqa: E402
 from disagg.transport.wire.messages import Heartbeat, PoolInfo, Register, encode  # noqa: E402
@@ -74,11 +73,6 @@ class Beats:
         for sock, _ in self.socks:
             sock.close()
         self.ctx.term()
-
-
-def cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
 
 
 def main() -> None:

@@ -183,7 +183,7 @@ class SloPlacement(Step):
 
     def soonest(self, req, role: str, candidates: list, now: float) -> list:
         """Of `candidates`, where `req` gets the device of `role` soonest (`role`: its stage, or the next one for
-        an instance reserved ahead of it: disagg/orchestrator/chains.py)."""
+        an instance reserved ahead of it: disagg/orchestrator/forwards.py)."""
         deadlines, requests = self.core.deadlines, self.core.requests
         mine = deadlines.urgency(req, now)
         best, chosen = float("inf"), []
