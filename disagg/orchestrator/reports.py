@@ -24,8 +24,8 @@ class StageReports:
     """Methods of Router; see disagg/orchestrator/router.py for the state they use."""
 
     def handle_staged(self, sender, msg: Staged, frames, now, out) -> None:
-        if msg.fetch_s is not None:
-            self.folded_fetch(sender, msg, now, out)
+        if msg.fetch_s is not None:  # a role with short computes reports its pull in its report (no Fetched)
+            self.fetched(sender, msg.request_id, msg.attempt, msg.fetch_s, now, out)
         inst = self.registry.by_id[sender]  # (handle_instance found it)
         inst.staged[msg.slot.offset] = msg.slot.nbytes
         inst.largest_output = max(inst.largest_output, msg.slot.nbytes)
@@ -51,12 +51,16 @@ class StageReports:
         self.enqueue(req, next_stage(role), now)
 
     def handle_fetched(self, sender, msg: Fetched, frames, now, out) -> None:
-        req = self.requests.get(msg.request_id)
-        if req is None or req.attempt != msg.attempt or req.assigned != sender:
+        self.fetched(sender, msg.request_id, msg.attempt, msg.fetch_s, now, out)
+
+    def fetched(self, sender: str, request_id: str, attempt: int, fetch_s: float | None, now, out) -> None:
+        """`sender` pulled the input of `request_id`'s `attempt` in `fetch_s` (a Fetched, or folded into a report)."""
+        req = self.requests.get(request_id)
+        if req is None or req.attempt != attempt or req.assigned != sender:
             return
         inst = self.registry.by_id[sender]
         names = NAMES[inst.role]
-        req.timings[names.fetch] = msg.fetch_s
+        req.timings[names.fetch] = fetch_s
         # learnt from inputs that did fit: one that cannot must not block the instance for good
         inst.largest_input = max(inst.largest_input, req.source.slot.nbytes if req.source else 0)
         # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
@@ -65,18 +69,12 @@ class StageReports:
             req.timings[names.handoff] = round(now - staged_at, 6)
         self.release_source(req, out)
 
-    def folded_fetch(self, sender, msg: Staged | Done, now, out) -> None:
-        """A role with short computes reports its pull inside Staged / Done instead of a Fetched of its own."""
-        if msg.fetch_s is not None:
-            self.handle_fetched(sender, Fetched(request_id=msg.request_id, attempt=msg.attempt, fetch_s=msg.fetch_s),
-                                (), now, out)
-
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
         inst = self.registry.by_id[sender]
         if self.claimed(inst, msg, frames, now, out):
             return
-        if msg.fetch_s is not None:
-            self.folded_fetch(sender, msg, now, out)
+        if msg.fetch_s is not None:  # a role with short computes reports its pull in its report (no Fetched)
+            self.fetched(sender, msg.request_id, msg.attempt, msg.fetch_s, now, out)
         req = self.finish_run(inst, msg.request_id, msg.attempt)
         if req is None:
             self.recovery.keep_output(inst, msg, frames, now)  # its client may send it again (a restart)

@@ -25,6 +25,8 @@ GATEWAY_SILENCE_S = 5.0
 #: the producer-consumer pairs status lists, the ones that handed over most recently (a large deployment's pairs
 #: would grow with every instance of one role times every one of the next)
 MAX_PAIRS = 1024
+#: ended requests' timings gathered before they are added to the stage times (Stats.record)
+FOLD_AT = 1024
 #: a timing's name -> (role, phase), or () for one that is not a stage's phase (Stats.record)
 _STAGE_PHASE: dict[str, tuple] = {}
 
@@ -37,8 +39,11 @@ class Stats:
         self.failed = 0
         self.cancelled = 0
         self.invalid = 0
-        #: (role, phase) -> [requests, seconds]: every client's requests, for /metrics
-        self.stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
+        #: (role, phase) -> [requests, seconds]: every client's requests, for /metrics (read as stage_times)
+        self._stage_times: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0, 0.0])
+        #: the timings of ended requests not yet added to the stage times: added when they are read, or FOLD_AT
+        #: of them at once (the same sums in the same order; a request's ending costs an append)
+        self._unfolded: list[dict[str, float]] = []
         #: (producer role, consumer role, engine) -> [handoffs, bytes]
         self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
         #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]: the MAX_PAIRS that handed
@@ -47,17 +52,11 @@ class Stats:
         self._finish_times: collections.deque[float] = collections.deque()
 
     def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
-        for key, seconds in (timings or {}).items():
-            where = _STAGE_PHASE.get(key)
-            if where is None:
-                phase, _, role = key.partition("_")
-                where = (role, phase) if phase in STAGE_PHASES and role else ()
-                if len(_STAGE_PHASE) < 1024:  # the router's own names: a few dozen
-                    _STAGE_PHASE[key] = where
-            if where:
-                total = self.stage_times[where]
-                total[0] += 1
-                total[1] += seconds
+        """A request ended in `state`, with its Result's `timings` (an ended request's: no longer written to)."""
+        if timings:
+            self._unfolded.append(timings)
+            if len(self._unfolded) >= FOLD_AT:
+                self._fold()
         if state == "done":
             self.completed += 1
             self._finish_times.append(now)
@@ -67,6 +66,27 @@ class Stats:
             self.invalid += 1
         else:
             self.failed += 1
+
+    @property
+    def stage_times(self) -> dict[tuple[str, str], list]:
+        self._fold()
+        return self._stage_times
+
+    def _fold(self) -> None:
+        unfolded, self._unfolded = self._unfolded, []
+        stage_times = self._stage_times
+        for timings in unfolded:
+            for key, seconds in timings.items():
+                where = _STAGE_PHASE.get(key)
+                if where is None:
+                    phase, _, role = key.partition("_")
+                    where = (role, phase) if phase in STAGE_PHASES and role else ()
+                    if len(_STAGE_PHASE) < 1024:  # the router's own names: a few dozen
+                        _STAGE_PHASE[key] = where
+                if where:
+                    total = stage_times[where]
+                    total[0] += 1
+                    total[1] += seconds
 
     def transferred(self, producer, consumer, engine: str, nbytes: int) -> None:
         """One handoff from instance `producer` to instance `consumer`."""

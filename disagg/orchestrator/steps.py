@@ -34,31 +34,30 @@ class RequestSteps:
         queues = self.queues
         if not any(queues.values()):  # (asked after every message: most find nothing waiting)
             return
-        free = self.registry.free
+        requests, free = self.requests, self.registry.free
         any_room, buckets = free.any_room, free.buckets
         for role in ROLES:
-            if not queues[role]:
+            queue = queues[role]
+            if not queue:
                 continue
             # where no instance could take a request, the chain would say None for the head: skip it (and the
             # sort), only dropping the entries at the head that ended or moved on. The index of instances with a
             # free slot says so at once (under load a role's queue often holds one request while every instance is
             # busy); with one waiting, the chain finds out about pool room as fast as any_room would
-            room = any_room(role) if len(queues[role]) > 1 else bool(buckets.get(role))
-            queue = self.queue.ordered(role, now) if room else queues[role]
-            candidates = None
+            if not (any_room(role) if len(queue) > 1 else buckets.get(role)):
+                self.drop_gone_heads(queue, role)
+                continue
+            queue = self.queue.ordered(role, now)
+            candidates = self.registry.of_role(role)
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
             #: requests a placement step has wait (DEFER); the requests behind them are placed meanwhile, and
             #: they go back to the queue's front in order
             deferred: list[str] = []
             while queue:
-                req = self.requests.get(queue[0])
+                req = requests.get(queue[0])
                 if req is None or req.state != "queued" or req.stage != role:  # (an ended one is not queued)
                     queue.popleft()  # ended or moved on while waiting
                     continue
-                if not room:
-                    break
-                if candidates is None:
-                    candidates = self.registry.of_role(role)
                 source = req.source
                 producer = self.registry.by_id.get(source.slot.instance_id) if source is not None and self.config.host_aware else None
                 inst = (adapter_chain if req.params.loras else chain)(Placing(req, role, candidates, candidates,
@@ -73,9 +72,20 @@ class RequestSteps:
                     continue
                 queue.popleft()
                 self.assign(req, inst, now, out)
-                if queue:  # (the one it took may have been the last with room)
-                    room = any_room(role) if len(queue) > 1 else bool(buckets.get(role))
-            queue.extendleft(reversed(deferred))
+                if queue and not (any_room(role) if len(queue) > 1 else buckets.get(role)):
+                    self.drop_gone_heads(queue, role)  # (the one it took may have been the last with room)
+                    break
+            if deferred:
+                queue.extendleft(reversed(deferred))
+
+    def drop_gone_heads(self, queue, role: str) -> None:
+        """Drop the entries at the head of `role`'s queue whose requests ended or moved on while waiting."""
+        requests = self.requests
+        while queue:
+            req = requests.get(queue[0])
+            if req is not None and req.state == "queued" and req.stage == role:
+                return
+            queue.popleft()
 
     def enqueue(self, req: Request, role: str, now: float, front: bool = False) -> None:
         """`req` waits for an instance of `role` (at the front: a retry already waited its turn once)."""
@@ -141,10 +151,14 @@ class RequestSteps:
         reserved ahead at that time (a forwarded Run)."""
         req.stage, req.state, req.assigned = inst.role, "running", inst.id
         names = NAMES[inst.role]
+        marks = req.marks
         if queued is not None:
-            req.marks[names.queued] = queued
-        req.mark(names.run, now)
-        req.span(names.queue, names.queued, names.run)
+            marks[names.queued] = queued
+        else:
+            queued = marks.get(names.queued)
+        marks[names.run] = now
+        if queued is not None:  # (Request.span, written out: it runs for every stage)
+            req.timings[names.queue] = round(now - queued, 6)
 
     def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
         for client in req.clients:
@@ -165,9 +179,11 @@ class RequestSteps:
         instance's stage time and the role's predictor."""
         names = NAMES[inst.role]
         inst.completed += 1
-        req.mark(end, now)
-        req.span(names.stage, names.run, end)
-        timings = req.timings
+        marks, timings = req.marks, req.timings
+        marks[end] = now
+        started = marks.get(names.run)
+        if started is not None:  # (Request.span, written out)
+            timings[names.stage] = round(now - started, 6)
         timings[names.compute] = msg.compute_s
         if msg.lora_s:
             timings[names.lora] = msg.lora_s

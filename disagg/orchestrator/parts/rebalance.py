@@ -93,6 +93,8 @@ class Rebalance(Part):
         self.classes: dict[str, str] = {}
         #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
         self.launcher_ids: dict[str, frozenset[str]] = {}
+        #: mode off (the settings do not change while it runs): arrivals are not counted (note_arrival, per request)
+        self.off = self.mode == RebalanceMode.OFF
 
     @property
     def mode(self) -> RebalanceMode:
@@ -104,7 +106,7 @@ class Rebalance(Part):
         self.note_arrival(req.params, now)
 
     def note_arrival(self, params, now: float) -> None:
-        if self.mode == RebalanceMode.OFF:
+        if self.off:
             return
         start = math.floor(now / BUCKET_S) * BUCKET_S
         if not self.arrivals or self.arrivals[-1][0] != start:
