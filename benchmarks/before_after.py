@@ -4,7 +4,12 @@ bench reports the orchestrator's CPU time per request (its threads' time on a CP
 included: Linux's schedstat, in nanoseconds; elsewhere psutil's user + system time).
 
     git worktree add /tmp/before BASE_COMMIT
-    python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--benches c1,c8,c64] [--out FILE]
+    python benchmarks/before_after.py --before /tmp/before [--rounds 3] [--launches 1] [--benches c1,c8,c64] [--out FILE]
+
+`--launches N` starts both sides' deployments afresh N times (each then runs `--rounds` rounds) and reports medians
+over every round of every launch: one deployment's figures can sit a few percent off another's of the same code for
+as long as it runs (two deployments of one checkout, 15 rounds each: medians 159 against 166 µs at c64), so a
+difference of that size needs several launches, not more rounds.
 
 Each side runs its own `python -m disagg launch` and `python -m disagg bench` from its folder. `--before-set
 DISAGG_X=V` (repeatable) sets a setting's variable for the before side's deployment only: with `--before .`, one
@@ -75,23 +80,14 @@ def ready(tree: Path, endpoint: str, proc, timeout_s: float = 180, count: int = 
     raise SystemExit(f"{tree}: not ready")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--port", type=int, default=24800)
-    ap.add_argument("--out", default="")
-    ap.add_argument("--benches", default=",".join(BENCHES), help="which benches, comma-separated (c1, c8, c64)")
-    ap.add_argument("--before-set", action="append", default=[], metavar="DISAGG_X=V",
-                    help="a setting's environment variable for the before side's deployment only (repeatable)")
-    args = ap.parse_args()
-    before_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.before_set))
-    benches = {b: BENCHES[b] for b in args.benches.split(",")}
-    sides = {"before": args.before.resolve(), "after": ROOT}
-    procs, endpoints, runs = {}, {}, {s: {b: [] for b in benches} for s in sides}
+def run_launch(args, sides: dict, benches: dict, before_env: dict, base_port: int, launch: int, runs: dict) -> None:
+    """Both sides' deployments launched afresh, `args.rounds` rounds alternating between them, rows added to `runs`.
+    Odd launches run the after side first in each round (an order effect then cancels over an even number)."""
+    procs, endpoints = {}, {}
+    order = list(sides.items()) if launch % 2 == 0 else list(sides.items())[::-1]
     try:
         for i, (side, tree) in enumerate(sides.items()):
-            port = args.port + 2 * i
+            port = base_port + 2 * i
             endpoints[side] = f"tcp://127.0.0.1:{port}"
             procs[side] = subprocess.Popen(cli(tree, "launch", "--model", "sim:zero", "-d", "1", "--spares", "0",
                                                "--no-dashboard", "--port", str(port)), cwd=tree,
@@ -101,7 +97,7 @@ def main() -> None:
             ready(tree, endpoints[side], procs[side])
         orchs = {side: orchestrator(procs[side]) for side in sides}
         for r in range(args.rounds):
-            for side, tree in sides.items():
+            for side, tree in order:
                 for bench, bargs in benches.items():
                     cpu0 = cpu_s(orchs[side])
                     res = subprocess.run(cli(tree, "bench", "--endpoint", endpoints[side], *bargs, "--json"), cwd=tree,
@@ -112,11 +108,30 @@ def main() -> None:
                     row = {"rps": rep["throughput_rps"], "p50_ms": round(rep["latency_s"]["p50"] * 1000, 3),
                            "orch_cpu_us": round((cpu_s(orchs[side]) - cpu0) / requests_of(bargs) * 1e6, 1)}
                     runs[side][bench].append(row)
-                    print(f"round {r + 1} {side:6s} {bench:3s} {row['rps']:9.1f} req/s  p50 {row['p50_ms']:7.3f} ms  "
-                          f"orchestrator {row['orch_cpu_us']:6.1f} µs CPU/request", flush=True)
+                    print(f"launch {launch + 1} round {r + 1} {side:6s} {bench:3s} {row['rps']:9.1f} req/s  "
+                          f"p50 {row['p50_ms']:7.3f} ms  orchestrator {row['orch_cpu_us']:6.1f} µs CPU/request", flush=True)
     finally:
         stop_all(procs.values())
-    print(f"\n| side | bench | req/s (median of {args.rounds}) | p50 ms | orchestrator µs CPU/request |\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=1, help="fresh deployments of both sides, each for --rounds rounds")
+    ap.add_argument("--port", type=int, default=24800)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--benches", default=",".join(BENCHES), help="which benches, comma-separated (c1, c8, c64)")
+    ap.add_argument("--before-set", action="append", default=[], metavar="DISAGG_X=V",
+                    help="a setting's environment variable for the before side's deployment only (repeatable)")
+    args = ap.parse_args()
+    before_env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.before_set))
+    benches = {b: BENCHES[b] for b in args.benches.split(",")}
+    sides = {"before": args.before.resolve(), "after": ROOT}
+    runs = {s: {b: [] for b in benches} for s in sides}
+    for launch in range(args.launches):
+        run_launch(args, sides, benches, before_env, args.port + 4 * launch, launch, runs)
+    print(f"\n| side | bench | req/s (median of {args.rounds * args.launches}) | p50 ms | orchestrator µs CPU/request |\n"
           "|---|---|---|---|---|")
     medians = {}
     for side, side_runs in runs.items():

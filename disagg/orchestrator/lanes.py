@@ -5,9 +5,8 @@ watched until its process exited (dead at once: kill -9, a crash). A mixin of Or
 
 from __future__ import annotations
 
+import select
 import time
-
-import zmq
 
 from disagg.transport.data.shm import pid_alive
 from disagg.transport.wire.lane import WELCOME, LaneClosed, LaneError
@@ -24,7 +23,7 @@ class LaneServing:
         if self.lane_listener is not None and fd == self.lane_listener.fileno():
             for lane in self.lane_listener.accept():
                 self._new_lanes[lane.fd] = lane
-                self.poller.register(lane.fd, zmq.POLLIN)
+                self.poller.register(lane.fd, select.EPOLLIN)
             return
         lane = self._new_lanes.get(fd) or (self._lanes[fd][0] if fd in self._lanes else None)
         if lane is None:
@@ -106,7 +105,7 @@ class LaneServing:
                     inst.lane = False
         try:
             self.poller.unregister(fd)
-        except KeyError:
+        except (KeyError, OSError):  # not (or no longer) registered
             pass
         if lane is not None:
             lane.close()

@@ -5,6 +5,7 @@ message (or Bundle) per peer."""
 from __future__ import annotations
 
 import logging
+import select
 import signal
 import time
 from pathlib import Path
@@ -122,6 +123,8 @@ class OrchestratorServer(LaneServing):
         self._alives: list[Out] = []
         #: clients' messages waiting to be handled, within a budget per turn (disagg/orchestrator/inbox.py)
         self.inbox = ClientInbox()
+        #: the ZeroMQ sockets the next turn looks at whatever their fds say (run): both at the first
+        self._zmq_due: set[zmq.Socket] = {self.frontend, self.backend}
 
     def request_stop(self, *_args) -> None:
         self._stop_requested = True
@@ -129,33 +132,47 @@ class OrchestratorServer(LaneServing):
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.poller = poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
+        # one epoll over the lanes, the lane listener and the ZeroMQ sockets' signal fds (ZMQ_FD): a turn is one
+        # system call, where zmq_poll asked each ZeroMQ socket for its state every turn (its commands, a getpid).
+        # A ZeroMQ socket's fd only says "look" (ZMQ_EVENTS says what waits), and a send on the socket may take the
+        # signal of a message that came meanwhile, so a socket is also looked at after a turn that sent on it or
+        # left messages unread (`_zmq_due`), and at every tick.
+        self.poller = poller = select.epoll()
+        self._zmq_fds = {sock.getsockopt(zmq.FD): sock for sock in (self.frontend, self.backend)}
+        for fd in self._zmq_fds:
+            poller.register(fd, select.EPOLLIN)
         if self.lane_listener is not None:
-            poller.register(self.lane_listener.fileno(), zmq.POLLIN)  # raw fds come back from poll as ints
+            poller.register(self.lane_listener.fileno(), select.EPOLLIN)
         log.info("orchestrator listening on %s (roles on port +1)", self.endpoint)
         next_tick = time.monotonic()
         launcher = LauncherWatch()
         busy_poll, busy_max = self.router.config.busy_poll.seconds, self.router.config.busy_poll.max_in_flight
         busy_until = 0.0
         while not self._stop_requested:
-            events = {}
+            events = ()
             while not events and time.perf_counter() < busy_until:
-                events = dict(poller.poll(0))
-            if not events:  # clients' messages still waiting: look, but do not sleep
-                events = dict(poller.poll(0 if self.inbox else TICK_S * 1000))
+                events = poller.poll(0)
+            if not events:  # clients' messages still waiting, or a ZeroMQ socket to look at: look, but do not sleep
+                events = poller.poll(0 if self.inbox or self._zmq_due else TICK_S)
             turn_start, before = time.perf_counter(), len(self.router.requests)
             self.serve_clients()  # a new turn: what clients sent past the last turns' budgets first
-            for fd in events:
-                if isinstance(fd, int):  # a lane, or the lane listener (zmq sockets come back as themselves)
+            due, self._zmq_due = self._zmq_due, set()
+            for fd, _ in events:
+                sock = self._zmq_fds.get(fd)
+                if sock is None:  # a lane, or the lane listener
                     self.serve_lane(fd)
-            if self.backend in events:
+                else:
+                    due.add(sock)
+            if self.backend in due and self.backend.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self.drain_inbox(self.backend, self.handle_backend_frames)
-            if self.frontend in events and not self.inbox.full:
-                self.drain_inbox(self.frontend, self.handle_frontend_frames)
+            if self.frontend in due:
+                if self.inbox.full:
+                    self._zmq_due.add(self.frontend)  # read once the inbox has room
+                elif self.frontend.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self.drain_inbox(self.frontend, self.handle_frontend_frames)
             now = time.monotonic()
             if now >= next_tick:
+                self._zmq_due.update(self._zmq_fds.values())  # the next turn looks at both, whatever their fds said
                 self.watch_exits(now)
                 self.send(self.router.tick(now))
                 self.send_alives()
@@ -181,6 +198,7 @@ class OrchestratorServer(LaneServing):
             except zmq.Again:
                 return
             handler(frames)
+        self._zmq_due.add(sock)  # more may wait: read on in the next turn, whatever its fd says
 
     def handle_frontend_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -239,6 +257,7 @@ class OrchestratorServer(LaneServing):
                 self.backend.send_multipart([frames[0], encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            self._zmq_due.add(self.backend)  # (a send may take the signal of a message that came meanwhile)
             return
         for msg, rest in items:
             if isinstance(msg, MessageError):
@@ -307,6 +326,7 @@ class OrchestratorServer(LaneServing):
         except zmq.ZMQError as exc:
             # the peer is gone (client quit, role died): nothing to deliver to
             log.debug("could not send to %r: %s", identity, exc)
+        self._zmq_due.add(sock)  # (a send may take the signal of a message that came meanwhile)
 
     def close(self) -> None:
         for fd in list(self._lanes) + list(self._new_lanes):
