@@ -69,6 +69,7 @@ class InstanceLifecycle:
             inst.state = self.serving_or_standby(inst)
         if inst.role == self.first_stage:
             self.limits = {"max_width": msg.max_width, "max_height": msg.max_height, "max_frames": msg.max_frames}
+            self.limited = any(self.limits.values())
         log.info("registered %s (%s, pid %d, %s, capacity %d)", inst.id, inst.role, inst.pid, inst.device, inst.capacity)
         self.warn_unavailable_engines(inst)
         out.append(

@@ -198,8 +198,9 @@ class _Indexed:
         self.key = name
 
     def __set__(self, obj, value) -> None:
-        obj.__dict__[self.key] = value
-        index = obj.__dict__.get("index")
+        d = obj.__dict__
+        d[self.key] = value
+        index = d.get("index")
         if index is not None:
             index.update(obj)
 

@@ -6,7 +6,7 @@ Result, a retry)."""
 from __future__ import annotations
 
 from disagg.orchestrator.outbox import to_instance
-from disagg.orchestrator.requests import NAMES, next_stage
+from disagg.orchestrator.requests import NAMES, micro, next_stage
 from disagg.transport.wire.messages import (
     Done,
     ErrorCode,
@@ -66,7 +66,7 @@ class StageReports:
         # the whole hop: producer's Staged in, Run out, pull, consumer's Fetched in
         staged_at = req.marks.get(names.previous_staged) if names.previous_staged else None
         if staged_at is not None:
-            req.timings[names.handoff] = round(now - staged_at, 6)
+            req.timings[names.handoff] = micro(now - staged_at)
         self.release_source(req, out)
 
     def handle_done(self, sender, msg: Done, frames, now, out) -> None:
@@ -83,7 +83,7 @@ class StageReports:
         self.reported(inst, req, msg, "done", now)
         for done in self.listeners.done:
             done(inst, req, msg, now)
-        req.timings["total"] = round(now - req.submitted_at, 6)
+        req.timings["total"] = micro(now - req.submitted_at)
         result = Result(
             request_id=req.id,
             ok=True,

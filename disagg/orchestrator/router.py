@@ -101,6 +101,8 @@ class Router(InstanceLifecycle, RequestSteps, StageReports, Forwards):
         #: what the model can make (max_width, max_height, max_frames; 0 = no limit), as the instances
         #: of the first stage report it: larger requests are refused at Submit
         self.limits: dict[str, int] = {}
+        #: some limit is set (over 0): a Submit is checked against them
+        self.limited = False
         #: client identity -> (its last GatewayBeat, when): the HTTP gateways `status` lists
         self.gateways: dict[bytes, tuple[GatewayBeat, float]] = {}
         loras = self.config.loras
@@ -170,7 +172,7 @@ class Router(InstanceLifecycle, RequestSteps, StageReports, Forwards):
 
     def handle_instance(self, sender: str, msg, frames: list[bytes], now: float) -> list[Out]:
         out: list[Out] = []
-        if not isinstance(msg, Register):
+        if type(msg) is not Register:
             inst = self.registry.by_id.get(sender)
             if inst is None and self.recovery.keep_early(sender, msg, frames, now):
                 return []  # a report that overtook its role's Register (after a restart): replayed after it
@@ -229,7 +231,7 @@ class Router(InstanceLifecycle, RequestSteps, StageReports, Forwards):
             return
         if not self.admission.admit(identity, msg, now, out):  # a full queue, or a deadline it cannot meet
             return
-        too_big = over_limits(self.limits, msg.params)
+        too_big = over_limits(self.limits, msg.params) if self.limited else None
         if too_big:
             field, why = too_big
             out.append(to_client(identity, Rejected(request_id=msg.request_id, reason=why, param=field,

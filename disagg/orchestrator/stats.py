@@ -25,7 +25,7 @@ GATEWAY_SILENCE_S = 5.0
 #: the producer-consumer pairs status lists, the ones that handed over most recently (a large deployment's pairs
 #: would grow with every instance of one role times every one of the next)
 MAX_PAIRS = 1024
-#: ended requests' timings gathered before they are added to the stage times (Stats.record)
+#: ended requests' timings, and handoffs, gathered before they are added up (Stats.record, Stats.transferred)
 FOLD_AT = 1024
 #: a timing's name -> (role, phase), or () for one that is not a stage's phase (Stats.record)
 _STAGE_PHASE: dict[str, tuple] = {}
@@ -44,11 +44,13 @@ class Stats:
         #: the timings of ended requests not yet added to the stage times: added when they are read, or FOLD_AT
         #: of them at once (the same sums in the same order; a request's ending costs an append)
         self._unfolded: list[dict[str, float]] = []
-        #: (producer role, consumer role, engine) -> [handoffs, bytes]
-        self.transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+        #: (producer role, consumer role, engine) -> [handoffs, bytes] (read as transfers)
+        self._transfers: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
         #: (producer id, consumer id) -> [engine, handoffs, producer host, consumer host]: the MAX_PAIRS that handed
-        #: over last, the least recent first
-        self.pairs: dict[tuple[str, str], list] = {}
+        #: over last, the least recent first (read as pairs)
+        self._pairs: dict[tuple[str, str], list] = {}
+        #: handoffs not yet added to those two, as (producer, consumer, engine, bytes), like _unfolded
+        self._handoffs: list[tuple] = []
         self._finish_times: collections.deque[float] = collections.deque()
 
     def record(self, state: str, now: float, timings: dict[str, float] | None = None) -> None:
@@ -89,19 +91,38 @@ class Stats:
                     total[1] += seconds
 
     def transferred(self, producer, consumer, engine: str, nbytes: int) -> None:
-        """One handoff from instance `producer` to instance `consumer`."""
-        edge = self.transfers[(producer.role, consumer.role, engine)]
-        edge[0] += 1
-        edge[1] += nbytes
-        pairs, key = self.pairs, (producer.id, consumer.id)
-        pair = pairs.pop(key, None)
-        if pair is None:
-            pair = [engine, 0, producer.host, consumer.host]
-            if len(pairs) >= MAX_PAIRS:
-                del pairs[next(iter(pairs))]
-        pairs[key] = pair  # (last: the most recent)
-        pair[0] = engine
-        pair[1] += 1
+        """One handoff from instance `producer` to instance `consumer` (an instance's id, role and host are those of
+        its registration: they are read when the handoffs are added up)."""
+        self._handoffs.append((producer, consumer, engine, nbytes))
+        if len(self._handoffs) >= FOLD_AT:
+            self._add_handoffs()
+
+    @property
+    def transfers(self) -> dict[tuple[str, str, str], list[int]]:
+        self._add_handoffs()
+        return self._transfers
+
+    @property
+    def pairs(self) -> dict[tuple[str, str], list]:
+        self._add_handoffs()
+        return self._pairs
+
+    def _add_handoffs(self) -> None:
+        handoffs, self._handoffs = self._handoffs, []
+        transfers, pairs = self._transfers, self._pairs
+        for producer, consumer, engine, nbytes in handoffs:
+            edge = transfers[(producer.role, consumer.role, engine)]
+            edge[0] += 1
+            edge[1] += nbytes
+            key = (producer.id, consumer.id)
+            pair = pairs.pop(key, None)
+            if pair is None:
+                pair = [engine, 0, producer.host, consumer.host]
+                if len(pairs) >= MAX_PAIRS:
+                    del pairs[next(iter(pairs))]
+            pairs[key] = pair  # (last: the most recent)
+            pair[0] = engine
+            pair[1] += 1
 
     def throughput(self, now: float, since: float) -> float:
         while self._finish_times and now - self._finish_times[0] > THROUGHPUT_WINDOW_S:

@@ -12,7 +12,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_client, to_instance
 from disagg.orchestrator.registry import Instance
-from disagg.orchestrator.requests import NAMES, ROLES, Request
+from disagg.orchestrator.requests import NAMES, ROLES, Request, micro
 from disagg.orchestrator.scheduling.dispatch import AFFINITY_ROLES
 from disagg.orchestrator.scheduling.loras import note_assigned
 from disagg.orchestrator.scheduling.placement import DEFER, Placing
@@ -47,7 +47,8 @@ class RequestSteps:
             if not (any_room(role) if len(queue) > 1 else buckets.get(role)):
                 self.drop_gone_heads(queue, role)
                 continue
-            queue = self.queue.ordered(role, now)
+            if len(queue) > 1:  # (one waiting is in order)
+                queue = self.queue.ordered(role, now)
             candidates = self.registry.of_role(role)
             chain, adapter_chain = self.placement.chains[role], self.placement.adapter_chains[role]
             #: requests a placement step has wait (DEFER); the requests behind them are placed meanwhile, and
@@ -158,7 +159,7 @@ class RequestSteps:
             queued = marks.get(names.queued)
         marks[names.run] = now
         if queued is not None:  # (Request.span, written out: it runs for every stage)
-            req.timings[names.queue] = round(now - queued, 6)
+            req.timings[names.queue] = micro(now - queued)
 
     def send_result(self, req: Request, result: Result, frames, out: list[Out]) -> None:
         for client in req.clients:
@@ -183,7 +184,7 @@ class RequestSteps:
         marks[end] = now
         started = marks.get(names.run)
         if started is not None:  # (Request.span, written out)
-            timings[names.stage] = round(now - started, 6)
+            timings[names.stage] = micro(now - started)
         timings[names.compute] = msg.compute_s
         if msg.lora_s:
             timings[names.lora] = msg.lora_s
@@ -209,7 +210,7 @@ class RequestSteps:
     def fail(self, req: Request, error: str, now: float, out: list[Out], stopping: bool = False,
              state: str = "failed", code: ErrorCode = ErrorCode.GENERATION_FAILED, param: str | None = None) -> None:
         log.log(logging.INFO if state == "invalid" else logging.WARNING, "request %s failed: %s", req.id, error)
-        req.timings["total"] = round(now - req.submitted_at, 6)
+        req.timings["total"] = micro(now - req.submitted_at)
         result = Result(request_id=req.id, ok=False, error=error, seed=req.params.seed, attempts=req.attempt,
                         timings=req.timings, stopping=stopping, code=code, param=param)
         self.end(req, state, now, out)

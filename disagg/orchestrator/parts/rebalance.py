@@ -102,6 +102,9 @@ class Rebalance(Part):
 
     # --- inputs ---------------------------------------------------------------------------------
 
+    def hears(self, event: str) -> bool:
+        return not (event == "submitted" and self.off)  # arrivals are counted only to plan from
+
     def submitted(self, req, now: float) -> None:
         self.note_arrival(req.params, now)
 

@@ -26,7 +26,7 @@ import msgspec
 
 from disagg.orchestrator.outbox import Out, to_instance
 from disagg.orchestrator.parts.base import Part
-from disagg.orchestrator.requests import MONOLITH, NAMES, STAGES, Request, next_stage
+from disagg.orchestrator.requests import MONOLITH, NAMES, STAGES, Request, micro, next_stage
 from disagg.transport.wire.messages import (
     Done,
     Failed,
@@ -288,7 +288,7 @@ class Recovery(Part):
         if best.kind == "done":
             self.kept_bytes -= best.nbytes
             done = best.done
-            req.timings["total"] = round(now - req.submitted_at, 6)
+            req.timings["total"] = micro(now - req.submitted_at)
             seed = done.resolved.get("seed", req.params.seed)
             result = Result(request_id=req.id, ok=True, image_format=done.image_format, num_images=done.num_images,
                             seed=seed if isinstance(seed, int) else req.params.seed, attempts=req.attempt,

@@ -15,7 +15,7 @@ import math
 
 from disagg.common import urgency
 from disagg.common.averages import ewma
-from disagg.orchestrator.requests import NAMES
+from disagg.orchestrator.requests import NAMES, micro
 from disagg.transport.wire.messages import SLACK_BUCKETS_S, SloCount
 
 
@@ -191,4 +191,4 @@ class Deadlines:
         if req.slo_deadline is None or state in ("cancelled", "invalid"):
             return
         slack = req.slo_deadline - now
-        self.counts.record(req.params.priority or 0, round(slack, 6), state == "done" and slack >= 0)
+        self.counts.record(req.params.priority or 0, micro(slack), state == "done" and slack >= 0)
