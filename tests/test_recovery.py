@@ -221,3 +221,27 @@ def test_a_preview_staged_while_its_request_waits_to_resume_is_decoded_once():
     out = h.role("decoder-0", Done(request_id="r:p0", attempt=1, num_images=1), [b"preview"])
     assert releases(out) == [("denoiser-0", 512)]
     assert h.router.registry.get("denoiser-0").staged == {4096: 256}
+
+
+def test_a_preview_that_decodes_after_a_newer_one_was_sent_is_dropped():
+    """Two previews' decodes on one decoder end out of order: the newer one's image goes to the client, the older
+    one's is dropped (counted skipped), so a client's previews never go back (the web page shows the last index)."""
+    h = Harness()
+    register(h, "encoder-0", "encoder")
+    register(h, "denoiser-0", "denoiser")
+    register(h, "decoder-0", "decoder")
+    h.router.registry.get("decoder-0").capacity = h.router.registry.get("decoder-0").free_slots = 4
+    enc = runs(h.submit("r", previews=2))[0][0]
+    h.role(enc, staged(enc, "r"))
+    for index in (0, 1):
+        copy = preview_copy("denoiser-0", "r", 512 * (index + 1), index=index)
+        out = h.role("denoiser-0", Preview(request_id="r", attempt=1, index=index, step=3 + index, steps=8, slot=copy.slot))
+        assert [run.request_id for _, run in runs(out)] == [f"r:p{index}"]
+    partials = []
+    for pid in ("r:p1", "r:p0"):  # the second preview's decode ends first
+        out = h.role("decoder-0", Done(request_id=pid, attempt=1, num_images=1), [b"preview"])
+        partials += [o.msg.index for o in out if isinstance(o.msg, Partial)]
+        assert ("denoiser-0", 512 * (int(pid[-1]) + 1)) in releases(out)  # its latents' copy is freed either way
+    assert partials == [1]
+    report = h.router.snapshot(h.now).orchestrator
+    assert (report["previews_sent"], report["previews_skipped"]) == (1, 1)

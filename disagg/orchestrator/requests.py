@@ -70,6 +70,9 @@ class Request:
     slo_deadline: float | None = None
     #: its denoiser's step cache: label and counts (Staged's cache, steps_computed, steps_skipped), for its Result
     cache_steps: dict = field(default_factory=dict)
+    #: the index of the last live preview sent to its clients: one that decodes after a newer one is dropped
+    #: (disagg/orchestrator/parts/previews.py)
+    last_preview: int = -1
     #: instances reserved for its next stages, in order, each as (id, session): their Runs travel inside the Run of
     #: the stage before (Run.then) and that stage's instance sends them on (disagg/orchestrator/forwards.py)
     reserved: list[tuple[str, int]] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """Live previews (GenerationParams.previews): a denoiser stages a copy of a request's latents at chosen steps and
 says so (Preview); the orchestrator has a decoder with a free slot decode it, under an id of its own, and sends
 the image to the request's clients (Partial). The denoiser never decodes. A preview never waits: with no free
-decoder, or once its request ended, its latents are released and it is skipped. A part of the Router (disagg/orchestrator/parts/base.py): it owns Preview messages and claims the
+decoder, or once its request ended, its latents are released and it is skipped; one whose decode ends after a newer
+one's was sent is skipped too (a client's previews come in order). A part of the Router (disagg/orchestrator/parts/base.py): it owns Preview messages and claims the
 Done / Failed of its decodes.
 """
 
@@ -100,9 +101,10 @@ class Previews(Part):
         self.core.finish_run(inst, msg.request_id, msg.attempt)
         self.release(run, out)
         req = self.core.requests.get(run.request_id)
-        if not isinstance(msg, Done) or not frames or req is None or req.ended:
-            self.skipped += 1
+        if not isinstance(msg, Done) or not frames or req is None or req.ended or run.index <= req.last_preview:
+            self.skipped += 1  # (a newer preview was sent already: its clients never see an older one after it)
             return True
+        req.last_preview = run.index
         partial = Partial(request_id=req.id, index=run.index, step=run.step, steps=run.steps, image_format=msg.image_format,
                           staged_at=run.staged_at)
         for client in req.clients:
