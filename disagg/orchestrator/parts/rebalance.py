@@ -93,8 +93,6 @@ class Rebalance(Part):
         self.classes: dict[str, str] = {}
         #: launcher -> every instance id it started (LauncherPoll.ids): never a move's new id
         self.launcher_ids: dict[str, frozenset[str]] = {}
-        #: mode off (the settings do not change while it runs): arrivals are not counted (note_arrival, per request)
-        self.off = self.mode == RebalanceMode.OFF
 
     @property
     def mode(self) -> RebalanceMode:
@@ -103,13 +101,13 @@ class Rebalance(Part):
     # --- inputs ---------------------------------------------------------------------------------
 
     def hears(self, event: str) -> bool:
-        return not (event == "submitted" and self.off)  # arrivals are counted only to plan from
+        return not (event == "submitted" and self.mode == RebalanceMode.OFF)  # arrivals count only to plan from
 
     def submitted(self, req, now: float) -> None:
         self.note_arrival(req.params, now)
 
     def note_arrival(self, params, now: float) -> None:
-        if self.off:
+        if self.mode == RebalanceMode.OFF:
             return
         start = math.floor(now / BUCKET_S) * BUCKET_S
         if not self.arrivals or self.arrivals[-1][0] != start:
