@@ -63,10 +63,6 @@ class Part:
     def status(self, now: float, report) -> None:
         """Fill this part's section of the StatusReport being built."""
 
-    def hears(self, event: str) -> bool:
-        """Whether this part, as its settings made it, needs an event it overrides (Listeners asks once)."""
-        return True
-
 
 class Listeners:
     """Per event, the parts' methods that handle it: only those a part overrides, so an event no part hears costs
@@ -77,4 +73,4 @@ class Listeners:
     def __init__(self, parts: list[Part]):
         for event in self.EVENTS:
             setattr(self, event, [getattr(p, event) for p in parts
-                                  if getattr(type(p), event) is not getattr(Part, event) and p.hears(event)])
+                                  if getattr(type(p), event) is not getattr(Part, event)])

@@ -100,9 +100,6 @@ class Rebalance(Part):
 
     # --- inputs ---------------------------------------------------------------------------------
 
-    def hears(self, event: str) -> bool:
-        return not (event == "submitted" and self.mode == RebalanceMode.OFF)  # arrivals count only to plan from
-
     def submitted(self, req, now: float) -> None:
         self.note_arrival(req.params, now)
 
